@@ -1,0 +1,258 @@
+"""The scheduler's vocabulary (SPEC §2–§3): nodes, accounts, slices, contracts, policy.
+
+These are plain immutable values. The scheduling pass reads them from a
+:class:`Snapshot` and answers with :class:`Decisions`; it never changes them.
+Times are seconds since the epoch (floats), durations are seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+class NodeState(enum.StrEnum):
+    """Lifecycle of a node (SPEC §6)."""
+
+    READY = "ready"
+    DRAINING = "draining"  # no new grants; slices leave as their contracts end
+    DRAINED = "drained"  # draining and empty: repair automation may proceed
+    DOWN = "down"  # gone: its slices end at once
+
+
+class SliceKind(enum.StrEnum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class SliceState(enum.StrEnum):
+    PENDING = "pending"
+    GRANTED = "granted"
+    PREEMPTING = "preempting"  # in its grace period; GPUs still held
+    ENDED = "ended"
+
+
+class EndReason(enum.StrEnum):
+    RELEASED = "released"  # the holder let it go
+    CANCELLED = "cancelled"  # withdrawn before a grant
+    EXPIRED = "expired"  # max_runtime reached
+    PREEMPTED = "preempted"  # grace period over after a preemption
+    NODE_DOWN = "node_down"
+    LOST = "lost"  # no heartbeat within the lease
+
+
+class PreemptReason(enum.StrEnum):
+    """Why a running slice was asked to leave; each names the rule of SPEC §5/§6 that chose it."""
+
+    UNALLOCATED = "unallocated"  # a free slice gave way to an allocated request
+    FAIR_SHARE = "fair_share"  # a higher-ranked project needed the GPUs
+    PRIORITY = "priority"  # the same project's higher-priority work needed them
+    DEBUG_LANE = "debug_lane"  # a short debug session took a batch slice's GPUs
+    DRAIN = "drain"  # the node is draining
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A machine with ``gpu_count`` GPUs of one type, indexed ``0..gpu_count-1``."""
+
+    name: str
+    gpu_type: str
+    gpu_count: int
+    state: NodeState = NodeState.READY
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """One account in the project tree. Accounts without children are projects."""
+
+    name: str
+    share: float = 1.0
+    parent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """What a slice promises and is promised (SPEC §3).
+
+    ``min_runtime`` seconds of protection after the grant; 0 makes the slice
+    *unallocated*: free and preemptible at any time. ``max_runtime`` is a hard end.
+    """
+
+    min_runtime: float
+    resumable: bool = False
+    max_runtime: float | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.min_runtime > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """GPUs held (or promised) on one node."""
+
+    node: str
+    gpu_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """A request for GPUs and, once granted, their holder.
+
+    ``promised`` is set on a pending slice for which running slices were
+    preempted: those GPUs are kept for it until the victims' grace ends.
+    ``lease_expires_at`` is when the holder's last heartbeat stops counting
+    (``None``: no lease, as in the simulator).
+    """
+
+    id: int
+    project: str
+    user: str
+    gpus: int
+    kind: SliceKind
+    contract: Contract
+    gpu_type: str | None = None
+    priority: int = 0
+    submitted_at: float = 0.0
+    state: SliceState = SliceState.PENDING
+    placements: tuple[Placement, ...] = ()
+    granted_at: float | None = None
+    preempt_deadline: float | None = None
+    promised: tuple[Placement, ...] = ()
+    lease_expires_at: float | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.contract.allocated
+
+    @property
+    def protected_until(self) -> float | None:
+        if self.granted_at is None:
+            return None
+        return self.granted_at + self.contract.min_runtime
+
+    @property
+    def holds_gpus(self) -> bool:
+        return self.state in (SliceState.GRANTED, SliceState.PREEMPTING)
+
+    def is_protected(self, now: float) -> bool:
+        until = self.protected_until
+        return until is not None and now < until
+
+    def ends_at(self) -> float | None:
+        """When a granted slice is known to end at the latest, or ``None``."""
+        if self.preempt_deadline is not None:
+            return self.preempt_deadline
+        if self.granted_at is not None and self.contract.max_runtime is not None:
+            return self.granted_at + self.contract.max_runtime
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Admin-set knobs of the scheduler; every duration in seconds."""
+
+    window: float = 7 * DAY  # lookback window for fair-share usage
+    half_life: float | None = None  # exponential decay instead of the hard window
+    max_min_runtime: float = 8 * HOUR  # cap on a contract's protected period
+    grace_period: float = 60.0  # checkpoint time between preemption and reclaim
+    debug_max_gpus: int = 2
+    debug_max_min_runtime: float = 15 * 60.0
+    debug_lane_fraction: float = 0.05
+    # How far ahead the anti-ping-pong check projects GPUs held (SPEC §5.2).
+    fairshare_horizon: float = HOUR
+    # Blocked slices, highest ranked first, for which backfill reservations are made.
+    max_reservations: int = 8
+    project_gpu_caps: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one scheduling pass may look at.
+
+    ``usage`` is each project's charged, weighted GPU-seconds in the lookback
+    window (or decayed), including what running slices accrued up to ``now``.
+    ``slices`` holds the live (pending, granted, preempting) slices only.
+    """
+
+    now: float
+    nodes: tuple[Node, ...]
+    accounts: tuple[Account, ...]
+    slices: tuple[Slice, ...]
+    usage: Mapping[str, float] = field(default_factory=dict)
+    gpu_type_weights: Mapping[str, float] = field(default_factory=dict)
+    policy: Policy = field(default_factory=Policy)
+
+    def weight(self, gpu_type: str) -> float:
+        return self.gpu_type_weights.get(gpu_type, 1.0)
+
+
+# ---- decisions ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    slice_id: int
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    slice_id: int
+    reason: PreemptReason
+    deadline: float  # GPUs are reclaimed then
+    for_slice: int | None = None  # the request the GPUs are promised to
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    slice_id: int
+    reason: EndReason
+    requeue: bool = False  # resumable batch work goes back to the queue
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """GPUs kept for a pending slice.
+
+    ``promised`` reservations follow a preemption and hold until granted;
+    the others are backfill reservations (SPEC §5.6), recomputed every pass,
+    ``due_at`` being when the GPUs are expected to be free.
+    """
+
+    slice_id: int
+    placements: tuple[Placement, ...]
+    promised: bool
+    due_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange:
+    node: str
+    state: NodeState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """Where a pending slice stands, as shown to its user (SPEC §4)."""
+
+    slice_id: int
+    position: int  # 1-based in the whole queue
+    fairshare_value: float  # project's usage / entitlement; lower goes first
+    estimated_start: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decisions:
+    grants: tuple[Grant, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    endings: tuple[Ending, ...] = ()
+    reservations: tuple[Reservation, ...] = ()
+    node_changes: tuple[NodeChange, ...] = ()
+    queue: tuple[QueueEntry, ...] = ()
+    phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)
