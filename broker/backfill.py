@@ -1,0 +1,98 @@
+"""Backfill with reservations (SPEC §5.6): large requests do not starve behind small ones.
+
+For a high-ranked request that does not fit now, the GPUs expected to free
+up first are reserved for it; later work may use reserved GPUs only if it
+will be gone before the reservation is due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .model import Node, Placement, Reservation, Slice
+
+
+def plan(
+    requester: Slice,
+    *,
+    nodes: Mapping[str, Node],
+    free: Mapping[str, set[int]],
+    holders: Mapping[str, list[Slice]],
+    release_at: Callable[[Slice], float | None],
+    now: float,
+) -> Reservation | None:
+    """A reservation of the GPUs that free up soonest for ``requester``, or None
+    when no release time is known.
+
+    A single-node request waits for the node on which enough GPUs free up
+    first; a request larger than any node waits for whole nodes, earliest
+    first. Ties go to the node name.
+    """
+    eligible = [
+        n for n in nodes.values() if requester.gpu_type is None or n.gpu_type == requester.gpu_type
+    ]
+    if not eligible:
+        return None
+    largest = max(n.gpu_count for n in eligible)
+    if requester.gpus <= largest:
+        best: tuple[float, str] | None = None
+        for node in eligible:
+            if node.gpu_count < requester.gpus:
+                continue
+            due = _time_to_free(node, requester.gpus, free, holders, release_at, now)
+            if due is not None and (best is None or (due, node.name) < best):
+                best = (due, node.name)
+        if best is None:
+            return None
+        due, name = best
+        return Reservation(
+            requester.id, (Placement(name, tuple(sorted(free.get(name, ())))),), False, due
+        )
+    by_type: dict[str, list[tuple[float, str]]] = {}
+    for node in eligible:
+        due = _time_to_free(node, node.gpu_count, free, holders, release_at, now)
+        if due is not None:
+            by_type.setdefault(node.gpu_type, []).append((due, node.name))
+    best_gang: tuple[float, str, list[str]] | None = None
+    for gpu_type, times in by_type.items():
+        times.sort()
+        taken: list[str] = []
+        count = 0
+        for due, name in times:
+            taken.append(name)
+            count += nodes[name].gpu_count
+            if count >= requester.gpus:
+                if best_gang is None or (due, gpu_type) < best_gang[:2]:
+                    best_gang = (due, gpu_type, taken)
+                break
+    if best_gang is None:
+        return None
+    due, _, names = best_gang
+    placements = tuple(Placement(name, tuple(sorted(free.get(name, ())))) for name in sorted(names))
+    return Reservation(requester.id, placements, False, due)
+
+
+def _time_to_free(
+    node: Node,
+    gpus: int,
+    free: Mapping[str, set[int]],
+    holders: Mapping[str, list[Slice]],
+    release_at: Callable[[Slice], float | None],
+    now: float,
+) -> float | None:
+    """When ``gpus`` GPUs of ``node`` will be free, if the holders' ends are known."""
+    available = len(free.get(node.name, ()))
+    if available >= gpus:
+        return now
+    releases: list[tuple[float, int]] = []
+    for slice_ in holders.get(node.name, ()):
+        at = release_at(slice_)
+        if at is not None:
+            held = sum(len(p.gpu_indices) for p in slice_.placements if p.node == node.name)
+            releases.append((at, held))
+    releases.sort()
+    for at, held in releases:
+        available += held
+        if available >= gpus:
+            return max(at, now)
+    return None

@@ -1,0 +1,66 @@
+"""Every ordering the scheduler uses, each one function whose criteria end on a stable id.
+
+Keeping them together makes the policy readable in one place and keeps every
+pass deterministic: two slices never compare equal.
+"""
+
+from __future__ import annotations
+
+from .model import Node, Slice, SliceKind
+
+
+def within_project_key(slice_: Slice) -> tuple[int, int]:
+    """A project's own order of its work: higher ``priority`` first, then
+    interactive before batch (a team never waits behind its own long jobs to debug).
+
+    Used both to order the queue and to decide which of a project's running
+    slices its pending slice may preempt (strictly lower key only).
+    """
+    return (-slice_.priority, 0 if slice_.kind is SliceKind.INTERACTIVE else 1)
+
+
+def queue_key(slice_: Slice, project_rank: dict[str, int]) -> tuple:
+    """Order of pending slices (SPEC §4).
+
+    1. allocated before unallocated (unallocated work only backfills),
+    2. the project's fair-share rank,
+    3. :func:`within_project_key`,
+    4. submit time,
+    5. slice id.
+    """
+    return (
+        0 if slice_.allocated else 1,
+        project_rank[slice_.project],
+        within_project_key(slice_),
+        slice_.submitted_at,
+        slice_.id,
+    )
+
+
+def victim_key(slice_: Slice, project_value: float) -> tuple:
+    """Least harm first (SPEC §5.3): which running slices to preempt before others.
+
+    1. unallocated slices (they were free and knew it),
+    2. the most over-served project (highest usage / entitlement),
+    3. the fewest GPUs,
+    4. the least work lost (most recently granted),
+    5. slice id.
+    """
+    return (
+        0 if not slice_.allocated else 1,
+        -project_value,
+        slice_.gpus,
+        -(slice_.granted_at or 0.0),
+        slice_.id,
+    )
+
+
+def placement_key(free_after: int, weight: float, node: Node) -> tuple:
+    """Which node a slice goes to when several fit.
+
+    1. the fewest GPUs left free on the node afterwards (best fit, so that
+       whole free nodes stay whole for large requests),
+    2. the cheaper GPU type (only matters for requests of any type),
+    3. node name.
+    """
+    return (free_after, weight, node.name)

@@ -1,0 +1,144 @@
+"""Where a slice goes: free GPUs per node and the choice of GPUs for a request.
+
+Nodes are kept in buckets by free-GPU count so that a best-fit lookup costs
+at most one step per possible count rather than one per node.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Iterable, Mapping
+
+from .model import Node, Placement
+from .ordering import placement_key
+
+
+class FreeGpus:
+    """The free GPU indices of every ``ready`` node, changed as the pass decides."""
+
+    def __init__(self, nodes: Iterable[Node], weights: Mapping[str, float]):
+        self.nodes: dict[str, Node] = {n.name: n for n in nodes}
+        self.weights = weights
+        self.free: dict[str, set[int]] = {
+            name: set(range(node.gpu_count)) for name, node in self.nodes.items()
+        }
+        # gpu_type -> free count -> node names, sorted
+        self._buckets: dict[str, list[list[str]]] = {}
+        for node in sorted(self.nodes.values(), key=lambda n: n.name):
+            self._bucket(node.gpu_type, node.gpu_count).append(node.name)
+        self.largest: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+        for node in self.nodes.values():
+            self.largest[node.gpu_type] = max(self.largest.get(node.gpu_type, 0), node.gpu_count)
+            self.total[node.gpu_type] = self.total.get(node.gpu_type, 0) + node.gpu_count
+
+    def _bucket(self, gpu_type: str, count: int) -> list[str]:
+        buckets = self._buckets.setdefault(gpu_type, [])
+        while len(buckets) <= count:
+            buckets.append([])
+        return buckets[count]
+
+    def _move(self, name: str, before: int) -> None:
+        node = self.nodes[name]
+        self._bucket(node.gpu_type, before).remove(name)
+        insort(self._bucket(node.gpu_type, len(self.free[name])), name)
+
+    def take(self, placements: Iterable[Placement]) -> None:
+        """Mark GPUs as used; GPUs already taken or on other nodes are ignored."""
+        for placement in placements:
+            free = self.free.get(placement.node)
+            if free is None:
+                continue
+            before = len(free)
+            free.difference_update(placement.gpu_indices)
+            if len(free) != before:
+                self._move(placement.node, before)
+
+    def give(self, placements: Iterable[Placement]) -> None:
+        """Mark GPUs as free again."""
+        for placement in placements:
+            free = self.free.get(placement.node)
+            if free is None:
+                continue
+            before = len(free)
+            free.update(placement.gpu_indices)
+            if len(free) != before:
+                self._move(placement.node, before)
+
+    def types(self, gpu_type: str | None) -> list[str]:
+        """GPU types a request may use, cheapest first."""
+        if gpu_type is not None:
+            return [gpu_type] if gpu_type in self._buckets else []
+        return sorted(self._buckets, key=lambda t: (self.weights.get(t, 1.0), t))
+
+    def free_count(self, gpu_type: str | None) -> int:
+        return sum(
+            len(self.free[name])
+            for t in self.types(gpu_type)
+            for count, names in enumerate(self._buckets[t])
+            if count
+            for name in names
+        )
+
+    def fit(self, gpus: int, gpu_type: str | None, gang: bool) -> tuple[Placement, ...] | None:
+        """The placement for ``gpus`` GPUs, or None when they are not free now.
+
+        One node when any node could hold the request; otherwise, for ``gang``
+        requests only, several nodes at once (:meth:`_fit_gang`).
+        """
+        best: tuple | None = None
+        for t in self.types(gpu_type):
+            buckets = self._buckets[t]
+            for count in range(gpus, len(buckets)):
+                if buckets[count]:
+                    node = self.nodes[buckets[count][0]]
+                    key = placement_key(count - gpus, self.weights.get(t, 1.0), node)
+                    if best is None or key < best:
+                        best = key
+                    break
+        if best is not None:
+            name = best[2]
+            return (Placement(name, tuple(sorted(self.free[name])[:gpus])),)
+        if gang:
+            for t in self.types(gpu_type):
+                if gpus > self.largest[t]:
+                    placements = self._fit_gang(gpus, t)
+                    if placements:
+                        return placements
+        return None
+
+    def _fit_gang(self, gpus: int, gpu_type: str) -> tuple[Placement, ...] | None:
+        """Several nodes at once, all or nothing: whole free nodes first (largest,
+        then by name), the remainder on the node that fits it best, else on the
+        nodes with the most free GPUs."""
+        buckets = self._buckets[gpu_type]
+        candidates = sorted(
+            (name for count, names in enumerate(buckets) if count for name in names),
+            key=lambda n: (len(self.free[n]) != self.nodes[n].gpu_count, -len(self.free[n]), n),
+        )
+        if sum(len(self.free[n]) for n in candidates) < gpus:
+            return None
+        chosen: list[Placement] = []
+        remaining = gpus
+        rest: list[str] = []
+        for name in candidates:
+            node = self.nodes[name]
+            if len(self.free[name]) == node.gpu_count and node.gpu_count <= remaining:
+                chosen.append(Placement(name, tuple(range(node.gpu_count))))
+                remaining -= node.gpu_count
+            else:
+                rest.append(name)
+        if remaining:
+            fitting = [n for n in rest if len(self.free[n]) >= remaining]
+            if fitting:
+                name = min(fitting, key=lambda n: (len(self.free[n]), n))
+                chosen.append(Placement(name, tuple(sorted(self.free[name])[:remaining])))
+                remaining = 0
+            else:
+                for name in rest:
+                    take = min(remaining, len(self.free[name]))
+                    chosen.append(Placement(name, tuple(sorted(self.free[name])[:take])))
+                    remaining -= take
+                    if not remaining:
+                        break
+        return tuple(sorted(chosen, key=lambda p: p.node))

@@ -1,0 +1,372 @@
+"""The scheduling pass (SPEC §5): a pure function from a snapshot to decisions.
+
+It reads nothing but its :class:`~broker.model.Snapshot` — no database, no
+network, no wall clock for decisions — so the service, the simulator and the
+benchmarks all run this same code, and the same snapshot always gives the
+same decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from . import backfill
+from .fairshare import ProjectTree
+from .model import (
+    Decisions,
+    Ending,
+    EndReason,
+    Grant,
+    NodeChange,
+    NodeState,
+    Placement,
+    Preemption,
+    PreemptReason,
+    QueueEntry,
+    Reservation,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+from .ordering import queue_key, within_project_key
+from .placement import FreeGpus
+from .preemption import DebugLane, FairShareView, Preemptor, is_debug
+
+
+def schedule(snapshot: Snapshot, tree: ProjectTree | None = None) -> Decisions:
+    """Run one scheduling pass. ``tree`` may be given to reuse a validated tree."""
+    return _Pass(snapshot, tree or ProjectTree(snapshot.accounts)).run()
+
+
+class _Pass:
+    """The working state of one pass; :meth:`run` lists its phases in order."""
+
+    def __init__(self, snapshot: Snapshot, tree: ProjectTree):
+        self.snap = snapshot
+        self.now = snapshot.now
+        self.policy = snapshot.policy
+        self.tree = tree
+        self.nodes = {n.name: n for n in snapshot.nodes}
+        self.grants: list[Grant] = []
+        self.preemptions: list[Preemption] = []
+        self.endings: list[Ending] = []
+        self.reservations: list[Reservation] = []
+        self.node_changes: list[NodeChange] = []
+        self.queue: list[QueueEntry] = []
+        self.timings: dict[str, float] = {}
+        self.live: dict[int, Slice] = {s.id: s for s in snapshot.slices}
+        self.ended: set[int] = set()
+        self.leaving: set[int] = set()  # preempted in this pass
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        # Timed for metrics only; nothing decided depends on it.
+        started = time.perf_counter()
+        yield
+        self.timings[name] = time.perf_counter() - started
+
+    def run(self) -> Decisions:
+        with self._phase("end"):
+            self.end_finished()  # 1. contracts over: down nodes, max runtime, grace, lease
+        with self._phase("drain"):
+            self.drain_nodes()  # 2. draining nodes give back their GPUs as contracts end
+        with self._phase("snapshot"):
+            self.build_free_map()  # 3. what is free, held and promised
+        with self._phase("promises"):
+            self.keep_promises()  # 4. grant GPUs freed by earlier preemptions
+        with self._phase("allocate"):
+            self.allocate()  # 5. walk the queue: fit, preempt or reserve
+        with self._phase("backfill"):
+            self.backfill_unallocated()  # 6. free work fills what nobody wants
+        return Decisions(
+            grants=tuple(self.grants),
+            preemptions=tuple(self.preemptions),
+            endings=tuple(self.endings),
+            reservations=tuple(self.reservations),
+            node_changes=tuple(self.node_changes),
+            queue=tuple(self.queue),
+            phase_seconds=self.timings,
+        )
+
+    # -- phase 1 -----------------------------------------------------------
+
+    def _end(self, slice_: Slice, reason: EndReason) -> None:
+        requeue = (
+            reason in (EndReason.PREEMPTED, EndReason.NODE_DOWN)
+            and slice_.contract.resumable
+            and slice_.kind is SliceKind.BATCH
+        )
+        self.endings.append(Ending(slice_.id, reason, requeue))
+        self.ended.add(slice_.id)
+
+    def end_finished(self) -> None:
+        now = self.now
+        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
+            if slice_.holds_gpus:
+                if any(
+                    self.nodes.get(p.node) is None or self.nodes[p.node].state is NodeState.DOWN
+                    for p in slice_.placements
+                ):
+                    self._end(slice_, EndReason.NODE_DOWN)
+                    continue
+                max_runtime = slice_.contract.max_runtime
+                if max_runtime is not None and now >= (slice_.granted_at or now) + max_runtime:
+                    self._end(slice_, EndReason.EXPIRED)
+                    continue
+                if slice_.preempt_deadline is not None and now >= slice_.preempt_deadline:
+                    self._end(slice_, EndReason.PREEMPTED)
+                    continue
+            if slice_.lease_expires_at is not None and now >= slice_.lease_expires_at:
+                self._end(slice_, EndReason.LOST)
+                continue
+
+    # -- phase 2 -----------------------------------------------------------
+
+    def drain_nodes(self) -> None:
+        busy: set[str] = set()
+        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
+            if not slice_.holds_gpus or slice_.id in self.ended:
+                continue
+            draining = [
+                p.node for p in slice_.placements if self.nodes[p.node].state is NodeState.DRAINING
+            ]
+            busy.update(p.node for p in slice_.placements)
+            if (
+                draining
+                and slice_.state is SliceState.GRANTED
+                and not slice_.is_protected(self.now)
+            ):
+                self._preempt(slice_, PreemptReason.DRAIN, None)
+        for node in sorted(self.nodes.values(), key=lambda n: n.name):
+            if node.state is NodeState.DRAINING and node.name not in busy:
+                self.node_changes.append(
+                    NodeChange(node.name, NodeState.DRAINED, "empty after drain")
+                )
+
+    def _preempt(self, slice_: Slice, reason: PreemptReason, for_slice: int | None) -> None:
+        deadline = self.now + self.policy.grace_period
+        self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
+        self.leaving.add(slice_.id)
+
+    # -- phase 3 -----------------------------------------------------------
+
+    def build_free_map(self) -> None:
+        ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
+        self.free = FreeGpus(ready, self.snap.gpu_type_weights)
+        self.holding = [s for s in self.live.values() if s.holds_gpus and s.id not in self.ended]
+        self.holders: dict[str, list[Slice]] = {}
+        for slice_ in self.holding:
+            self.free.take(slice_.placements)
+            for placement in slice_.placements:
+                self.holders.setdefault(placement.node, []).append(slice_)
+        usage = self.tree.subtree_usage(self.snap.usage)
+        values = {name: usage[name] / self.tree.entitlements[name] for name in usage}
+        self.view = FairShareView(self.tree, usage, values, self.policy.fairshare_horizon)
+        self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
+        self.project_gpus: dict[str, int] = {}
+        for slice_ in self.holding:
+            self._count(slice_, slice_.placements)
+        self.preemptor = Preemptor(
+            now=self.now,
+            policy=self.policy,
+            view=self.view,
+            lane=self.lane,
+            nodes=self.free.nodes,
+            weights=self.snap.gpu_type_weights,
+            running=[s for s in self.holding if s.id not in self.leaving],
+        )
+        order = self.tree.project_order(self.snap.usage)
+        self.project_rank = {name: rank for rank, name in enumerate(order)}
+
+    def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
+        """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""
+        self.project_gpus[slice_.project] = self.project_gpus.get(slice_.project, 0) + (slice_.gpus)
+        if slice_.allocated:
+            weighted = sum(
+                len(p.gpu_indices) * self.snap.weight(self.nodes[p.node].gpu_type)
+                for p in placements
+            )
+            self.view.record(slice_.project, weighted)
+        if is_debug(slice_, self.policy):
+            self.lane.record(slice_)
+
+    # -- phase 4 -----------------------------------------------------------
+
+    def keep_promises(self) -> None:
+        held = {(p.node, i) for s in self.holding for p in s.placements for i in p.gpu_indices}
+        leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
+        leaving |= self.leaving
+        self.promised: set[int] = set()
+        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
+            if slice_.state is not SliceState.PENDING or not slice_.promised:
+                continue
+            if slice_.id in self.ended:
+                continue
+            nodes_ok = all(p.node in self.free.nodes for p in slice_.promised)
+            gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
+            blockers = [s for s in self.holding if _holds_any(s, gpus)]
+            if not nodes_ok or any(s.id not in leaving for s in blockers):
+                continue  # the promise no longer holds: queue as usual
+            self.promised.add(slice_.id)
+            self.free.take(slice_.promised)
+            self._count(slice_, slice_.promised)
+            if not any(g in held for g in gpus):
+                self.grants.append(Grant(slice_.id, slice_.promised))
+            else:
+                deadline = max(s.preempt_deadline or self.now for s in blockers)
+                self.reservations.append(Reservation(slice_.id, slice_.promised, True, deadline))
+                value = self.view.values[slice_.project]
+                self.queue.append(QueueEntry(slice_.id, len(self.queue) + 1, value, deadline))
+
+    # -- phase 5 -----------------------------------------------------------
+
+    def _pending(self, allocated: bool) -> list[Slice]:
+        pending = [
+            s
+            for s in self.live.values()
+            if s.state is SliceState.PENDING
+            and s.id not in self.ended
+            and s.id not in self.promised
+            and s.allocated is allocated
+        ]
+        pending.sort(key=lambda s: queue_key(s, self.project_rank))
+        return pending
+
+    def _under_cap(self, slice_: Slice) -> bool:
+        cap = self.policy.project_gpu_caps.get(slice_.project)
+        return cap is None or self.project_gpus.get(slice_.project, 0) + slice_.gpus <= cap
+
+    def _grant(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
+        self.free.take(placements)
+        self.grants.append(Grant(slice_.id, placements))
+        self._count(slice_, placements)
+
+    def allocate(self) -> None:
+        tried_preemption: set[str] = set()
+        backfill_reserved: list[tuple[Reservation, Slice]] = []
+        position = len(self.queue)
+        for slice_ in self._pending(allocated=True):
+            position += 1
+            value = self.view.values[slice_.project]
+            if not self._under_cap(slice_):
+                self.queue.append(QueueEntry(slice_.id, position, value))
+                continue
+            gang = slice_.kind is SliceKind.BATCH
+            placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
+            if placements is None and backfill_reserved:
+                placements = self._fit_in_reserved(slice_, backfill_reserved)
+            if placements is not None:
+                self._grant(slice_, placements)
+                continue
+            estimated: float | None = None
+            if slice_.project not in tried_preemption and slice_.gpus <= max(
+                self.free.largest.values(), default=0
+            ):
+                # One preemption attempt per project and pass, for its first
+                # blocked slice (as Kueue nominates one head per queue).
+                tried_preemption.add(slice_.project)
+                found = self.preemptor.find(slice_, self.free.free)
+                if found is not None:
+                    for victim, reason in found.victims:
+                        self._preempt(victim, reason, slice_.id)
+                        self.preemptor.remove(victim)
+                        self.view.record(
+                            victim.project,
+                            -victim.gpus
+                            * self.snap.weight(self.nodes[victim.placements[0].node].gpu_type)
+                            if victim.allocated
+                            else 0.0,
+                        )
+                    deadline = self.now + self.policy.grace_period
+                    promise = Reservation(slice_.id, (found.placement,), True, deadline)
+                    self.reservations.append(promise)
+                    self.free.take(promise.placements)
+                    self._count(slice_, promise.placements)
+                    self.queue.append(QueueEntry(slice_.id, position, value, deadline))
+                    continue
+            if len(backfill_reserved) < self.policy.max_reservations:
+                reservation = backfill.plan(
+                    slice_,
+                    nodes=self.free.nodes,
+                    free=self.free.free,
+                    holders=self.holders,
+                    release_at=lambda s, r=slice_: self._release_at(s, r),
+                    now=self.now,
+                )
+                if reservation is not None:
+                    backfill_reserved.append((reservation, slice_))
+                    self.reservations.append(reservation)
+                    self.free.take(reservation.placements)
+                    estimated = reservation.due_at
+            self.queue.append(QueueEntry(slice_.id, position, value, estimated))
+        self._backfill_reserved = backfill_reserved
+        self._position = position
+
+    def _release_at(self, holder: Slice, requester: Slice) -> float | None:
+        """When ``holder`` is expected to give back its GPUs to ``requester``."""
+        known = holder.ends_at()
+        if holder.id in self.leaving:
+            return self.now + self.policy.grace_period
+        if not holder.allocated:
+            return self.now + self.policy.grace_period
+        protected_until = holder.protected_until or self.now
+        could_preempt = (
+            holder.project == requester.project
+            and within_project_key(holder) > within_project_key(requester)
+        ) or self.view.ranks_above(requester.project, holder.project)
+        if could_preempt:
+            at = max(self.now, protected_until) + self.policy.grace_period
+            return at if known is None else min(known, at)
+        return known
+
+    def _may_use_reserved(self, slice_: Slice, reservation: Reservation, owner: Slice) -> bool:
+        """Later work may use reserved GPUs only if it is gone before they are due:
+        it is unallocated, or its max runtime ends in time, or the owner could
+        preempt it by then."""
+        due = reservation.due_at
+        if due is None:
+            return False
+        if not slice_.allocated:
+            return True
+        if (
+            slice_.contract.max_runtime is not None
+            and self.now + slice_.contract.max_runtime <= due
+        ):
+            return True
+        protected_end = self.now + slice_.contract.min_runtime + self.policy.grace_period
+        return protected_end <= due and self.view.ranks_above(owner.project, slice_.project)
+
+    def _fit_in_reserved(
+        self, slice_: Slice, reserved: list[tuple[Reservation, Slice]]
+    ) -> tuple[Placement, ...] | None:
+        usable = [r for r, owner in reserved if self._may_use_reserved(slice_, r, owner)]
+        if not usable:
+            return None
+        borrowed = [p for r in usable for p in r.placements]
+        self.free.give(borrowed)
+        placements = self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+        self.free.take(borrowed)  # reserved again; the grant takes the rest of its GPUs
+        return placements
+
+    # -- phase 6 -----------------------------------------------------------
+
+    def backfill_unallocated(self) -> None:
+        position = self._position
+        for slice_ in self._pending(allocated=False):
+            position += 1
+            placements = self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+            if placements is None and self._backfill_reserved:
+                placements = self._fit_in_reserved(slice_, self._backfill_reserved)
+            if placements is not None and self._under_cap(slice_):
+                self._grant(slice_, placements)
+            else:
+                value = self.view.values[slice_.project]
+                self.queue.append(QueueEntry(slice_.id, position, value))
+
+
+def _holds_any(slice_: Slice, gpus: list[tuple[str, int]]) -> bool:
+    wanted = set(gpus)
+    return any((p.node, i) in wanted for p in slice_.placements for i in p.gpu_indices)

@@ -1,0 +1,99 @@
+"""Small builders for hand-made clusters, so that a test states only what it is about."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from broker.model import (
+    Account,
+    Contract,
+    Node,
+    Placement,
+    Policy,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+
+MIN = 60.0
+HOUR = 3600.0
+NOW = 1_000_000.0
+
+_ids = itertools.count(1)
+
+
+def nodes(count: int, gpus: int = 8, gpu_type: str = "h100", prefix: str = "n") -> list[Node]:
+    return [Node(f"{prefix}{i}", gpu_type, gpus) for i in range(count)]
+
+
+def flat_tree(*projects: str, shares: dict[str, float] | None = None) -> list[Account]:
+    shares = shares or {}
+    return [Account(p, shares.get(p, 1.0)) for p in projects]
+
+
+def pending(
+    project: str,
+    gpus: int = 1,
+    *,
+    kind: SliceKind = SliceKind.BATCH,
+    min_runtime: float = HOUR,
+    resumable: bool = False,
+    max_runtime: float | None = None,
+    priority: int = 0,
+    user: str = "u",
+    gpu_type: str | None = None,
+    submitted_at: float = NOW - 10,
+    id: int | None = None,
+) -> Slice:
+    return Slice(
+        id=id if id is not None else next(_ids),
+        project=project,
+        user=user,
+        gpus=gpus,
+        kind=kind,
+        contract=Contract(min_runtime, resumable, max_runtime),
+        gpu_type=gpu_type,
+        priority=priority,
+        submitted_at=submitted_at,
+    )
+
+
+def running(
+    project: str,
+    node: str,
+    gpu_indices: tuple[int, ...],
+    *,
+    granted_ago: float = 2 * HOUR,
+    **kwargs,
+) -> Slice:
+    """A granted slice holding ``gpu_indices`` on ``node`` since ``granted_ago`` seconds."""
+    base = pending(project, len(gpu_indices), **kwargs)
+    return replace(
+        base,
+        state=SliceState.GRANTED,
+        placements=(Placement(node, tuple(gpu_indices)),),
+        granted_at=NOW - granted_ago,
+    )
+
+
+def snapshot(
+    nodes_: list[Node],
+    accounts: list[Account],
+    slices: list[Slice],
+    *,
+    usage: dict[str, float] | None = None,
+    policy: Policy | None = None,
+    now: float = NOW,
+    weights: dict[str, float] | None = None,
+) -> Snapshot:
+    return Snapshot(
+        now=now,
+        nodes=tuple(nodes_),
+        accounts=tuple(accounts),
+        slices=tuple(slices),
+        usage=usage or {},
+        gpu_type_weights=weights or {},
+        policy=policy or Policy(),
+    )

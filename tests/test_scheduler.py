@@ -1,0 +1,435 @@
+"""Each rule of SPEC §4–§6 on small hand-built clusters."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
+
+from broker.fairshare import ProjectTree
+from broker.model import (
+    Account,
+    EndReason,
+    Node,
+    NodeState,
+    Placement,
+    Policy,
+    PreemptReason,
+    SliceKind,
+    SliceState,
+)
+from broker.scheduler import schedule
+
+
+def granted_ids(decisions):
+    return {g.slice_id for g in decisions.grants}
+
+
+def preempted(decisions):
+    return {p.slice_id: p.reason for p in decisions.preemptions}
+
+
+# ---- fair-share order ---------------------------------------------------
+
+
+def test_entitlement_is_the_product_of_share_fractions_down_the_path():
+    tree = ProjectTree(
+        [
+            Account("org"),
+            Account("A", 7, "org"),
+            Account("B", 3, "org"),
+            Account("A1", 1, "A"),
+            Account("A2", 1, "A"),
+        ]
+    )
+    assert tree.entitlements["A1"] == pytest.approx(0.35)
+    assert tree.entitlements["B"] == pytest.approx(0.3)
+
+
+def test_lower_usage_per_entitlement_goes_first_even_if_submitted_later():
+    busy = pending("busy", 8, submitted_at=NOW - 100)
+    idle = pending("idle", 8, submitted_at=NOW - 1)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("busy", "idle"), [busy, idle], usage={"busy": 1000.0})
+    )
+    assert granted_ids(d) == {idle.id}
+    assert [q.slice_id for q in d.queue] == [busy.id]
+
+
+def test_ranking_is_top_down_a_heavy_subtree_ranks_below_its_sibling():
+    accounts = [
+        Account("left"),
+        Account("right"),
+        Account("l1", 1, "left"),
+        Account("l2", 1, "left"),
+        Account("r1", 1, "right"),
+    ]
+    tree = ProjectTree(accounts)
+    # l2 alone is unused, but its parent "left" is over-served as a whole.
+    order = tree.project_order({"l1": 900.0, "l2": 0.0, "r1": 300.0})
+    assert order == ["r1", "l2", "l1"]
+
+
+def test_priority_only_sorts_within_a_project():
+    low_usage_low_prio = pending("a", 8, priority=-5)
+    high_usage_high_prio = pending("b", 8, priority=50)
+    d = schedule(
+        snapshot(
+            nodes(1),
+            flat_tree("a", "b"),
+            [low_usage_low_prio, high_usage_high_prio],
+            usage={"b": 10.0},
+        )
+    )
+    assert granted_ids(d) == {low_usage_low_prio.id}
+
+
+def test_within_a_project_higher_priority_then_interactive_then_submit_time():
+    first = pending("a", 8, priority=1, submitted_at=NOW - 1)
+    interactive = pending("a", 8, kind=SliceKind.INTERACTIVE, submitted_at=NOW - 5)
+    batch = pending("a", 8, submitted_at=NOW - 50)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [batch, interactive, first]))
+    assert granted_ids(d) == {first.id}
+    assert [q.slice_id for q in d.queue] == [interactive.id, batch.id]
+
+
+# ---- placement -----------------------------------------------------------
+
+
+def test_placement_prefers_the_fullest_node_that_fits_keeping_whole_nodes_free():
+    busy = running("a", "n1", (0, 1, 2, 3, 4, 5))
+    request = pending("a", 2)
+    d = schedule(snapshot(nodes(3), flat_tree("a"), [busy, request]))
+    assert d.grants[0].placements == (Placement("n1", (6, 7)),)
+
+
+def test_gang_slice_takes_whole_nodes_all_or_nothing():
+    big = pending("a", 16)
+    d = schedule(snapshot(nodes(3), flat_tree("a"), [big]))
+    assert [p.node for p in d.grants[0].placements] == ["n0", "n1"]
+    partly_busy = running("b", "n0", (0,))
+    d = schedule(snapshot(nodes(2), flat_tree("a", "b"), [partly_busy, replace(big, id=99)]))
+    assert d.grants == ()
+
+
+def test_interactive_slice_never_spans_nodes():
+    wide = pending("a", 12, kind=SliceKind.INTERACTIVE)
+    d = schedule(snapshot(nodes(2), flat_tree("a"), [wide]))
+    assert d.grants == ()
+
+
+def test_requested_gpu_type_is_honoured_and_any_type_prefers_the_cheaper():
+    inventory = [Node("h", "h100", 8), Node("b", "b200", 8)]
+    want_b200 = pending("a", 1, gpu_type="b200")
+    any_type = pending("a", 1)
+    for request, node in [(want_b200, "b"), (any_type, "h")]:
+        d = schedule(snapshot(inventory, flat_tree("a"), [request], weights={"b200": 2.0}))
+        assert d.grants[0].placements[0].node == node
+
+
+# ---- contracts and preemption -------------------------------------------
+
+
+def test_protected_slice_is_never_preempted_even_for_a_far_better_ranked_project():
+    hog = running("hog", "n0", tuple(range(8)), granted_ago=10 * MIN, min_runtime=HOUR)
+    starving = pending("starving", 8, min_runtime=HOUR)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("hog", "starving"), [hog, starving], usage={"hog": 1e9})
+    )
+    assert d.preemptions == ()
+    assert d.grants == ()
+
+
+def test_past_protection_slice_of_an_over_served_project_is_preempted_with_grace():
+    hog = running("hog", "n0", tuple(range(8)), granted_ago=2 * HOUR, min_runtime=HOUR)
+    starving = pending("starving", 8, min_runtime=HOUR)
+    policy = Policy(grace_period=90)
+    d = schedule(
+        snapshot(
+            nodes(1),
+            flat_tree("hog", "starving"),
+            [hog, starving],
+            usage={"hog": 1e6},
+            policy=policy,
+        )
+    )
+    (p,) = d.preemptions
+    assert (p.slice_id, p.reason, p.deadline, p.for_slice) == (
+        hog.id,
+        PreemptReason.FAIR_SHARE,
+        NOW + 90,
+        starving.id,
+    )
+    # the GPUs are promised to the requester, not granted to anyone else meanwhile
+    (r,) = d.reservations
+    assert r.promised and r.slice_id == starving.id and r.placements[0].node == "n0"
+
+
+def test_promised_gpus_go_to_the_requester_once_the_grace_period_ends():
+    hog = running("hog", "n0", tuple(range(8)), granted_ago=2 * HOUR)
+    hog = replace(hog, state=SliceState.PREEMPTING, preempt_deadline=NOW + 30)
+    requester = replace(pending("starving", 8), promised=(Placement("n0", tuple(range(8))),))
+    other = pending("third", 8)  # better ranked, but the GPUs are promised
+    accounts = flat_tree("hog", "starving", "third")
+    usage = {"hog": 1e6, "starving": 10.0}
+    d = schedule(snapshot(nodes(1), accounts, [hog, requester, other], usage=usage))
+    assert d.grants == () and d.reservations[0].promised
+    later = snapshot(nodes(1), accounts, [hog, requester, other], usage=usage, now=NOW + 30)
+    d = schedule(later)
+    assert [e.slice_id for e in d.endings] == [hog.id]
+    assert granted_ids(d) == {requester.id}
+
+
+def test_debug_slice_of_under_used_project_preempts_past_protection_batch_of_over_used():
+    batch = running("heavy", "n0", tuple(range(8)), granted_ago=3 * HOUR, min_runtime=HOUR)
+    debug = pending("light", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
+    )
+    assert preempted(d) == {batch.id: PreemptReason.FAIR_SHARE}
+
+
+def test_debug_lane_lets_a_short_session_through_even_from_an_over_served_project():
+    batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
+    debug = pending("heavy", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
+    )
+    assert preempted(d) == {batch.id: PreemptReason.DEBUG_LANE}
+
+
+@pytest.mark.parametrize(
+    "debug",
+    [
+        pytest.param(
+            pending("heavy", 1, kind=SliceKind.INTERACTIVE, min_runtime=HOUR),
+            id="a contract longer than the debug limit is not debugging",
+        ),
+        pytest.param(
+            pending("heavy", 4, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN),
+            id="more GPUs than the debug limit is not debugging",
+        ),
+        pytest.param(
+            pending("heavy", 1, min_runtime=15 * MIN),
+            id="batch work has no debug lane",
+        ),
+    ],
+)
+def test_the_debug_lane_is_only_for_small_short_interactive_sessions(debug):
+    batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
+    )
+    assert d.preemptions == ()
+
+
+def test_debug_lane_is_capped_by_its_share_of_the_cluster():
+    # 2 nodes x 8 GPUs at 5% -> one GPU of lane; one debug session already holds it.
+    holding = running(
+        "heavy", "n1", (0,), kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, granted_ago=MIN
+    )
+    batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
+    filler = running("light", "n1", tuple(range(1, 8)), granted_ago=3 * HOUR, min_runtime=4 * HOUR)
+    debug = pending("heavy", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="v")
+    d = schedule(
+        snapshot(
+            nodes(2),
+            flat_tree("heavy", "light"),
+            [holding, batch, filler, debug],
+            usage={"heavy": 1e6},
+        )
+    )
+    assert d.preemptions == ()
+
+
+def test_within_a_project_an_interactive_session_preempts_its_own_batch_work():
+    batch = running("a", "n0", tuple(range(8)), granted_ago=2 * HOUR)
+    notebook = pending("a", 1, kind=SliceKind.INTERACTIVE, min_runtime=HOUR)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [batch, notebook]))
+    assert preempted(d) == {batch.id: PreemptReason.PRIORITY}
+
+
+def test_within_a_project_equal_rank_work_does_not_preempt():
+    batch = running("a", "n0", tuple(range(8)), granted_ago=2 * HOUR)
+    more_batch = pending("a", 1)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [batch, more_batch]))
+    assert d.preemptions == ()
+
+
+def test_unallocated_slice_is_preempted_by_any_allocated_request():
+    free_rider = running("best", "n0", tuple(range(8)), granted_ago=MIN, min_runtime=0)
+    request = pending("worst", 2, min_runtime=HOUR)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("best", "worst"), [free_rider, request], usage={"worst": 1e9})
+    )
+    assert preempted(d) == {free_rider.id: PreemptReason.UNALLOCATED}
+
+
+def test_unallocated_work_only_fills_gpus_that_allocated_work_does_not_want():
+    free_work = pending("a", 8, min_runtime=0, submitted_at=NOW - 500)
+    paid_work = pending("z", 4, submitted_at=NOW - 1)
+    d = schedule(snapshot(nodes(1), flat_tree("a", "z"), [free_work, paid_work], usage={"z": 1e6}))
+    assert granted_ids(d) == {paid_work.id}
+    small_free = pending("a", 4, min_runtime=0)
+    d = schedule(snapshot(nodes(1), flat_tree("a", "z"), [small_free, paid_work]))
+    assert granted_ids(d) == {small_free.id, paid_work.id}
+
+
+def test_victims_are_the_fewest_and_least_harmful():
+    protected = running("c", "n0", (0, 1), granted_ago=MIN)
+    older = running("c", "n0", (2, 3), granted_ago=5 * HOUR)
+    newer = running("c", "n0", (4, 5), granted_ago=2 * HOUR)
+    free_rider = running("c", "n0", (6,), min_runtime=0, granted_ago=MIN)
+    idle_gpu = running("c", "n0", (7,), granted_ago=3 * HOUR)
+    request = pending("a", 3)
+    d = schedule(
+        snapshot(
+            nodes(1),
+            flat_tree("a", "c"),
+            [protected, older, newer, free_rider, idle_gpu, request],
+            usage={"c": 1e6},
+        )
+    )
+    # Taken in order until 3 GPUs are free: the free rider, the 1-GPU slice, then the pair
+    # granted last (least work lost). The 1-GPU slice is then not needed and is put back.
+    assert preempted(d) == {
+        free_rider.id: PreemptReason.UNALLOCATED,
+        newer.id: PreemptReason.FAIR_SHARE,
+    }
+
+
+def test_two_projects_do_not_trade_gpus_back_and_forth():
+    """After A takes B's GPUs, B may not take them back while that would leave B above A."""
+    policy = Policy(fairshare_horizon=HOUR)
+    b_running = running("B", "n0", tuple(range(8)), granted_ago=2 * HOUR)
+    a_request = pending("A", 8)
+    usage = {"A": 8 * 3600.0, "B": 9 * 3600.0}
+    d = schedule(
+        snapshot(nodes(1), flat_tree("A", "B"), [b_running, a_request], usage=usage, policy=policy)
+    )
+    # A ranks above B now, but after taking 8 GPUs for an hour it would be
+    # at 16 GPU-hours against B's 9: the move would only invert the order.
+    assert d.preemptions == ()
+    usage = {"A": 0.0, "B": 9 * 3600.0}
+    d = schedule(
+        snapshot(nodes(1), flat_tree("A", "B"), [b_running, a_request], usage=usage, policy=policy)
+    )
+    assert set(preempted(d)) == {b_running.id}
+    # Now A runs past protection and B asks again: B ranks below A, so nothing moves.
+    a_running = running("A", "n0", tuple(range(8)), granted_ago=2 * HOUR)
+    b_request = pending("B", 8)
+    usage = {"A": 2 * 8 * 3600.0, "B": 9 * 3600.0 + 10}
+    d = schedule(
+        snapshot(nodes(1), flat_tree("A", "B"), [a_running, b_request], usage=usage, policy=policy)
+    )
+    assert d.preemptions == ()
+
+
+# ---- ends of contracts ---------------------------------------------------
+
+
+def test_max_runtime_ends_a_slice_with_reason_expired():
+    capped = running("a", "n0", (0,), granted_ago=HOUR, max_runtime=HOUR)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [capped]))
+    assert [(e.slice_id, e.reason) for e in d.endings] == [(capped.id, EndReason.EXPIRED)]
+
+
+def test_a_slice_whose_lease_ran_out_is_lost_and_its_gpus_are_reused_at_once():
+    lost = replace(running("a", "n0", tuple(range(8))), lease_expires_at=NOW - 1)
+    waiting = pending("a", 8)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [lost, waiting]))
+    assert [(e.slice_id, e.reason) for e in d.endings] == [(lost.id, EndReason.LOST)]
+    assert granted_ids(d) == {waiting.id}
+
+
+@pytest.mark.parametrize(
+    ("kind", "resumable", "requeue"),
+    [
+        pytest.param(SliceKind.BATCH, True, True, id="resumable batch goes back to the queue"),
+        pytest.param(SliceKind.BATCH, False, False, id="non-resumable batch ends"),
+        pytest.param(SliceKind.INTERACTIVE, True, False, id="an interactive session ends"),
+    ],
+)
+def test_at_the_end_of_grace_a_preempted_slice_ends_or_requeues(kind, resumable, requeue):
+    leaving = running("a", "n0", (0,), kind=kind, resumable=resumable)
+    leaving = replace(leaving, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [leaving]))
+    (ending,) = d.endings
+    assert (ending.reason, ending.requeue) == (EndReason.PREEMPTED, requeue)
+
+
+# ---- draining and health -------------------------------------------------
+
+
+def test_a_draining_node_empties_as_contracts_end_then_reports_drained():
+    inventory = [Node("n0", "h100", 8, NodeState.DRAINING), Node("n1", "h100", 8)]
+    protected = running("a", "n0", (0, 1), granted_ago=10 * MIN, min_runtime=HOUR)
+    past = running("a", "n0", (2, 3), granted_ago=2 * HOUR, min_runtime=HOUR)
+    free_rider = running("a", "n0", (4,), granted_ago=MIN, min_runtime=0)
+    newcomer = pending("a", 1)
+    slices = [protected, past, free_rider, newcomer]
+    d = schedule(snapshot(inventory, flat_tree("a"), slices))
+    assert preempted(d) == {past.id: PreemptReason.DRAIN, free_rider.id: PreemptReason.DRAIN}
+    assert d.grants[0].placements[0].node == "n1"  # no new grants on a draining node
+    assert d.node_changes == ()
+    # 50 minutes later the protected slice's contract is over too.
+    later = NOW + 50 * MIN
+    moved = replace(newcomer, state=SliceState.GRANTED, placements=d.grants[0].placements)
+    d = schedule(snapshot(inventory, flat_tree("a"), [protected, moved], now=later))
+    assert preempted(d) == {protected.id: PreemptReason.DRAIN}
+    # once the last slice has gone, the node reports drained
+    d = schedule(snapshot(inventory, flat_tree("a"), [], now=later + MIN))
+    assert [(c.node, c.state) for c in d.node_changes] == [("n0", NodeState.DRAINED)]
+
+
+def test_a_down_node_ends_its_slices_at_once_and_resumable_batch_requeues():
+    inventory = [Node("n0", "h100", 8, NodeState.DOWN)]
+    protected = running("a", "n0", (0,), granted_ago=MIN, resumable=True)
+    session = running("a", "n0", (1,), granted_ago=MIN, kind=SliceKind.INTERACTIVE)
+    d = schedule(snapshot(inventory, flat_tree("a"), [protected, session]))
+    assert {(e.slice_id, e.reason, e.requeue) for e in d.endings} == {
+        (protected.id, EndReason.NODE_DOWN, True),
+        (session.id, EndReason.NODE_DOWN, False),
+    }
+
+
+# ---- caps and reservations ----------------------------------------------
+
+
+def test_project_gpu_cap_holds_back_work_beyond_it():
+    held = running("a", "n0", (0, 1, 2))
+    more = pending("a", 2)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("a"), [held, more], policy=Policy(project_gpu_caps={"a": 4}))
+    )
+    assert d.grants == ()
+
+
+def test_a_large_request_reserves_the_node_that_frees_first_and_small_work_cannot_jump_it():
+    # n0 frees at NOW+10min (max runtime); n1 is held with no known end.
+    ending_soon = running("a", "n0", tuple(range(6)), granted_ago=0, max_runtime=10 * MIN)
+    long_job = running("a", "n1", tuple(range(8)), granted_ago=0, min_runtime=8 * HOUR)
+    big = pending("b", 8, submitted_at=NOW - 100)
+    small_long = pending("c", 2, min_runtime=2 * HOUR)
+    small_short = pending("c", 2, min_runtime=MIN, max_runtime=5 * MIN)
+    d = schedule(
+        snapshot(
+            nodes(2),
+            flat_tree("a", "b", "c"),
+            [ending_soon, long_job, big, small_long, small_short],
+            usage={"a": 1e6, "c": 100.0},
+        )
+    )
+    (reservation,) = [r for r in d.reservations if r.slice_id == big.id]
+    assert reservation.due_at == NOW + 10 * MIN and not reservation.promised
+    assert reservation.placements == (Placement("n0", (6, 7)),)
+    assert granted_ids(d) == {small_short.id}
+    entry = {q.slice_id: q for q in d.queue}[big.id]
+    assert entry.estimated_start == NOW + 10 * MIN
+
+
+def test_same_snapshot_gives_the_same_decisions():
+    slices = [pending("a", 3), pending("b", 5), running("a", "n0", (0, 1), granted_ago=3 * HOUR)]
+    snap = snapshot(nodes(2), flat_tree("a", "b"), slices, usage={"a": 5.0})
+    assert schedule(snap) == schedule(snap)
