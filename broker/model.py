@@ -127,7 +127,7 @@ class Slice:
 
     @property
     def allocated(self) -> bool:
-        return self.contract.allocated
+        return self.contract.min_runtime > 0
 
     @property
     def protected_until(self) -> float | None:

@@ -25,6 +25,13 @@ class FairShareView:
     values: Mapping[str, float]  # usage / entitlement per account
     horizon: float
     held: dict[str, float] = field(default_factory=dict)
+    _partings: dict = field(default_factory=dict)
+
+    def parting(self, mine: str, theirs: str):
+        key = (mine, theirs)
+        if key not in self._partings:
+            self._partings[key] = self.tree.parting(mine, theirs)
+        return self._partings[key]
 
     def record(self, project: str, weighted_gpus: float) -> None:
         for account in self.tree.paths[project]:
@@ -36,7 +43,7 @@ class FairShareView:
 
     def ranks_above(self, mine: str, theirs: str) -> bool:
         """Whether project ``mine`` ranks above ``theirs`` where their paths part."""
-        level = self.tree.parting(mine, theirs)
+        level = self.parting(mine, theirs)
         if level is None:
             return False
         return (self.values[level.mine], level.mine) < (self.values[level.theirs], level.theirs)
@@ -48,7 +55,7 @@ class FairShareView:
         both projected ``horizon`` seconds ahead — so the GPUs never go back and forth."""
         if not self.ranks_above(mine, theirs):
             return False
-        level = self.tree.parting(mine, theirs)
+        level = self.parting(mine, theirs)
         assert level is not None
         return self._projected(level.mine, gained) <= self._projected(level.theirs, -lost)
 
@@ -117,17 +124,27 @@ class Preemptor:
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
-        # Slices that someone could preempt now, per node they hold GPUs on.
-        self.candidates: dict[str, list[Slice]] = {}
+        # Slices that someone could preempt now, per node they hold GPUs on, in
+        # victim order (project values do not change during a pass), with the
+        # GPUs each holds there.
+        self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         for slice_ in running:
             if slice_.state is SliceState.GRANTED and not slice_.is_protected(now):
                 for placement in slice_.placements:
-                    self.candidates.setdefault(placement.node, []).append(slice_)
+                    self.candidates.setdefault(placement.node, []).append(
+                        (slice_, len(placement.gpu_indices))
+                    )
+        self.candidate_gpus: dict[str, int] = {}
+        for node_name, entries in self.candidates.items():
+            entries.sort(key=lambda e: victim_key(e[0], view.values[e[0].project]))
+            self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
 
     def remove(self, slice_: Slice) -> None:
         """Forget a slice that is leaving (preempted in this pass)."""
         for placement in slice_.placements:
-            self.candidates[placement.node].remove(slice_)
+            entries = self.candidates[placement.node]
+            entries[:] = [e for e in entries if e[0].id != slice_.id]
+            self.candidate_gpus[placement.node] -= len(placement.gpu_indices)
 
     def reason(self, requester: Slice, victim: Slice, weight: float) -> PreemptReason | None:
         """Why ``requester`` may preempt ``victim`` now, or None if it may not.
@@ -146,9 +163,10 @@ class Preemptor:
             if within_project_key(victim) > within_project_key(requester):
                 return PreemptReason.PRIORITY
             return None
-        gained = requester.gpus * weight
-        lost = victim.gpus * weight
-        if self.view.may_take(requester.project, victim.project, gained, lost):
+        # What moves is the request's GPUs: the requester gains them, the victim's
+        # project loses as much (a larger victim's rest frees up for anyone).
+        moved = requester.gpus * weight
+        if self.view.may_take(requester.project, victim.project, moved, moved):
             return PreemptReason.FAIR_SHARE
         if (
             victim.kind is SliceKind.BATCH
@@ -167,34 +185,51 @@ class Preemptor:
         victim GPUs, node name).
         """
         best: tuple | None = None
-        for node_name, slices in self.candidates.items():
+        reasons: dict[tuple, PreemptReason | None] = {}
+        for node_name, entries in self.candidates.items():
             node = self.nodes.get(node_name)
             if node is None or node.gpu_count < requester.gpus:
                 continue
             if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
                 continue
-            free_here = free.get(node_name, set())
-            need = requester.gpus - len(free_here)
-            if need <= 0 or sum(len(_gpus_on(s, node_name)) for s in slices) < need:
+            need = requester.gpus - len(free.get(node_name, ()))
+            if need <= 0 or self.candidate_gpus[node_name] < need:
                 continue
             weight = self.weights.get(node.gpu_type, 1.0)
-            eligible = []
-            for slice_ in slices:
-                reason = self.reason(requester, slice_, weight)
+            chosen: list[tuple[Slice, PreemptReason, int]] = []
+            freed = 0
+            for slice_, gpus in entries:
+                # The reason depends only on these traits: decide each kind of victim once.
+                traits = (
+                    slice_.project,
+                    slice_.contract.min_runtime > 0,
+                    slice_.kind,
+                    slice_.priority,
+                    weight,
+                )
+                if traits not in reasons:
+                    reasons[traits] = self.reason(requester, slice_, weight)
+                reason = reasons[traits]
                 if reason is not None:
-                    eligible.append((slice_, reason))
-            eligible.sort(key=lambda pair: victim_key(pair[0], self._value(pair[0].project)))
-            chosen = _fewest(eligible, need, node_name)
-            if chosen is None:
+                    chosen.append((slice_, reason, gpus))
+                    freed += gpus
+                    if freed >= need:
+                        break
+            else:
                 continue
+            # Put back, last taken first, every victim the request fits without.
+            for victim in reversed(chosen[:-1]):
+                if freed - victim[2] >= need:
+                    chosen.remove(victim)
+                    freed -= victim[2]
             score = (
-                sum(1 for s, _ in chosen if s.allocated),
+                sum(1 for s, _, _ in chosen if s.allocated),
                 len(chosen),
-                sum(len(_gpus_on(s, node_name)) for s, _ in chosen),
+                freed,
                 node_name,
             )
             if best is None or score < best[0]:
-                best = (score, node_name, chosen)
+                best = (score, node_name, [(s, r) for s, r, _ in chosen])
         if best is None:
             return None
         _, node_name, chosen = best
@@ -203,34 +238,9 @@ class Preemptor:
         placement = Placement(node_name, tuple(sorted(gpu_indices[: requester.gpus])))
         return Victims(placement, tuple(chosen))
 
-    def _value(self, project: str) -> float:
-        return self.view.values[project]
-
 
 def _gpus_on(slice_: Slice, node: str) -> tuple[int, ...]:
     for placement in slice_.placements:
         if placement.node == node:
             return placement.gpu_indices
     return ()
-
-
-def _fewest(
-    eligible: list[tuple[Slice, PreemptReason]], need: int, node: str
-) -> list[tuple[Slice, PreemptReason]] | None:
-    """Take victims in order until ``need`` GPUs are freed, then put back the
-    ones not needed, last taken first."""
-    chosen: list[tuple[Slice, PreemptReason]] = []
-    freed = 0
-    for pair in eligible:
-        chosen.append(pair)
-        freed += len(_gpus_on(pair[0], node))
-        if freed >= need:
-            break
-    else:
-        return None
-    for pair in reversed(chosen[:-1]):
-        gpus = len(_gpus_on(pair[0], node))
-        if freed - gpus >= need:
-            chosen.remove(pair)
-            freed -= gpus
-    return chosen

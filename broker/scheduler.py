@@ -60,6 +60,8 @@ class _Pass:
         self.live: dict[int, Slice] = {s.id: s for s in snapshot.slices}
         self.ended: set[int] = set()
         self.leaving: set[int] = set()  # preempted in this pass
+        self._smallest_misfit: dict[tuple, int] = {}
+        self._usable: dict[tuple, tuple[int, ...]] = {}
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -254,10 +256,7 @@ class _Pass:
             if not self._under_cap(slice_):
                 self.queue.append(QueueEntry(slice_.id, position, value))
                 continue
-            gang = slice_.kind is SliceKind.BATCH
-            placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
-            if placements is None and backfill_reserved:
-                placements = self._fit_in_reserved(slice_, backfill_reserved)
+            placements = self._place(slice_, backfill_reserved)
             if placements is not None:
                 self._grant(slice_, placements)
                 continue
@@ -339,16 +338,46 @@ class _Pass:
         protected_end = self.now + slice_.contract.min_runtime + self.policy.grace_period
         return protected_end <= due and self.view.ranks_above(owner.project, slice_.project)
 
-    def _fit_in_reserved(
+    def _place(
         self, slice_: Slice, reserved: list[tuple[Reservation, Slice]]
     ) -> tuple[Placement, ...] | None:
-        usable = [r for r, owner in reserved if self._may_use_reserved(slice_, r, owner)]
+        """Where ``slice_`` fits now, on free GPUs or on reserved ones it may use.
+
+        Free GPUs only shrink while the queue is walked, so once a request of
+        ``g`` GPUs fails, larger ones of the same class fail too: the
+        ``_smallest_misfit`` memo skips them, which keeps a long blocked queue cheap.
+        """
+        gang = slice_.kind is SliceKind.BATCH
+        spans = tuple(
+            t for t in self.free.types(slice_.gpu_type) if slice_.gpus > self.free.largest[t]
+        )
+        key = (slice_.gpu_type, gang, spans, ())
+        if slice_.gpus < self._smallest_misfit.get(key, _NEVER):
+            placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
+            if placements is not None:
+                return placements
+            self._smallest_misfit[key] = slice_.gpus
+        # Whether a reservation may be used depends on these traits only.
+        traits = (slice_.project, slice_.contract.min_runtime, slice_.contract.max_runtime)
+        usable = self._usable.get((traits, len(reserved)))
+        if usable is None:
+            usable = tuple(
+                i
+                for i, (r, owner) in enumerate(reserved)
+                if self._may_use_reserved(slice_, r, owner)
+            )
+            self._usable[(traits, len(reserved))] = usable
         if not usable:
             return None
-        borrowed = [p for r in usable for p in r.placements]
+        key = (slice_.gpu_type, gang, spans, usable)
+        if slice_.gpus >= self._smallest_misfit.get(key, _NEVER):
+            return None
+        borrowed = [p for i in usable for p in reserved[i][0].placements]
         self.free.give(borrowed)
-        placements = self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+        placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
         self.free.take(borrowed)  # reserved again; the grant takes the rest of its GPUs
+        if placements is None:
+            self._smallest_misfit[key] = slice_.gpus
         return placements
 
     # -- phase 6 -----------------------------------------------------------
@@ -357,14 +386,15 @@ class _Pass:
         position = self._position
         for slice_ in self._pending(allocated=False):
             position += 1
-            placements = self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
-            if placements is None and self._backfill_reserved:
-                placements = self._fit_in_reserved(slice_, self._backfill_reserved)
+            placements = self._place(slice_, self._backfill_reserved)
             if placements is not None and self._under_cap(slice_):
                 self._grant(slice_, placements)
             else:
                 value = self.view.values[slice_.project]
                 self.queue.append(QueueEntry(slice_.id, position, value))
+
+
+_NEVER = 1 << 62
 
 
 def _holds_any(slice_: Slice, gpus: list[tuple[str, int]]) -> bool:

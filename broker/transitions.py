@@ -1,0 +1,88 @@
+"""What a pass's decisions do to the slices: the state machine of SPEC §3–§6, in memory.
+
+The simulator and the property tests keep their cluster as plain values and
+move it forward with :func:`apply`; the store records the same transitions in
+the database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .accounting import LedgerEntry, ledger_entry
+from .model import Decisions, EndReason, Node, Slice, SliceState
+
+
+@dataclass
+class Applied:
+    """The cluster after one pass: live slices, what ended, what was charged."""
+
+    slices: dict[int, Slice]
+    nodes: dict[str, Node]
+    ended: list[tuple[Slice, EndReason]] = field(default_factory=list)
+    requeued: list[Slice] = field(default_factory=list)
+    charges: list[LedgerEntry] = field(default_factory=list)
+
+
+def end_slice(
+    slice_: Slice,
+    now: float,
+    node_types: Mapping[str, str],
+    weights: Mapping[str, float],
+) -> LedgerEntry | None:
+    """The ledger entry owed when ``slice_`` stops holding GPUs at ``now``."""
+    if not slice_.holds_gpus:
+        return None
+    return ledger_entry(slice_, now, node_types, weights)
+
+
+def apply(
+    slices: Mapping[int, Slice],
+    nodes: Mapping[str, Node],
+    decisions: Decisions,
+    now: float,
+    weights: Mapping[str, float],
+) -> Applied:
+    """Apply ``decisions`` taken at ``now``; the inputs are left unchanged."""
+    live = dict(slices)
+    result = Applied(live, dict(nodes))
+    node_types = {name: node.gpu_type for name, node in nodes.items()}
+    for ending in decisions.endings:
+        slice_ = live.pop(ending.slice_id)
+        entry = end_slice(slice_, now, node_types, weights)
+        if entry is not None:
+            result.charges.append(entry)
+        if ending.requeue:
+            live[slice_.id] = replace(
+                slice_,
+                state=SliceState.PENDING,
+                placements=(),
+                granted_at=None,
+                preempt_deadline=None,
+                promised=(),
+            )
+            result.requeued.append(live[slice_.id])
+        else:
+            result.ended.append((slice_, ending.reason))
+    for preemption in decisions.preemptions:
+        live[preemption.slice_id] = replace(
+            live[preemption.slice_id],
+            state=SliceState.PREEMPTING,
+            preempt_deadline=preemption.deadline,
+        )
+    promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
+    for slice_id, slice_ in live.items():
+        if slice_.state is SliceState.PENDING and slice_.promised != promised.get(slice_id, ()):
+            live[slice_id] = replace(slice_, promised=promised.get(slice_id, ()))
+    for grant in decisions.grants:
+        live[grant.slice_id] = replace(
+            live[grant.slice_id],
+            state=SliceState.GRANTED,
+            placements=grant.placements,
+            granted_at=now,
+            promised=(),
+        )
+    for change in decisions.node_changes:
+        result.nodes[change.node] = replace(result.nodes[change.node], state=change.state)
+    return result
