@@ -62,6 +62,7 @@ class _Pass:
         self.leaving: set[int] = set()  # preempted in this pass
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
+        self._lendable: list[list[Placement]] = []  # per backfill reservation
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -297,6 +298,7 @@ class _Pass:
                 )
                 if reservation is not None:
                     backfill_reserved.append((reservation, slice_))
+                    self._lendable.append(list(reservation.placements))
                     self.reservations.append(reservation)
                     self.free.take(reservation.placements)
                     estimated = reservation.due_at
@@ -372,12 +374,20 @@ class _Pass:
         key = (slice_.gpu_type, gang, spans, usable)
         if slice_.gpus >= self._smallest_misfit.get(key, _NEVER):
             return None
-        borrowed = [p for i in usable for p in reserved[i][0].placements]
+        borrowed = [p for i in usable for p in self._lendable[i]]
         self.free.give(borrowed)
         placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
         self.free.take(borrowed)  # reserved again; the grant takes the rest of its GPUs
         if placements is None:
             self._smallest_misfit[key] = slice_.gpus
+            return None
+        # GPUs lent out are no longer free to lend to the next request.
+        taken = {(p.node, i) for p in placements for i in p.gpu_indices}
+        for i in usable:
+            self._lendable[i] = [
+                Placement(p.node, tuple(g for g in p.gpu_indices if (p.node, g) not in taken))
+                for p in self._lendable[i]
+            ]
         return placements
 
     # -- phase 6 -----------------------------------------------------------

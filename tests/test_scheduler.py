@@ -433,3 +433,17 @@ def test_same_snapshot_gives_the_same_decisions():
     slices = [pending("a", 3), pending("b", 5), running("a", "n0", (0, 1), granted_ago=3 * HOUR)]
     snap = snapshot(nodes(2), flat_tree("a", "b"), slices, usage={"a": 5.0})
     assert schedule(snap) == schedule(snap)
+
+
+def test_gpus_lent_from_a_reservation_are_lent_only_once():
+    # n0 is reserved for the large request; two free (unallocated) requests may
+    # borrow its free GPUs, but not the same ones.
+    holder = running("a", "n0", (0, 1), granted_ago=0, min_runtime=8 * HOUR, max_runtime=9 * HOUR)
+    large = pending("b", 4)
+    first = pending("c", 2, min_runtime=0)
+    second = pending("c", 2, min_runtime=0)
+    d = schedule(
+        snapshot(nodes(1, gpus=4), flat_tree("a", "b", "c"), [holder, large, first, second])
+    )
+    assert [r.slice_id for r in d.reservations] == [large.id]
+    assert granted_ids(d) == {first.id}

@@ -1,0 +1,211 @@
+"""GPU-time accounting (SPEC §3–§4): charges, fair-share usage and usage reports.
+
+Pure functions over ledger intervals; nothing here reads a clock or a database.
+All amounts are *weighted* GPU-seconds: GPUs held × the GPU type's weight ×
+seconds. An interval's ``rate`` is that product without the seconds, i.e. the
+weighted GPU-seconds it accrues per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from .model import Placement, Slice
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One held interval of an allocated slice, charged to ``project``.
+
+    ``gpus`` is the plain GPU count behind ``rate`` (0 when unknown); reports use
+    it for unweighted GPU-seconds.
+    """
+
+    slice_id: int
+    project: str
+    user: str
+    start: float
+    end: float
+    rate: float
+    gpus: int = 0
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    @property
+    def weighted_gpu_seconds(self) -> float:
+        return self.rate * self.duration
+
+
+# ---- usage at a point in time -------------------------------------------------
+
+
+def window_usage(start: float, end: float, rate: float, now: float, window: float) -> float:
+    """What ``[start, end]`` at ``rate`` adds to usage at ``now`` with a hard sliding window.
+
+    The overlap of the interval with ``[now - window, now]``, times the rate; time
+    after ``now`` does not count (it has not happened yet).
+    """
+    low = max(start, now - window)
+    high = min(end, now)
+    return rate * max(0.0, high - low)
+
+
+def decayed_usage(start: float, end: float, rate: float, now: float, half_life: float) -> float:
+    """What ``[start, end]`` at ``rate`` adds to usage at ``now`` with exponential decay.
+
+    ``∫ rate · 2^(-(now - t) / half_life) dt`` over the part of the interval
+    before ``now``, in closed form: ``rate/k · e^(-k(now-high)) · (1 - e^(-k(high-start)))``
+    with ``k = ln 2 / half_life``.
+    """
+    high = min(end, now)
+    if high <= start:
+        return 0.0
+    k = math.log(2.0) / half_life
+    # expm1 keeps short intervals exact where 1 - e^-x would cancel to zero.
+    return rate / k * math.exp(-k * (now - high)) * -math.expm1(-k * (high - start))
+
+
+def entry_usage(
+    entry: LedgerEntry, now: float, window: float, half_life: float | None = None
+) -> float:
+    """An entry's contribution at ``now``: decayed when ``half_life`` is set, else windowed."""
+    if half_life is not None:
+        return decayed_usage(entry.start, entry.end, entry.rate, now, half_life)
+    return window_usage(entry.start, entry.end, entry.rate, now, window)
+
+
+def usage_horizon(window: float, half_life: float | None) -> float:
+    """How far back entries can still matter at ``now``.
+
+    With decay, anything older than 40 half-lives weighs under 1e-12 of its
+    charge; the store uses this to avoid loading the whole ledger every pass.
+    """
+    return 40.0 * half_life if half_life is not None else window
+
+
+def usage_by_project(
+    entries: Iterable[LedgerEntry],
+    running: Iterable[LedgerEntry],
+    now: float,
+    window: float,
+    half_life: float | None = None,
+) -> dict[str, float]:
+    """Each project's usage at ``now`` (SPEC §4).
+
+    ``entries`` are closed ledger intervals; ``running`` are intervals still
+    open, whatever their ``end`` says: they count up to ``now``.
+    """
+    usage: dict[str, float] = {}
+    closed = list(entries)
+    still_open = [replace(entry, end=now) for entry in running]
+    for entry in closed + still_open:
+        amount = entry_usage(entry, now, window, half_life)
+        usage[entry.project] = usage.get(entry.project, 0.0) + amount
+    return usage
+
+
+# ---- charging a slice ----------------------------------------------------------
+
+
+def held_rate(
+    placements: Iterable[Placement],
+    node_types: Mapping[str, str],
+    weights: Mapping[str, float],
+) -> float:
+    """Weighted GPUs held: per placement, GPUs × the weight of its node's type (default 1.0)."""
+    return sum(
+        len(p.gpu_indices) * weights.get(node_types.get(p.node, ""), 1.0) for p in placements
+    )
+
+
+def ledger_entry(
+    slice_: Slice,
+    until: float,
+    node_types: Mapping[str, str],
+    weights: Mapping[str, float],
+) -> LedgerEntry | None:
+    """The charge for ``slice_``'s held interval from its grant to ``until``.
+
+    ``None`` when nothing is owed: the slice is unallocated (``min_runtime == 0``
+    is free, SPEC §3) or holds no GPUs.
+    """
+    if not slice_.allocated or slice_.granted_at is None or not slice_.placements:
+        return None
+    return LedgerEntry(
+        slice_id=slice_.id,
+        project=slice_.project,
+        user=slice_.user,
+        start=slice_.granted_at,
+        end=max(until, slice_.granted_at),
+        rate=held_rate(slice_.placements, node_types, weights),
+        gpus=sum(len(p.gpu_indices) for p in slice_.placements),
+    )
+
+
+def charge(
+    slice_: Slice,
+    until: float,
+    node_types: Mapping[str, str],
+    weights: Mapping[str, float],
+) -> float:
+    """Weighted GPU-seconds owed for ``slice_``'s held interval up to ``until`` (0 if free)."""
+    entry = ledger_entry(slice_, until, node_types, weights)
+    return entry.weighted_gpu_seconds if entry is not None else 0.0
+
+
+# ---- reports over a period -------------------------------------------------------
+
+
+def clip(entry: LedgerEntry, since: float, until: float) -> LedgerEntry | None:
+    """The part of ``entry`` inside ``[since, until)``, or ``None`` if there is none."""
+    start, end = max(entry.start, since), min(entry.end, until)
+    if end <= start:
+        return None
+    return replace(entry, start=start, end=end)
+
+
+ReportBy = Literal["project", "user"]
+
+
+def usage_rows(
+    entries: Iterable[LedgerEntry],
+    since: float,
+    until: float,
+    *,
+    by: ReportBy = "project",
+) -> list[dict[str, Any]]:
+    """Usage in ``[since, until)`` per project (or per project and user), as flat rows.
+
+    Intervals are split at the period bounds, so adjacent periods add up to
+    their union. Each row has ``project`` (and ``user``), ``since``, ``until``,
+    ``slices`` (distinct slices), ``gpu_seconds`` (plain) and
+    ``weighted_gpu_seconds`` — ready for ``csv.DictWriter`` or JSON. Rows are
+    sorted by project, then user.
+    """
+    totals: dict[tuple[str, ...], dict[str, Any]] = {}
+    for entry in entries:
+        part = clip(entry, since, until)
+        if part is None:
+            continue
+        key = (part.project, part.user) if by == "user" else (part.project,)
+        row = totals.get(key)
+        if row is None:
+            row = {"project": part.project}
+            if by == "user":
+                row["user"] = part.user
+            row |= {"since": since, "until": until, "slices": set(), "gpu_seconds": 0.0}
+            row["weighted_gpu_seconds"] = 0.0
+            totals[key] = row
+        row["slices"].add(part.slice_id)
+        row["gpu_seconds"] += part.gpus * part.duration
+        row["weighted_gpu_seconds"] += part.weighted_gpu_seconds
+    rows = []
+    for key in sorted(totals):
+        row = totals[key]
+        rows.append(row | {"slices": len(row["slices"])})
+    return rows

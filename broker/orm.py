@@ -1,0 +1,379 @@
+"""Persistence, all in one place: table models, the engine factory, migrations, schema check.
+
+Only :mod:`broker.store` opens sessions on these models; the scheduler and the
+accounting code never see them. Times are seconds since the epoch (floats),
+as everywhere in the broker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    Engine,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+#: The command that brings a database up to date; named in every schema error.
+UPGRADE_COMMAND = "slicebroker upgrade-db"
+
+#: SQLite waits this long for another writer before failing with "database is locked".
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+#: Key of the PostgreSQL advisory lock serialising the broker's writers.
+WRITE_LOCK_KEY = 0x5B_B0_0C  # "slicebroker"; any constant shared by all processes works
+
+#: Execution option marking a connection whose transactions only read.
+READ_ONLY_OPTION = "slicebroker_read_only"
+
+
+# ---- errors ---------------------------------------------------------------------
+
+
+class DatabaseSchemaError(Exception):
+    """The database schema does not match this version of slicebroker.
+
+    ``current`` is the database's revision (``None``: never migrated),
+    ``expected`` the code's; ``fix`` is what the admin should do.
+    """
+
+    def __init__(self, message: str, *, current: str | None, expected: str, fix: str):
+        super().__init__(f"{message} {fix}")
+        self.current = current
+        self.expected = expected
+        self.fix = fix
+
+
+class DatabaseNotInitialized(DatabaseSchemaError):
+    """The database has no slicebroker schema at all."""
+
+
+class DatabaseOutOfDate(DatabaseSchemaError):
+    """The database is older than the code: run ``slicebroker upgrade-db``."""
+
+
+class DatabaseTooNew(DatabaseSchemaError):
+    """The database was migrated by a newer slicebroker than this one."""
+
+
+# ---- models -----------------------------------------------------------------------
+
+# Named constraints keep migrations reproducible on every backend.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    # Float is double precision on both backends: epoch seconds need 53 bits.
+    type_annotation_map = {float: Float(), str: String(255)}
+
+
+class AccountRow(Base):
+    """An account of the project tree (SPEC §2); leaves are projects."""
+
+    __tablename__ = "accounts"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    parent: Mapped[str | None]
+    share: Mapped[float] = mapped_column(default=1.0)
+
+
+class MemberRow(Base):
+    """A user or a JupyterHub group allowed to charge a project."""
+
+    __tablename__ = "members"
+    __table_args__ = (
+        UniqueConstraint("project", "kind", "name"),
+        CheckConstraint("kind IN ('user', 'group')", name="kind"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(ForeignKey("accounts.name", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    name: Mapped[str]
+
+
+class GpuTypeRow(Base):
+    """Cost units per GPU-second of a GPU type."""
+
+    __tablename__ = "gpu_types"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    weight: Mapped[float] = mapped_column(default=1.0)
+
+
+class NodeRow(Base):
+    """A node and its admin- or scheduler-set state (SPEC §6).
+
+    ``in_config`` is false for a node that left the configuration file: it is
+    kept (down) so that history and running slices still resolve.
+    """
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    gpu_type: Mapped[str]
+    gpu_count: Mapped[int]
+    state: Mapped[str] = mapped_column(String(16), default="ready")
+    state_changed_at: Mapped[float | None]
+    state_reason: Mapped[str] = mapped_column(String(1024), default="")
+    in_config: Mapped[bool] = mapped_column(default=True)
+
+
+class SliceRow(Base):
+    """A slice: request, contract, and (once granted) what it holds.
+
+    ``placements``/``promised`` are JSON lists of ``{"node", "gpu_indices"}``.
+    ``queue_position``/``fairshare_value``/``estimated_start`` are written by
+    the last scheduling pass for pending slices, so every process shows them.
+    """
+
+    __tablename__ = "slices"
+    __table_args__ = (Index(None, "state"), Index(None, "project"), Index(None, "user"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    project: Mapped[str]
+    user: Mapped[str]
+    gpus: Mapped[int]
+    gpu_type: Mapped[str | None]
+    kind: Mapped[str] = mapped_column(String(16))
+    min_runtime: Mapped[float]
+    resumable: Mapped[bool] = mapped_column(default=False)
+    max_runtime: Mapped[float | None]
+    priority: Mapped[int] = mapped_column(default=0)
+    submitted_at: Mapped[float]
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    placements: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    granted_at: Mapped[float | None]
+    preempt_deadline: Mapped[float | None]
+    preempt_reason: Mapped[str | None] = mapped_column(String(32))
+    promised: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    lease_expires_at: Mapped[float | None]
+    ended_at: Mapped[float | None]
+    end_reason: Mapped[str | None] = mapped_column(String(32))
+    charged_gpu_seconds: Mapped[float] = mapped_column(default=0.0)
+    queue_position: Mapped[int | None]
+    fairshare_value: Mapped[float | None]
+    estimated_start: Mapped[float | None]
+
+
+class SliceEventRow(Base):
+    """One state transition of a slice (``from_state`` is ``None`` on submission)."""
+
+    __tablename__ = "slice_events"
+    __table_args__ = (Index(None, "slice_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    slice_id: Mapped[int] = mapped_column(ForeignKey("slices.id"))
+    at: Mapped[float]
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(1024), default="")
+
+
+class LedgerRow(Base):
+    """Append-only charges: one row per held interval of an allocated slice.
+
+    ``gpu_seconds`` is weighted (``gpus × weight × (end - start)``); ``weight``
+    is the mean weight of the GPUs held. Never updated, never deleted.
+    """
+
+    __tablename__ = "ledger"
+    __table_args__ = (Index(None, "end"), Index(None, "project", "end"))
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    slice_id: Mapped[int] = mapped_column(ForeignKey("slices.id"))
+    project: Mapped[str]
+    user: Mapped[str]
+    start: Mapped[float]
+    end: Mapped[float]
+    gpus: Mapped[int]
+    weight: Mapped[float]
+    gpu_seconds: Mapped[float]
+
+
+class ApiTokenRow(Base):
+    """The broker's own API tokens (standalone mode); only a hash is stored."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    user: Mapped[str]
+    hashed: Mapped[str] = mapped_column(String(255), unique=True)
+    admin: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[float]
+
+
+# ---- engine -----------------------------------------------------------------------
+
+
+def normalize_url(url: str) -> str:
+    """Accept ``postgresql://``/``postgres://`` and use the psycopg 3 driver for them."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine for ``url`` set up for the broker.
+
+    SQLite: WAL (readers do not block the writer), foreign keys on, a busy
+    timeout, and SQLAlchemy emitting ``BEGIN IMMEDIATE`` itself so that a
+    write transaction holds the write lock from its first statement — two
+    processes can then never both read free GPUs and both grant them.
+    Connections carrying :data:`READ_ONLY_OPTION` begin deferred instead.
+    PostgreSQL: psycopg 3, connections checked before use.
+    """
+    url = normalize_url(url)
+    if make_url(url).get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True, **kwargs)
+
+    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_S, **kwargs.pop("connect_args", {})}
+    engine = create_engine(url, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take BEGIN away from the sqlite3 module, which would defer it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def take_write_lock(connection: Any) -> None:
+    """Serialise writers on PostgreSQL until the transaction ends.
+
+    SQLite needs nothing here: its ``BEGIN IMMEDIATE`` already holds the lock.
+    """
+    if connection.dialect.name == "postgresql":
+        connection.execute(select(func.pg_advisory_xact_lock(WRITE_LOCK_KEY)))
+
+
+# ---- migrations -----------------------------------------------------------------
+
+
+def _alembic_config(connection: Any = None) -> Any:
+    from alembic.config import Config
+
+    config = Config(str(MIGRATIONS_DIR / "alembic.ini"))
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    if connection is not None:
+        # env.py runs on this connection, inside the caller's transaction.
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    """The schema revision this code expects."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None, "the migrations have no head"
+    return head
+
+
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Migrate the database behind ``engine`` to ``revision``.
+
+    The whole upgrade runs in one transaction holding the broker's write lock,
+    so two processes starting on a fresh database do not both create it.
+    """
+    from alembic import command
+
+    with engine.begin() as connection:
+        take_write_lock(connection)
+        command.upgrade(_alembic_config(connection), revision)
+
+
+def upgrade_db(url: str, revision: str = "head") -> None:
+    """Migrate the database at ``url`` to ``revision``: what ``slicebroker upgrade-db`` runs."""
+    engine = make_engine(url)
+    try:
+        migrate(engine, revision)
+    finally:
+        engine.dispose()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's schema revision, ``None`` when it was never migrated."""
+    from alembic.migration import MigrationContext
+
+    with engine.connect().execution_options(**{READ_ONLY_OPTION: True}) as connection:
+        heads = MigrationContext.configure(connection).get_current_heads()
+    return heads[0] if heads else None
+
+
+def is_blank(engine: Engine) -> bool:
+    """Whether the database holds no tables at all (safe to initialise)."""
+    with engine.connect().execution_options(**{READ_ONLY_OPTION: True}) as connection:
+        return not inspect(connection).get_table_names()
+
+
+def check_schema(engine: Engine) -> None:
+    """Raise a :class:`DatabaseSchemaError` unless the database is at this code's revision."""
+    from alembic.script import ScriptDirectory
+
+    expected = head_revision()
+    current = current_revision(engine)
+    if current == expected:
+        return
+    url = engine.url.render_as_string(hide_password=True)
+    if current is None:
+        raise DatabaseNotInitialized(
+            f"The database {url} has no slicebroker schema.",
+            current=None,
+            expected=expected,
+            fix=f"Run `{UPGRADE_COMMAND}` to create it.",
+        )
+    known = {
+        rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()
+    }
+    if current in known:
+        raise DatabaseOutOfDate(
+            f"The database {url} is at schema revision {current}, older than this "
+            f"slicebroker's {expected}.",
+            current=current,
+            expected=expected,
+            fix=f"Back it up, then run `{UPGRADE_COMMAND}`.",
+        )
+    raise DatabaseTooNew(
+        f"The database {url} is at schema revision {current}, unknown to this slicebroker "
+        f"(which expects {expected}); a newer slicebroker migrated it.",
+        current=current,
+        expected=expected,
+        fix="Upgrade the slicebroker package, or restore a backup made before the upgrade.",
+    )

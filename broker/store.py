@@ -1,0 +1,930 @@
+"""The Broker: the one place that reads and writes the broker's database.
+
+It turns requests (submit, release, heartbeat, admin changes) into rows,
+builds the scheduler's :class:`~broker.model.Snapshot` from them, and applies
+the :class:`~broker.model.Decisions` a pass returns — each in one transaction.
+
+Every write transaction holds one database-wide lock (an advisory lock on
+PostgreSQL, the write lock on SQLite), so any number of Broker objects, in any
+number of processes, can share a database: passes and requests are applied
+one after another, never on a stale view, and a GPU is never granted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import accounting
+from .config import ClusterConfig
+from .errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
+from .fairshare import ProjectTree
+from .model import (
+    Account,
+    Contract,
+    Decisions,
+    EndReason,
+    Node,
+    NodeState,
+    Placement,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+from .orm import (
+    READ_ONLY_OPTION,
+    AccountRow,
+    DatabaseNotInitialized,
+    DatabaseOutOfDate,
+    GpuTypeRow,
+    LedgerRow,
+    MemberRow,
+    NodeRow,
+    SliceEventRow,
+    SliceRow,
+    check_schema,
+    make_engine,
+    migrate,
+    take_write_lock,
+)
+from .scheduler import schedule as default_schedule
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 120.0
+LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
+HELD_STATES = (SliceState.GRANTED, SliceState.PREEMPTING)
+#: Node states an admin may set; ``drained`` is the scheduler's to declare.
+ADMIN_NODE_STATES = (NodeState.READY, NodeState.DRAINING, NodeState.DOWN)
+
+Schedule = Callable[[Snapshot], Decisions]
+
+
+class Broker:
+    """Slices, projects, nodes and the ledger in a database at ``url``.
+
+    ``config`` is the cluster configuration; on open its accounts, members,
+    GPU types and nodes are written to the database (the file wins over
+    earlier admin changes to projects; admin node states survive). ``clock``
+    is the one source of "now" (seconds since the epoch). ``schedule`` is the
+    scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
+    alive. ``upgrade`` lets an out-of-date database be migrated on open;
+    otherwise that raises :class:`~broker.orm.DatabaseOutOfDate` (a blank
+    database is always initialised).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        config: ClusterConfig,
+        clock: Callable[[], float] = time.time,
+        *,
+        schedule: Schedule = default_schedule,
+        lease: float = DEFAULT_LEASE_S,
+        upgrade: bool = False,
+    ):
+        self.config = config
+        self._clock = clock
+        self._schedule = schedule
+        self.lease = lease
+        self._engine = make_engine(url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
+        try:
+            self._prepare_schema(upgrade)
+            self._sync_config()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    # ---- transactions ----------------------------------------------------------
+
+    def _prepare_schema(self, upgrade: bool) -> None:
+        try:
+            check_schema(self._engine)
+        except DatabaseNotInitialized:
+            migrate(self._engine)
+        except DatabaseOutOfDate:
+            if not upgrade:
+                raise
+            migrate(self._engine)
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        """A transaction holding the broker-wide write lock; commits on success."""
+        with self._sessions.begin() as session:
+            take_write_lock(session.connection())
+            yield session
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._reads() as session:
+            yield session
+
+    # ---- configuration ---------------------------------------------------------
+
+    def _sync_config(self) -> None:
+        """Write the configuration file's view of the cluster into the database."""
+        config = self.config
+        with self._write() as session:
+            now = self._clock()
+            session.execute(delete(GpuTypeRow))
+            session.add_all(
+                GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
+            )
+            self._sync_nodes(session, config.nodes, now)
+            wanted = {a.name: a for a in config.accounts}
+            gone = [name for name in _account_rows(session) if name not in wanted]
+            self._end_orphans(session, config.tree, now)
+            session.execute(delete(MemberRow))
+            session.execute(delete(AccountRow).where(AccountRow.name.in_(gone)))
+            session.flush()
+            rows = _account_rows(session)
+            for account in config.accounts:
+                row = rows.get(account.name) or AccountRow(name=account.name)
+                row.parent, row.share = account.parent, account.share
+                session.add(row)
+            session.flush()
+            for project, members in config.members.items():
+                _add_members(session, project, members.users, members.groups)
+
+    def _sync_nodes(self, session: Session, nodes: Iterable[Node], now: float) -> None:
+        rows = {row.name: row for row in session.scalars(select(NodeRow))}
+        listed = set()
+        for node in nodes:
+            listed.add(node.name)
+            row = rows.get(node.name)
+            if row is None:
+                session.add(
+                    NodeRow(
+                        name=node.name,
+                        gpu_type=node.gpu_type,
+                        gpu_count=node.gpu_count,
+                        state=node.state.value,
+                        state_changed_at=now,
+                        state_reason="added to the configuration",
+                        in_config=True,
+                    )
+                )
+                continue
+            row.gpu_type, row.gpu_count = node.gpu_type, node.gpu_count
+            if not row.in_config:
+                # Back in the file: it was down only because it had left it.
+                _set_node(row, node.state, "back in the configuration", now)
+                row.in_config = True
+        for name, row in rows.items():
+            if name not in listed and row.in_config:
+                row.in_config = False
+                _set_node(row, NodeState.DOWN, "removed from the configuration", now)
+
+    def _end_orphans(self, session: Session, tree: ProjectTree, now: float) -> None:
+        """End live slices whose project is no longer a project in ``tree``."""
+        rows = session.scalars(
+            select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+        )
+        orphans = [row for row in rows if not tree.is_project(row.project)]
+        if not orphans:
+            return
+        costs = _Costs.load(session)
+        for row in orphans:
+            reason = EndReason.RELEASED if row.state in HELD_STATES else EndReason.CANCELLED
+            self._end(
+                session, row, reason, now, costs, why="project removed from the configuration"
+            )
+
+    # ---- slices: requests --------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        user: str,
+        groups: Iterable[str] = (),
+        project: str,
+        gpus: int,
+        kind: str,
+        min_runtime: float | None = None,
+        gpu_type: str | None = None,
+        resumable: bool | None = None,
+        max_runtime: float | None = None,
+        priority: int = 0,
+        admin: bool = False,
+    ) -> dict[str, Any]:
+        """Queue a request for ``gpus`` GPUs charged to ``project``; returns the new slice.
+
+        Contract terms left ``None`` come from the configuration's defaults for
+        the kind. Raises :class:`InvalidRequest` for a request that can never be
+        granted and :class:`Forbidden` unless ``user`` (or one of ``groups``) is
+        a member of ``project`` or ``admin`` is set. Nothing is written then.
+        """
+        from .validation import validate_slice_request
+
+        defaults = self.config.defaults.get(_kind_or_none(kind))
+        if defaults is not None:
+            min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
+            resumable = defaults.resumable if resumable is None else resumable
+            max_runtime = defaults.max_runtime if max_runtime is None else max_runtime
+        with self._write() as session:
+            tree = _tree(session)
+            nodes = _nodes(session)
+            validate_slice_request(
+                gpus=gpus,
+                kind=kind,
+                min_runtime=min_runtime,
+                max_runtime=max_runtime,
+                gpu_type=gpu_type,
+                priority=priority,
+                project=project,
+                tree=tree,
+                nodes=nodes,
+                policy=self.config.policy,
+                known_gpu_types=_known_gpu_types(session, nodes),
+            )
+            if not isinstance(resumable, bool):
+                raise InvalidRequest(f"resumable must be true or false, got {resumable!r}")
+            if not admin and not _is_member(session, project, user, groups):
+                raise Forbidden(f"{user!r} is not a member of project {project!r}")
+            now = self._clock()
+            row = SliceRow(
+                project=project,
+                user=user,
+                gpus=gpus,
+                gpu_type=gpu_type,
+                kind=SliceKind(kind).value,
+                min_runtime=float(min_runtime),  # type: ignore[arg-type]  # validated
+                resumable=resumable,
+                max_runtime=None if max_runtime is None else float(max_runtime),
+                priority=priority,
+                submitted_at=now,
+                state=SliceState.PENDING.value,
+                placements=[],
+                promised=[],
+                charged_gpu_seconds=0.0,
+            )
+            session.add(row)
+            session.flush()
+            _event(session, row, None, "submitted", now)
+            return _slice_dict(row, now, _Costs())
+
+    def release(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
+        """Cancel a pending slice or release a held one (charging its held time).
+
+        ``user`` may release only their own slices (:class:`Forbidden`); with
+        ``admin`` or no ``user``, any. Releasing an ended slice changes nothing.
+        """
+        with self._write() as session:
+            row = _owned_row(session, slice_id, user, admin)
+            now = self._clock()
+            costs = _Costs.load(session)
+            if row.state == SliceState.PENDING:
+                self._end(session, row, EndReason.CANCELLED, now, costs, why="cancelled")
+            elif row.state in HELD_STATES:
+                self._end(session, row, EndReason.RELEASED, now, costs, why="released")
+            return _slice_dict(row, now, costs)
+
+    def heartbeat(self, slice_id: int, user: str | None = None, *, admin: bool = False) -> dict:
+        """Extend a live slice's lease to ``now + lease``; returns the slice.
+
+        Once a slice is heartbeated it must keep being heartbeated, also while it
+        waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
+        """
+        with self._write() as session:
+            row = _owned_row(session, slice_id, user, admin)
+            now = self._clock()
+            if row.state in LIVE_STATES:
+                row.lease_expires_at = now + self.lease
+            return _slice_dict(row, now, _Costs.load(session))
+
+    def get_slice(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
+        """The slice, as SPEC §8 shows it; :class:`Forbidden` if ``user`` does not own it."""
+        with self._read() as session:
+            row = _owned_row(session, slice_id, user, admin)
+            return _slice_dict(row, self._clock(), _Costs.load(session))
+
+    def list_slices(
+        self,
+        *,
+        state: str | None = None,
+        project: str | None = None,
+        user: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Slices matching every filter given, oldest first. ``state="live"`` means not ended."""
+        if state is not None and state != "live" and state not in set(SliceState):
+            choices = ", ".join([*(s.value for s in SliceState), "live"])
+            raise InvalidRequest(f"unknown state {state!r}; expected one of {choices}")
+        query = select(SliceRow).order_by(SliceRow.id)
+        if state == "live":
+            query = query.where(SliceRow.state.in_(LIVE_STATES))
+        elif state is not None:
+            query = query.where(SliceRow.state == state)
+        if project is not None:
+            query = query.where(SliceRow.project == project)
+        if user is not None:
+            query = query.where(SliceRow.user == user)
+        with self._read() as session:
+            now, costs = self._clock(), _Costs.load(session)
+            return [_slice_dict(row, now, costs) for row in session.scalars(query)]
+
+    def events(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> list[dict]:
+        """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``."""
+        with self._read() as session:
+            _owned_row(session, slice_id, user, admin)
+            rows = session.scalars(
+                select(SliceEventRow)
+                .where(SliceEventRow.slice_id == slice_id)
+                .order_by(SliceEventRow.id)
+            )
+            return [
+                {"at": r.at, "from_state": r.from_state, "to_state": r.to_state, "reason": r.reason}
+                for r in rows
+            ]
+
+    # ---- nodes -------------------------------------------------------------------
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node: ``name, gpu_type, gpu_count, weight, state, state_reason,
+        state_changed_at, in_config, gpus_held``."""
+        with self._read() as session:
+            held: dict[str, int] = {}
+            for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
+                for p in row.placements:
+                    held[p["node"]] = held.get(p["node"], 0) + len(p["gpu_indices"])
+            weights = _weights(session)
+            return [
+                _node_dict(row, weights, held.get(row.name, 0))
+                for row in session.scalars(select(NodeRow).order_by(NodeRow.name))
+            ]
+
+    def set_node_state(self, name: str, state: str, reason: str = "") -> dict[str, Any]:
+        """An admin's drain (``draining``), undrain (``ready``) or ``down``; returns the node.
+
+        Draining an already drained node keeps it drained. A node that left the
+        configuration cannot be changed (:class:`Conflict`).
+        """
+        try:
+            target = NodeState(state)
+        except ValueError:
+            target = None
+        if target not in ADMIN_NODE_STATES:
+            allowed = ", ".join(s.value for s in ADMIN_NODE_STATES)
+            raise InvalidRequest(f"a node can be set to {allowed}; got {state!r}")
+        with self._write() as session:
+            row = session.get(NodeRow, name)
+            if row is None:
+                raise NotFound(f"no node {name!r}")
+            if not row.in_config:
+                raise Conflict(f"node {name!r} is not in the configuration any more")
+            now = self._clock()
+            if not (target is NodeState.DRAINING and row.state == NodeState.DRAINED):
+                _set_node(row, target, reason or f"set {target.value} by an admin", now)
+            session.flush()
+        return next(node for node in self.nodes() if node["name"] == name)
+
+    # ---- projects ------------------------------------------------------------------
+
+    def put_project(
+        self,
+        name: str,
+        *,
+        share: float,
+        parent: str | None = None,
+        users: Iterable[str] | None = None,
+        groups: Iterable[str] | None = None,
+    ) -> dict[str, Any]:
+        """Create or change an account (admin). ``users``/``groups`` replace the members
+        when given. The new tree is checked before anything is written
+        (:class:`InvalidRequest`); turning a project with live slices into a parent is a
+        :class:`Conflict`. Lasts until the next restart unless the file says the same.
+        """
+        if not isinstance(name, str) or not name.strip() or len(name) > 255:
+            raise InvalidRequest(f"an account needs a name, got {name!r}")
+        with self._write() as session:
+            accounts = {a.name: a for a in _accounts(session)}
+            accounts[name] = Account(name, share, parent)
+            try:
+                tree = ProjectTree(accounts.values())
+            except InvalidConfig as err:
+                raise InvalidRequest(err.message) from None
+            if (users is not None or groups is not None) and not tree.is_project(name):
+                raise InvalidRequest(f"{name!r} has sub-accounts; members belong on projects")
+            # A project that gets a sub-account stops being a project: not while it has work.
+            if (
+                parent is not None
+                and _tree(session).is_project(parent)
+                and _live_count(session, parent)
+            ):
+                raise Conflict(f"project {parent!r} has live slices; it cannot get sub-accounts")
+            row = session.get(AccountRow, name) or AccountRow(name=name)
+            row.share, row.parent = float(share), parent
+            session.add(row)
+            session.flush()
+            if users is not None or groups is not None:
+                old = session.scalars(select(MemberRow).where(MemberRow.project == name)).all()
+                keep_users = {m.name for m in old if m.kind == "user"}
+                keep_groups = {m.name for m in old if m.kind == "group"}
+                session.execute(delete(MemberRow).where(MemberRow.project == name))
+                _add_members(
+                    session,
+                    name,
+                    keep_users if users is None else users,
+                    keep_groups if groups is None else groups,
+                )
+        return next(row for row in self.projects() if row["name"] == name)
+
+    def projects(self) -> list[dict[str, Any]]:
+        """The project tree, parents before children, siblings in fair-share order.
+
+        Each row: ``name, parent, share, entitlement, is_project, usage`` (weighted
+        GPU-seconds in the window, or decayed, summed over the subtree),
+        ``fairshare_value`` (usage / entitlement), ``rank`` (1-based among
+        projects, lowest first; ``None`` for parents), ``users``, ``groups``,
+        ``pending`` (slices waiting) and ``gpus_held``.
+        """
+        with self._read() as session:
+            now = self._clock()
+            tree = _tree(session)
+            usage = self._usage(session, now, _Costs.load(session))
+            subtree = tree.subtree_usage(usage)
+            values = tree.share_values(usage)
+            rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
+            members = _members(session)
+            pending: dict[str, int] = {}
+            held: dict[str, int] = {}
+            for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(LIVE_STATES))):
+                if row.state == SliceState.PENDING:
+                    pending[row.project] = pending.get(row.project, 0) + 1
+                else:
+                    held[row.project] = held.get(row.project, 0) + row.gpus
+        rows = []
+        stack = sorted(tree.children.get(None, []), key=lambda n: (values[n], n), reverse=True)
+        while stack:
+            name = stack.pop()
+            account = tree.accounts[name]
+            users, groups = members.get(name, (set(), set()))
+            rows.append(
+                {
+                    "name": name,
+                    "parent": account.parent,
+                    "share": account.share,
+                    "entitlement": tree.entitlements[name],
+                    "is_project": tree.is_project(name),
+                    "usage": subtree[name],
+                    "fairshare_value": values[name],
+                    "rank": rank.get(name),
+                    "users": sorted(users),
+                    "groups": sorted(groups),
+                    "pending": pending.get(name, 0),
+                    "gpus_held": held.get(name, 0),
+                }
+            )
+            kids = tree.children.get(name, [])
+            stack.extend(sorted(kids, key=lambda n: (values[n], n), reverse=True))
+        return rows
+
+    def usage_report(
+        self,
+        project: str,
+        since: float | None = None,
+        until: float | None = None,
+        *,
+        by: accounting.ReportBy = "user",
+    ) -> list[dict[str, Any]]:
+        """Charged usage of ``project`` (with its sub-accounts) in ``[since, until)``.
+
+        Defaults: the lookback window up to now. Rows per project and user
+        (``by="user"``) or per project, as :func:`broker.accounting.usage_rows`
+        makes them; slices still running count up to now.
+        """
+        if by not in ("user", "project"):
+            raise InvalidRequest(f"a report is by 'user' or 'project', not {by!r}")
+        with self._read() as session:
+            now = self._clock()
+            since = now - self.config.policy.window if since is None else since
+            until = now if until is None else until
+            tree = _tree(session)
+            if project in tree.accounts:
+                names = [p for p in tree.projects if project in tree.paths[p]]
+            elif session.scalar(select(LedgerRow.id).where(LedgerRow.project == project).limit(1)):
+                names = [project]  # a project gone from the tree still has its history
+            else:
+                raise NotFound(f"no project {project!r}")
+            closed = session.scalars(
+                select(LedgerRow).where(
+                    LedgerRow.project.in_(names), LedgerRow.end > since, LedgerRow.start < until
+                )
+            )
+            entries = [_ledger_entry(row) for row in closed]
+            costs = _Costs.load(session)
+            running = session.scalars(
+                select(SliceRow).where(SliceRow.state.in_(HELD_STATES), SliceRow.project.in_(names))
+            )
+            for row in running:
+                entry = costs.entry(_to_slice(row), now)
+                if entry is not None:
+                    entries.append(entry)
+        return accounting.usage_rows(entries, since, until, by=by)
+
+    # ---- the scheduling pass ------------------------------------------------------
+
+    def run_pass(self) -> Decisions:
+        """Snapshot, schedule and apply, in one transaction under the write lock."""
+        with self._write() as session:
+            # Read the clock only once the lock is held, so passes see time move forward.
+            now = self._clock()
+            costs = _Costs.load(session)
+            rows = {
+                row.id: row
+                for row in session.scalars(
+                    select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+                )
+            }
+            snapshot = Snapshot(
+                now=now,
+                nodes=tuple(_nodes(session)),
+                accounts=tuple(_accounts(session)),
+                slices=tuple(_to_slice(row) for row in rows.values()),
+                usage=self._usage(session, now, costs, rows.values()),
+                gpu_type_weights=costs.weights,
+                policy=self.config.policy,
+            )
+            decisions = self._schedule(snapshot)
+            nodes = {node.name: node for node in snapshot.nodes}
+            self._apply(session, decisions, rows, nodes, now, costs)
+        return decisions
+
+    def _usage(
+        self,
+        session: Session,
+        now: float,
+        costs: _Costs,
+        live: Iterable[SliceRow] | None = None,
+    ) -> dict[str, float]:
+        """Each project's charged usage at ``now``: the ledger plus what is running."""
+        policy = self.config.policy
+        horizon = accounting.usage_horizon(policy.window, policy.half_life)
+        closed = session.scalars(select(LedgerRow).where(LedgerRow.end > now - horizon))
+        if live is None:
+            live = session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES)))
+        running = [costs.entry(_to_slice(row), now) for row in live if row.state in HELD_STATES]
+        return accounting.usage_by_project(
+            (_ledger_entry(row) for row in closed),
+            (entry for entry in running if entry is not None),
+            now,
+            policy.window,
+            policy.half_life,
+        )
+
+    def _apply(
+        self,
+        session: Session,
+        decisions: Decisions,
+        rows: Mapping[int, SliceRow],
+        nodes: Mapping[str, Node],
+        now: float,
+        costs: _Costs,
+    ) -> None:
+        """Write a pass's decisions; endings first, as they free what grants take."""
+        for ending in decisions.endings:
+            row = _live(rows, ending.slice_id, LIVE_STATES, "end")
+            if row is not None:
+                why = ending.reason.value
+                self._end(session, row, ending.reason, now, costs, why=why, requeue=ending.requeue)
+        for preemption in decisions.preemptions:
+            row = _live(rows, preemption.slice_id, (SliceState.GRANTED,), "preempt")
+            if row is None:
+                continue
+            row.state = SliceState.PREEMPTING.value
+            row.preempt_deadline = preemption.deadline
+            row.preempt_reason = preemption.reason.value
+            why = preemption.reason.value
+            if preemption.for_slice is not None:
+                why += f" (for slice {preemption.for_slice})"
+            _event(session, row, SliceState.GRANTED, why, now)
+        held = _held_gpus(rows.values())
+        for grant in decisions.grants:
+            row = _live(rows, grant.slice_id, (SliceState.PENDING,), "grant")
+            if row is None:
+                continue
+            # The last guard of SPEC §5's first invariant: whatever the pass says,
+            # a GPU that is held or does not exist is never granted.
+            problem = _grant_problem(grant.placements, held, nodes)
+            if problem is not None:
+                log.error("the pass granted slice %s %s; grant refused", row.id, problem)
+                continue
+            held.update({gpu: row.id for gpu in _gpus(grant.placements)})
+            row.state = SliceState.GRANTED.value
+            row.placements = _placement_json(grant.placements)
+            row.granted_at = now
+            row.lease_expires_at = now + self.lease
+            row.preempt_deadline = row.preempt_reason = None
+            where = ", ".join(f"{p.node}{list(p.gpu_indices)}" for p in grant.placements)
+            _event(session, row, SliceState.PENDING, f"granted on {where}", now)
+        promised = {r.slice_id: r for r in decisions.reservations if r.promised}
+        queue = {entry.slice_id: entry for entry in decisions.queue}
+        for row in rows.values():
+            waiting = row.state == SliceState.PENDING
+            promise = promised.get(row.id) if waiting else None
+            row.promised = _placement_json(promise.placements) if promise else []
+            entry = queue.get(row.id) if waiting else None
+            row.queue_position = entry.position if entry else None
+            row.fairshare_value = entry.fairshare_value if entry else None
+            row.estimated_start = entry.estimated_start if entry else None
+        for change in decisions.node_changes:
+            node = session.get(NodeRow, change.node)
+            if node is None:
+                log.warning("the pass changed unknown node %s; ignored", change.node)
+                continue
+            _set_node(node, change.state, change.reason, now)
+
+    def _end(
+        self,
+        session: Session,
+        row: SliceRow,
+        reason: EndReason,
+        now: float,
+        costs: _Costs,
+        *,
+        why: str,
+        requeue: bool = False,
+    ) -> None:
+        """End ``row`` (or requeue it), writing the ledger entry for what it held."""
+        before = SliceState(row.state)
+        if before in HELD_STATES:
+            entry = costs.entry(_to_slice(row), now)
+            if entry is not None:
+                session.add(
+                    LedgerRow(
+                        slice_id=row.id,
+                        project=entry.project,
+                        user=entry.user,
+                        start=entry.start,
+                        end=entry.end,
+                        gpus=entry.gpus,
+                        weight=entry.rate / entry.gpus,
+                        gpu_seconds=entry.weighted_gpu_seconds,
+                    )
+                )
+                row.charged_gpu_seconds += entry.weighted_gpu_seconds
+        row.promised = []
+        row.queue_position = row.fairshare_value = row.estimated_start = None
+        if requeue and before in HELD_STATES:
+            # Back in the queue with its place in it (submitted_at) kept.
+            row.state = SliceState.PENDING.value
+            row.placements = []
+            row.granted_at = row.preempt_deadline = row.preempt_reason = None
+            row.lease_expires_at = None
+            why += ", requeued"
+        else:
+            row.state = SliceState.ENDED.value
+            row.end_reason = reason.value
+            row.ended_at = now
+            row.lease_expires_at = None
+        _event(session, row, before, why, now)
+
+
+# ---- helpers: rows <-> values ------------------------------------------------------
+
+
+class _Costs:
+    """What charging needs: each node's GPU type and each type's weight."""
+
+    def __init__(self, node_types: Mapping[str, str] | None = None, weights=None):
+        self.node_types: Mapping[str, str] = node_types or {}
+        self.weights: Mapping[str, float] = weights or {}
+
+    @classmethod
+    def load(cls, session: Session) -> _Costs:
+        node_types = dict(session.execute(select(NodeRow.name, NodeRow.gpu_type)).all())
+        return cls(node_types, _weights(session))
+
+    def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
+        return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
+
+
+def _placements(data: Iterable[Mapping[str, Any]]) -> tuple[Placement, ...]:
+    return tuple(Placement(p["node"], tuple(p["gpu_indices"])) for p in data)
+
+
+def _placement_json(placements: Iterable[Placement]) -> list[dict[str, Any]]:
+    return [{"node": p.node, "gpu_indices": list(p.gpu_indices)} for p in placements]
+
+
+def _to_slice(row: SliceRow) -> Slice:
+    return Slice(
+        id=row.id,
+        project=row.project,
+        user=row.user,
+        gpus=row.gpus,
+        kind=SliceKind(row.kind),
+        contract=Contract(row.min_runtime, row.resumable, row.max_runtime),
+        gpu_type=row.gpu_type,
+        priority=row.priority,
+        submitted_at=row.submitted_at,
+        state=SliceState(row.state),
+        placements=_placements(row.placements),
+        granted_at=row.granted_at,
+        preempt_deadline=row.preempt_deadline,
+        promised=_placements(row.promised),
+        lease_expires_at=row.lease_expires_at,
+    )
+
+
+def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
+    """A slice as SPEC §8 shows it; a held allocated slice's charge accrues to ``now``."""
+    charged = row.charged_gpu_seconds
+    if row.state in HELD_STATES:
+        entry = costs.entry(_to_slice(row), now)
+        charged += entry.weighted_gpu_seconds if entry else 0.0
+    granted = row.granted_at
+    return {
+        "id": row.id,
+        "project": row.project,
+        "user": row.user,
+        "gpus": row.gpus,
+        "gpu_type": row.gpu_type,
+        "kind": row.kind,
+        "min_runtime": row.min_runtime,
+        "resumable": row.resumable,
+        "max_runtime": row.max_runtime,
+        "priority": row.priority,
+        "state": row.state,
+        "end_reason": row.end_reason,
+        "placements": [dict(p) for p in row.placements],
+        "submitted_at": row.submitted_at,
+        "granted_at": granted,
+        "protected_until": None if granted is None else granted + row.min_runtime,
+        "preempt_deadline": row.preempt_deadline,
+        "preempt_reason": row.preempt_reason,
+        "ended_at": row.ended_at,
+        "lease_expires_at": row.lease_expires_at,
+        "queue_position": row.queue_position,
+        "fairshare_value": row.fairshare_value,
+        "estimated_start": row.estimated_start,
+        "charged_gpu_seconds": charged,
+    }
+
+
+def _node_dict(row: NodeRow, weights: Mapping[str, float], held: int) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "gpu_type": row.gpu_type,
+        "gpu_count": row.gpu_count,
+        "weight": weights.get(row.gpu_type, 1.0),
+        "state": row.state,
+        "state_reason": row.state_reason,
+        "state_changed_at": row.state_changed_at,
+        "in_config": row.in_config,
+        "gpus_held": held,
+    }
+
+
+def _ledger_entry(row: LedgerRow) -> accounting.LedgerEntry:
+    return accounting.LedgerEntry(
+        row.slice_id, row.project, row.user, row.start, row.end, row.gpus * row.weight, row.gpus
+    )
+
+
+def _kind_or_none(kind: object) -> SliceKind | None:
+    try:
+        return SliceKind(kind)
+    except ValueError:
+        return None
+
+
+# ---- helpers: queries ---------------------------------------------------------------
+
+
+def _account_rows(session: Session) -> dict[str, AccountRow]:
+    return {row.name: row for row in session.scalars(select(AccountRow))}
+
+
+def _accounts(session: Session) -> list[Account]:
+    rows = session.scalars(select(AccountRow).order_by(AccountRow.name))
+    return [Account(row.name, row.share, row.parent) for row in rows]
+
+
+def _tree(session: Session) -> ProjectTree:
+    return ProjectTree(_accounts(session))
+
+
+def _nodes(session: Session) -> list[Node]:
+    rows = session.scalars(select(NodeRow).order_by(NodeRow.name))
+    return [Node(r.name, r.gpu_type, r.gpu_count, NodeState(r.state)) for r in rows]
+
+
+def _weights(session: Session) -> dict[str, float]:
+    return dict(session.execute(select(GpuTypeRow.name, GpuTypeRow.weight)).all())
+
+
+def _known_gpu_types(session: Session, nodes: Iterable[Node]) -> set[str]:
+    return set(_weights(session)) | {node.gpu_type for node in nodes}
+
+
+def _members(session: Session) -> dict[str, tuple[set[str], set[str]]]:
+    members: dict[str, tuple[set[str], set[str]]] = {}
+    for row in session.scalars(select(MemberRow)):
+        users, groups = members.setdefault(row.project, (set(), set()))
+        (users if row.kind == "user" else groups).add(row.name)
+    return members
+
+
+def _is_member(session: Session, project: str, user: str, groups: Iterable[str]) -> bool:
+    users, member_groups = _members(session).get(project, (set(), set()))
+    return user in users or not member_groups.isdisjoint(groups)
+
+
+def _add_members(
+    session: Session, project: str, users: Iterable[str], groups: Iterable[str]
+) -> None:
+    session.add_all(MemberRow(project=project, kind="user", name=u) for u in sorted(set(users)))
+    session.add_all(MemberRow(project=project, kind="group", name=g) for g in sorted(set(groups)))
+
+
+def _live_count(session: Session, project: str) -> int:
+    query = select(SliceRow.id).where(SliceRow.project == project, SliceRow.state.in_(LIVE_STATES))
+    return len(session.scalars(query).all())
+
+
+def _owned_row(session: Session, slice_id: int, user: str | None, admin: bool) -> SliceRow:
+    row = session.get(SliceRow, slice_id)
+    if row is None:
+        raise NotFound(f"no slice {slice_id}")
+    if user is not None and not admin and row.user != user:
+        raise Forbidden(f"slice {slice_id} belongs to another user")
+    return row
+
+
+def _live(
+    rows: Mapping[int, SliceRow], slice_id: int, states: Iterable[SliceState], action: str
+) -> SliceRow | None:
+    """The row a decision is about, if it is in a state the decision applies to."""
+    row = rows.get(slice_id)
+    if row is None or row.state not in {s.value for s in states}:
+        state = row.state if row is not None else "unknown"
+        log.warning("the pass asked to %s slice %s in state %s; ignored", action, slice_id, state)
+        return None
+    return row
+
+
+def _event(
+    session: Session, row: SliceRow, before: SliceState | None, reason: str, now: float
+) -> None:
+    session.add(
+        SliceEventRow(
+            slice_id=row.id,
+            at=now,
+            from_state=None if before is None else SliceState(before).value,
+            to_state=row.state,
+            reason=reason,
+        )
+    )
+
+
+def _set_node(row: NodeRow, state: NodeState, reason: str, now: float) -> None:
+    """Set a node's state; the time changes only when the state does."""
+    if row.state != state.value:
+        log.info("node %s: %s -> %s (%s)", row.name, row.state, state.value, reason)
+        if state is NodeState.DRAINED:
+            log.warning("node %s is drained: repair may proceed", row.name)
+        row.state, row.state_changed_at = state.value, now
+    row.state_reason = reason
+
+
+def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
+    return [(p.node, index) for p in placements for index in p.gpu_indices]
+
+
+def _held_gpus(rows: Iterable[SliceRow]) -> dict[tuple[str, int], int]:
+    """Which slice holds each GPU, over the rows that hold GPUs."""
+    return {
+        gpu: row.id
+        for row in rows
+        if row.state in HELD_STATES
+        for gpu in _gpus(_placements(row.placements))
+    }
+
+
+def _grant_problem(
+    placements: tuple[Placement, ...],
+    held: Mapping[tuple[str, int], int],
+    nodes: Mapping[str, Node],
+) -> str | None:
+    """Why these placements cannot be granted, or ``None`` if they can."""
+    gpus = _gpus(placements)
+    if not gpus or len(set(gpus)) != len(gpus):
+        return f"an empty or repeated set of GPUs {gpus}"
+    for node, index in gpus:
+        if node not in nodes or not 0 <= index < nodes[node].gpu_count:
+            return f"GPU {node}[{index}], which does not exist"
+        if (node, index) in held:
+            return f"GPU {node}[{index}], held by slice {held[node, index]}"
+    return None
