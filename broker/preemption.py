@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -135,9 +136,38 @@ class Preemptor:
                         (slice_, len(placement.gpu_indices))
                     )
         self.candidate_gpus: dict[str, int] = {}
+        # Which projects have candidates, and how many of them are unallocated or
+        # batch: enough to tell cheaply when a request can preempt nothing at all.
+        self.by_project: Counter[str] = Counter()
+        self.unallocated = 0
+        self.batch = 0
         for node_name, entries in self.candidates.items():
             entries.sort(key=lambda e: victim_key(e[0], view.values[e[0].project]))
             self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
+            for slice_, _ in entries:
+                self._tally(slice_, 1)
+
+    def _tally(self, slice_: Slice, step: int) -> None:
+        self.by_project[slice_.project] += step
+        self.unallocated += step * (not slice_.allocated)
+        self.batch += step * (slice_.kind is SliceKind.BATCH)
+
+    def hopeless(self, requester: Slice) -> bool:
+        """True when no running slice could be preempted for ``requester``, whatever
+        the node: a shortcut that spares a scan of the cluster."""
+        if not requester.allocated:
+            return True
+        if self.unallocated > 0:
+            return False
+        if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
+            return False
+        if self.by_project[requester.project] > 0:
+            return False  # its own lower-ranked work; checked per slice
+        # With nothing moved, the hysteresis check is at its most lenient.
+        return not any(
+            count and self.view.may_take(requester.project, project, 0.0, 0.0)
+            for project, count in self.by_project.items()
+        )
 
     def remove(self, slice_: Slice) -> None:
         """Forget a slice that is leaving (preempted in this pass)."""
@@ -145,6 +175,7 @@ class Preemptor:
             entries = self.candidates[placement.node]
             entries[:] = [e for e in entries if e[0].id != slice_.id]
             self.candidate_gpus[placement.node] -= len(placement.gpu_indices)
+            self._tally(slice_, -1)
 
     def reason(self, requester: Slice, victim: Slice, weight: float) -> PreemptReason | None:
         """Why ``requester`` may preempt ``victim`` now, or None if it may not.
@@ -184,6 +215,8 @@ class Preemptor:
         still fits without it. Nodes compare by (allocated victims, victims,
         victim GPUs, node name).
         """
+        if self.hopeless(requester):
+            return None
         best: tuple | None = None
         reasons: dict[tuple, PreemptReason | None] = {}
         for node_name, entries in self.candidates.items():
