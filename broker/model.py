@@ -165,7 +165,7 @@ class Policy:
     debug_lane_fraction: float = 0.05
     # How far ahead the anti-ping-pong check projects GPUs held (SPEC §5.2).
     fairshare_horizon: float = HOUR
-    # Blocked slices, highest ranked first, for which backfill reservations are made.
+    # Blocked slices, highest ranked first, for which a backfill reservation is sought.
     max_reservations: int = 8
     project_gpu_caps: Mapping[str, int] = field(default_factory=dict)
 

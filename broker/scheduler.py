@@ -250,6 +250,7 @@ class _Pass:
     def allocate(self) -> None:
         tried_preemption: set[str] = set()
         backfill_reserved: list[tuple[Reservation, Slice]] = []
+        planned = 0  # blocked slices a reservation was sought for
         position = len(self.queue)
         for slice_ in self._pending(allocated=True):
             position += 1
@@ -287,7 +288,8 @@ class _Pass:
                     self._count(slice_, promise.placements)
                     self.queue.append(QueueEntry(slice_.id, position, value, deadline))
                     continue
-            if len(backfill_reserved) < self.policy.max_reservations:
+            if planned < self.policy.max_reservations:
+                planned += 1
                 reservation = backfill.plan(
                     slice_,
                     nodes=self.free.nodes,

@@ -633,11 +633,15 @@ class Broker:
         for row in rows.values():
             waiting = row.state == SliceState.PENDING
             promise = promised.get(row.id) if waiting else None
-            row.promised = _placement_json(promise.placements) if promise else []
             entry = queue.get(row.id) if waiting else None
-            row.queue_position = entry.position if entry else None
-            row.fairshare_value = entry.fairshare_value if entry else None
-            row.estimated_start = entry.estimated_start if entry else None
+            # Assign only what changed: an unchanged row then costs no UPDATE.
+            _update(
+                row,
+                promised=_placement_json(promise.placements) if promise else [],
+                queue_position=entry.position if entry else None,
+                fairshare_value=entry.fairshare_value if entry else None,
+                estimated_start=entry.estimated_start if entry else None,
+            )
         for change in decisions.node_changes:
             node = session.get(NodeRow, change.node)
             if node is None:
@@ -708,6 +712,12 @@ class _Costs:
 
     def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
         return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
+
+
+def _update(row: SliceRow, **values: Any) -> None:
+    for name, value in values.items():
+        if getattr(row, name) != value:
+            setattr(row, name, value)
 
 
 def _placements(data: Iterable[Mapping[str, Any]]) -> tuple[Placement, ...]:
