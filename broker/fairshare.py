@@ -58,6 +58,11 @@ class ProjectTree:
                 fraction *= self.accounts[step].share / sum(
                     self.accounts[s].share for s in siblings
                 )
+            if not fraction > 0:  # shares so far apart that the product underflows
+                raise InvalidConfig(
+                    "share is too small next to its siblings' (entitlement rounds to 0)",
+                    f"projects.{name}.share",
+                )
             self.entitlements[name] = fraction
         self.projects: tuple[str, ...] = tuple(
             sorted(name for name in self.accounts if name not in self.children)

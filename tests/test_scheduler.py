@@ -447,3 +447,12 @@ def test_gpus_lent_from_a_reservation_are_lent_only_once():
     )
     assert [r.slice_id for r in d.reservations] == [large.id]
     assert granted_ids(d) == {first.id}
+
+
+def test_a_share_whose_entitlement_underflows_is_rejected():
+    from broker.errors import InvalidConfig
+
+    accounts = [Account("a", 1e300), Account("b", 1e-300), Account("b1", 1e-300, "b")]
+    accounts += [Account("b2", 1e300, "b")]
+    with pytest.raises(InvalidConfig, match="entitlement rounds to 0"):
+        ProjectTree(accounts)

@@ -1,0 +1,48 @@
+"""Rules shared by the resource modules: acting for a user, and owning a slice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ...errors import Forbidden
+from ..auth import Identity
+
+
+def acting_identity(
+    caller: Identity, user: str | None = None, groups: Iterable[str] | None = None
+) -> Identity:
+    """Who a request acts for: the caller, or the ``user`` (with ``groups``) it names.
+
+    Agents and admins may name anyone; the identity they act for has only the
+    named groups (none if left out) and no roles — an agent charges what the user
+    may. Anyone else may only name themselves and groups of their own (a
+    :class:`Forbidden` otherwise).
+    """
+    named_groups = None if groups is None else frozenset(groups)
+    if user is None and named_groups is None:
+        return caller
+    if caller.acts_for_others:
+        if user is None or user == caller.name:
+            if named_groups is None:
+                return caller
+            return Identity(caller.name, named_groups, caller.admin, caller.agent, caller.kind)
+        return Identity(user, named_groups or frozenset())
+    if user is not None and user != caller.name:
+        raise Forbidden("only agents and admins may act for another user")
+    if named_groups is not None and not named_groups <= caller.groups:
+        others = ", ".join(sorted(named_groups - caller.groups))
+        raise Forbidden(f"{caller.name!r} is not in group(s) {others}")
+    return Identity(
+        caller.name,
+        caller.groups if named_groups is None else named_groups,
+        caller.admin,
+        caller.agent,
+        caller.kind,
+    )
+
+
+def owner_filter(caller: Identity) -> dict[str, object]:
+    """The Broker's ownership arguments for ``caller``: agents and admins reach every slice."""
+    if caller.acts_for_others:
+        return {"admin": True}
+    return {"user": caller.name}

@@ -1,0 +1,45 @@
+"""Prometheus metrics (see :mod:`broker.service.metrics` for what is exported)."""
+
+from __future__ import annotations
+
+from ..metrics import CONTENT_TYPE, BrokerMetrics
+from .base import APIHandler, Operation
+
+
+def _describe_metrics() -> str:
+    """One line per metric family, from a fresh registry: name, type and help."""
+    lines = []
+    for family in BrokerMetrics().registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        lines.append(f"- `{name}` ({family.type}): {family.documentation}")
+    return "\n".join(lines)
+
+
+class MetricsHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "Get Prometheus metrics",
+            "The text exposition format. Needs a token unless the broker runs with "
+            "`authenticate_metrics` off. Gauges describe the present (read from the "
+            "database at each scrape); counters and histograms count since this "
+            "process started.\n\n" + _describe_metrics(),
+            auth="metrics",
+            content={"text/plain": None},
+        )
+    }
+
+    async def get(self) -> None:
+        broker = self.broker
+
+        def read():
+            return broker.nodes(), broker.projects(), broker.list_slices(state="pending")
+
+        nodes, projects, pending = await self.runner.run(read)
+        metrics = self.runner.metrics
+        metrics.set_state(nodes, projects, pending)
+        metrics.long_polls.set(len(self.runner.watchers))
+        self.set_header("Content-Type", CONTENT_TYPE)
+        self.finish(metrics.exposition())
+
+
+default_handlers = [("/metrics", MetricsHandler)]

@@ -1,0 +1,76 @@
+"""Nodes: the inventory and its states; admins drain, undrain and down them (SPEC §6)."""
+
+from __future__ import annotations
+
+from ...model import NodeState
+from .base import NAME_PARAM, APIHandler, Operation
+
+
+class NodeListHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "List nodes",
+            "Every node with its GPU type, GPU count, weight, state (and why and since "
+            "when) and the GPUs held on it.",
+            content={"application/json": "NodeList"},
+        )
+    }
+
+    async def get(self) -> None:
+        self.write_json({"nodes": await self.runner.run(self.broker.nodes)})
+
+
+def _node_operation(summary: str, description: str) -> dict:
+    return {
+        "post": Operation(
+            summary,
+            description + " Admins only. The body (optional) may give a `reason`.",
+            auth="admin",
+            parameters=(NAME_PARAM,),
+            body="NodeChange",
+            body_required=False,
+            content={"application/json": "Node"},
+            errors=(400, 404, 409),
+        )
+    }
+
+
+class _NodeStateHandler(APIHandler):
+    target: NodeState
+
+    async def post(self, name: str) -> None:
+        body = self.body()
+        node = await self.runner.change(
+            self.broker.set_node_state, name, self.target.value, body.get("reason") or ""
+        )
+        self.write_json(node)
+
+
+class NodeDrainHandler(_NodeStateHandler):
+    target = NodeState.DRAINING
+    operations = _node_operation(
+        "Drain a node",
+        "No new grants; each slice on it is preempted as its protection ends; once "
+        "empty the node reports `drained`.",
+    )
+
+
+class NodeUndrainHandler(_NodeStateHandler):
+    target = NodeState.READY
+    operations = _node_operation("Put a node back in service", "The node becomes `ready`.")
+
+
+class NodeDownHandler(_NodeStateHandler):
+    target = NodeState.DOWN
+    operations = _node_operation(
+        "Mark a node down",
+        "Its slices end at once (reason `node_down`; resumable batch slices requeue).",
+    )
+
+
+default_handlers = [
+    ("/nodes", NodeListHandler),
+    ("/nodes/{name}/drain", NodeDrainHandler),
+    ("/nodes/{name}/undrain", NodeUndrainHandler),
+    ("/nodes/{name}/down", NodeDownHandler),
+]

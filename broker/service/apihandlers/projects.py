@@ -1,0 +1,168 @@
+"""Projects: the fair-share tree, usage reports, and admin changes (SPEC §4, §8)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from ...errors import Forbidden, InvalidRequest, NotFound
+from .base import NAME_PARAM, NEW_NAME_PARAM, APIHandler, Operation, Param
+
+
+class ProjectListHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "Show the project tree",
+            "Parents before children, siblings in fair-share order (most under-served "
+            "first), each with its share, entitlement, window usage, fair-share value "
+            "(usage / entitlement), rank among projects, members and queue.",
+            content={"application/json": "ProjectList"},
+        )
+    }
+
+    async def get(self) -> None:
+        self.write_json({"projects": await self.runner.run(self.broker.projects)})
+
+
+class ProjectHandler(APIHandler):
+    operations = {
+        "put": Operation(
+            "Create or change an account",
+            "Admins only. Sets the share and parent; `users`/`groups` replace the members "
+            "when given. The new tree is checked before anything changes. Lasts until the "
+            "broker restarts unless the configuration file says the same.",
+            auth="admin",
+            parameters=(NEW_NAME_PARAM,),
+            body="ProjectUpdate",
+            content={"application/json": "Project"},
+            errors=(400, 409),
+        )
+    }
+
+    async def put(self, name: str) -> None:
+        name = self.path_param("name", name)
+        body = self.body()
+        project = await self.runner.change(
+            self.broker.put_project,
+            name,
+            share=body["share"],
+            parent=body.get("parent"),
+            users=body.get("users"),
+            groups=body.get("groups"),
+        )
+        self.write_json(project)
+
+
+TIME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 64}
+USAGE_COLUMNS = ("project", "user", "since", "until", "slices", "gpu_seconds")
+
+
+class ProjectUsageHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "Report a project's charged usage",
+            "Weighted and plain GPU-seconds charged to the account (with its "
+            "sub-accounts) in [since, until), per user or per project; running slices "
+            "count up to now. Members of the project, agents and admins may read it.",
+            parameters=(
+                NAME_PARAM,
+                Param(
+                    "since",
+                    "query",
+                    TIME_SCHEMA,
+                    "start: epoch seconds or ISO 8601 (default: the lookback window ago)",
+                ),
+                Param(
+                    "until",
+                    "query",
+                    TIME_SCHEMA,
+                    "end: epoch seconds or ISO 8601 (default: now)",
+                ),
+                Param("by", "query", {"type": "string", "enum": ["user", "project"]}, "rows per"),
+                Param(
+                    "format",
+                    "query",
+                    {"type": "string", "enum": ["json", "csv"]},
+                    "json (default) or csv",
+                ),
+            ),
+            content={"application/json": "UsageReport", "text/csv": None},
+            errors=(400, 404),
+        )
+    }
+
+    async def get(self, name: str) -> None:
+        params = self.params()
+        since = _time(params, "since")
+        until = _time(params, "until")
+        if since is not None and until is not None and since > until:
+            raise InvalidRequest("since must not be after until")
+        by = params.get("by", "user")
+        if not self.identity.acts_for_others:
+            await self._check_member(name)
+        rows = await self.runner.run(self.broker.usage_report, name, since, until, by=by)
+        if params.get("format", "json") == "csv":
+            self.set_header("Content-Type", "text/csv; charset=UTF-8")
+            self.finish(_csv(rows, by))
+            return
+        self.write_json({"project": name, "by": by, "usage": rows})
+
+    async def _check_member(self, name: str) -> None:
+        projects = {p["name"]: p for p in await self.runner.run(self.broker.projects)}
+        project = projects.get(name)
+        if project is None:
+            raise NotFound(f"no project {name!r}")
+        identity = self.identity
+        if not (
+            project["is_project"]
+            and (
+                identity.name in project["users"]
+                or not identity.groups.isdisjoint(project["groups"])
+            )
+        ):
+            raise Forbidden(f"only members of {name!r}, agents and admins may read its usage")
+
+
+def _time(params: dict[str, Any], key: str) -> float | None:
+    """Epoch seconds from a parameter in epoch seconds or ISO 8601 (UTC when naive)."""
+    text = params.get(key)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise InvalidRequest(
+                f"{key} must be epoch seconds or an ISO 8601 time, got {text!r}"
+            ) from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        try:
+            value = moment.timestamp()
+        except (OverflowError, OSError, ValueError):
+            raise InvalidRequest(f"{key} is out of range: {text!r}") from None
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{key} must be finite, got {text!r}")
+    return value
+
+
+def _csv(rows: list[dict[str, Any]], by: str) -> str:
+    columns = [c for c in USAGE_COLUMNS if by == "user" or c != "user"]
+    columns.append("weighted_gpu_seconds")
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+default_handlers = [
+    ("/projects", ProjectListHandler),
+    ("/projects/{name}", ProjectHandler),
+    ("/projects/{name}/usage", ProjectUsageHandler),
+]

@@ -1,0 +1,240 @@
+"""Slices: request GPUs, watch the queue, heartbeat, release (SPEC §7–§8).
+
+Users see, heartbeat and release only their own slices; another user's slice
+answers 404, exactly like a slice that does not exist, so ids reveal nothing.
+Agents and admins reach every slice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ...config import parse_duration
+from ...errors import Forbidden, InvalidRequest, NotFound
+from ...model import SliceState
+from ..runner import SliceKey, slice_key
+from .base import ID_PARAM, APIHandler, Operation, Param
+from .common import acting_identity, owner_filter
+
+STATES = [s.value for s in SliceState]
+
+
+class SliceListHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "List slices",
+            "Oldest first. Users see only their own slices; agents and admins see all "
+            "and may filter by `user`.",
+            parameters=(
+                Param(
+                    "state",
+                    "query",
+                    {"type": "string", "enum": [*STATES, "live"]},
+                    "only slices in this state; `live` means not ended",
+                ),
+                Param("project", "query", {"type": "string"}, "only slices of this project"),
+                Param("user", "query", {"type": "string"}, "only slices of this user"),
+            ),
+            content={"application/json": "SliceList"},
+            errors=(400,),
+        ),
+        "post": Operation(
+            "Request a slice of GPUs",
+            "Queues a request charged to `project`, of which the caller (or the user an "
+            "agent acts for) must be a member. Contract terms left out come from the "
+            "configuration's defaults for the kind. Answers at once with the pending "
+            "slice; wait for the grant with `GET /slices/{id}?wait=...`.",
+            body="SliceRequest",
+            ok=201,
+            ok_description="the new slice, pending",
+            content={"application/json": "Slice"},
+            errors=(400,),
+        ),
+    }
+
+    async def get(self) -> None:
+        params = self.params()
+        user = params.get("user")
+        if not self.identity.acts_for_others:
+            if user is not None and user != self.identity.name:
+                raise Forbidden("users list only their own slices")
+            user = self.identity.name
+        slices = await self.runner.run(
+            self.broker.list_slices,
+            state=params.get("state"),
+            project=params.get("project"),
+            user=user,
+        )
+        self.write_json({"slices": slices})
+
+    async def post(self) -> None:
+        body = self.body()
+        actor = acting_identity(self.identity, body.get("user"), body.get("groups"))
+        slice_ = await self.runner.change(
+            self.broker.submit,
+            user=actor.name,
+            groups=sorted(actor.groups),
+            project=body["project"],
+            gpus=body["gpus"],
+            kind=body["kind"],
+            min_runtime=_duration(body, "min_runtime"),
+            gpu_type=body.get("gpu_type"),
+            resumable=body.get("resumable"),
+            max_runtime=_duration(body, "max_runtime"),
+            priority=body.get("priority") or 0,
+            admin=self.identity.admin,
+        )
+        self.set_header("Location", f"{self.settings['api_prefix']}/slices/{slice_['id']}")
+        self.write_json(slice_, status=201)
+
+
+def _duration(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as err:
+        raise InvalidRequest(f"{key}: {err}") from None
+
+
+class _OwnedSliceHandler(APIHandler):
+    """A handler of one slice: the caller's own, unless an agent or admin."""
+
+    async def owned(self, method, slice_id: int, *, change: bool = False) -> Any:
+        call = self.runner.change if change else self.runner.run
+        try:
+            return await call(method, slice_id, **owner_filter(self.identity))
+        except Forbidden:
+            raise NotFound(f"no slice {slice_id}") from None
+
+
+class SliceHandler(_OwnedSliceHandler):
+    operations = {
+        "get": Operation(
+            "Get a slice, or wait for it to change",
+            "With `wait`, a long poll: answers as soon as the slice's state differs from "
+            "`state` (without `state`: as soon as its state or queue position changes "
+            "from what it was when the request arrived), or after `wait` seconds (capped "
+            "by the broker's `max_wait`) with the slice as it is then.",
+            parameters=(
+                ID_PARAM,
+                Param(
+                    "wait",
+                    "query",
+                    {"type": "number", "minimum": 0},
+                    "seconds to wait for a change (capped by the broker's max_wait)",
+                ),
+                Param(
+                    "state",
+                    "query",
+                    {"type": "string", "enum": STATES},
+                    "the state the caller knows; answer once the slice is in another",
+                ),
+            ),
+            content={"application/json": "Slice"},
+            errors=(400, 404),
+        ),
+        "delete": Operation(
+            "Release or cancel a slice",
+            "A pending slice is cancelled; a held one is released and charged up to now. "
+            "Releasing an ended slice changes nothing. Answers with the slice.",
+            parameters=(ID_PARAM,),
+            content={"application/json": "Slice"},
+            errors=(404,),
+        ),
+    }
+
+    async def get(self, id: str) -> None:
+        slice_id = self.slice_id(id)
+        params = self.params()
+        generation = self.runner.watchers.generation
+        current = await self.owned(self.broker.get_slice, slice_id)
+        wait = min(params.get("wait", 0.0), self.settings["max_wait"])
+        if wait > 0:
+            current = await self._wait(slice_id, current, generation, wait, params.get("state"))
+        self.write_json(current)
+
+    async def _wait(
+        self, slice_id: int, current: dict, generation: int, wait: float, known: str | None
+    ) -> dict[str, Any]:
+        """Long poll: the slice once it changed (see the operation), or at the timeout.
+
+        No polling: the handler sleeps until the scheduling loop or a request
+        publishes news of this slice (:class:`~broker.service.runner.SliceWatchers`),
+        then reads the slice again to confirm. ``generation`` is the watchers'
+        count of publications before ``current`` was read; if it moved, news may
+        have raced that read, so the slice is read again before sleeping.
+        """
+        baseline = slice_key(current)
+
+        def is_news(key: SliceKey | None) -> bool:
+            if key is None:  # it left the live set: news unless it had ended already
+                return baseline[0] != SliceState.ENDED
+            return key[0] != known if known is not None else key != baseline
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        watchers = self.runner.watchers
+        while not is_news(slice_key(current)):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            if watchers.generation == generation:
+                self._waiting = watchers.watch(slice_id, is_news)
+                try:
+                    await asyncio.wait({self._waiting}, timeout=remaining)
+                finally:
+                    watchers.unwatch(slice_id, self._waiting)
+                if self._waiting.cancelled() or watchers.closed:  # client gone, or stopping
+                    break
+            generation = watchers.generation
+            current = await self.owned(self.broker.get_slice, slice_id)
+        return current
+
+    async def delete(self, id: str) -> None:
+        slice_ = await self.owned(self.broker.release, self.slice_id(id), change=True)
+        self.write_json(slice_)
+
+
+class SliceHeartbeatHandler(_OwnedSliceHandler):
+    operations = {
+        "post": Operation(
+            "Heartbeat a slice",
+            "Extends the slice's lease to now + the broker's lease. Once heartbeated, a "
+            "slice must keep being heartbeated (also while it waits): a lapsed lease ends "
+            "it with reason `lost`. An ended slice is returned as it is.",
+            parameters=(ID_PARAM,),
+            content={"application/json": "Slice"},
+            errors=(404,),
+        )
+    }
+
+    async def post(self, id: str) -> None:
+        self.write_json(await self.owned(self.broker.heartbeat, self.slice_id(id)))
+
+
+class SliceEventsHandler(_OwnedSliceHandler):
+    operations = {
+        "get": Operation(
+            "List a slice's state changes",
+            "Oldest first, each with the time and the reason (granted where, preempted "
+            "for which slice, ended why).",
+            parameters=(ID_PARAM,),
+            content={"application/json": "SliceEventList"},
+            errors=(404,),
+        )
+    }
+
+    async def get(self, id: str) -> None:
+        events = await self.owned(self.broker.events, self.slice_id(id))
+        self.write_json({"events": events})
+
+
+default_handlers = [
+    ("/slices", SliceListHandler),
+    ("/slices/{id}", SliceHandler),
+    ("/slices/{id}/heartbeat", SliceHeartbeatHandler),
+    ("/slices/{id}/events", SliceEventsHandler),
+]

@@ -1,0 +1,362 @@
+"""``slicebroker serve``: the broker as an HTTP service (standalone or a JupyterHub service).
+
+:class:`BrokerApp` wires options to the pieces: the cluster configuration and
+the database make a :class:`~broker.store.Broker`; a
+:class:`~broker.service.runner.BrokerRunner` runs it off the event loop and
+keeps the schedule going; an authenticator (the broker's own tokens, or
+JupyterHub's when ``JUPYTERHUB_API_TOKEN`` is set) identifies callers; the
+tornado application serves the handlers of :mod:`broker.service.apihandlers`
+under ``{base_url}api/v1``.
+
+Run by JupyterHub as a hub-managed service (``c.JupyterHub.services`` entry with
+a ``command``), it takes its address from ``JUPYTERHUB_SERVICE_URL`` and its
+prefix from ``JUPYTERHUB_SERVICE_PREFIX``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterable, Sequence
+from urllib.parse import urlparse
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from tornado import web
+from tornado.httpserver import HTTPServer
+from traitlets import Bool, Float, Integer, Unicode, default, validate
+from traitlets.config import Application
+
+from .. import __version__
+from ..config import DEMO_CONFIG, load_config
+from ..errors import InvalidConfig
+from ..orm import DatabaseSchemaError, normalize_url
+from ..store import Broker
+from .apihandlers import default_handlers
+from .apihandlers.base import InFlight, NotFoundHandler
+from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
+from .openapi import path_regex
+from .runner import BrokerRunner
+
+log = logging.getLogger("slicebroker.service")
+
+LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+#: Largest request body accepted; the API's bodies are a few hundred bytes.
+MAX_BODY_BYTES = 1024 * 1024
+#: How long requests in flight may take to finish when the service stops.
+STOP_TIMEOUT_S = 5.0
+
+
+def make_app(
+    runner: BrokerRunner,
+    authenticator: Authenticator,
+    *,
+    base_url: str = "/",
+    max_wait: float = 60.0,
+    authenticate_metrics: bool = True,
+    handlers: Iterable[tuple[str, type]] = default_handlers,
+) -> web.Application:
+    """The tornado application serving ``handlers`` under ``{base_url}api/v1``."""
+    handlers = list(handlers)
+    prefix = base_url.rstrip("/") + "/api/v1"
+    routes = []
+    for path, handler in handlers:
+        pattern = path_regex(prefix) + ("/?" if path == "/" else path_regex(path))
+        routes.append((pattern, handler))
+    return web.Application(
+        routes,
+        default_handler_class=NotFoundHandler,
+        runner=runner,
+        authenticator=authenticator,
+        max_wait=max_wait,
+        authenticate_metrics=authenticate_metrics,
+        in_flight=InFlight(),
+        api_prefix=prefix,
+        api_handlers=handlers,
+    )
+
+
+def _service_url() -> tuple[str | None, int | None]:
+    url = os.environ.get("JUPYTERHUB_SERVICE_URL")
+    if not url:
+        return None, None
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return parsed.hostname, port
+
+
+class BrokerApp(Application):
+    """Serve the broker's HTTP API and run its scheduling loop."""
+
+    name = "slicebroker-serve"
+    version = __version__
+    description = (
+        "Serve the GPU broker's HTTP API (JSON under {base_url}api/v1) and run its "
+        "scheduling loop. Standalone it uses its own tokens (slicebroker token create); "
+        "launched by JupyterHub as a service it uses JupyterHub's tokens and scopes."
+    )
+    aliases = {
+        "config-file": "BrokerApp.config_file",
+        "db-url": "BrokerApp.db_url",
+        "ip": "BrokerApp.ip",
+        "port": "BrokerApp.port",
+        "base-url": "BrokerApp.base_url",
+        "pass-interval": "BrokerApp.pass_interval",
+        "lease": "BrokerApp.lease",
+        "max-wait": "BrokerApp.max_wait",
+        "log-level": "Application.log_level",
+    }
+    flags = {
+        "upgrade-db": (
+            {"BrokerApp": {"upgrade_db": True}},
+            "Migrate an out-of-date database on start (back it up first).",
+        ),
+        "no-authenticate-metrics": (
+            {"BrokerApp": {"authenticate_metrics": False}},
+            "Serve /metrics without a token.",
+        ),
+    }
+
+    @default("log_level")
+    def _default_log_level(self) -> int:
+        return logging.INFO
+
+    config_file = Unicode(
+        help="""The cluster configuration (TOML): GPU types, nodes, project tree, policy.
+
+        Default: $SLICEBROKER_CONFIG if set, else the demo cluster shipped with the
+        package (one node of 8 H100s). See docs/configuration.md.
+        """,
+    ).tag(config=True)
+
+    @default("config_file")
+    def _default_config_file(self) -> str:
+        return os.environ.get("SLICEBROKER_CONFIG") or str(DEMO_CONFIG)
+
+    db_url = Unicode(
+        help="""The database URL (SQLAlchemy): sqlite:///path/file.sqlite or
+        postgresql://user:password@host/db.
+
+        Default: $SLICEBROKER_DB_URL if set, else sqlite:///slicebroker.sqlite (a file
+        in the working directory). A blank database is initialised on start.
+        """,
+    ).tag(config=True)
+
+    @default("db_url")
+    def _default_db_url(self) -> str:
+        return os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///slicebroker.sqlite"
+
+    ip = Unicode(
+        help="""The address to listen on.
+
+        Default: the host of $JUPYTERHUB_SERVICE_URL when JupyterHub runs the broker as
+        a service, else 127.0.0.1 (this machine only).
+        """,
+    ).tag(config=True)
+
+    @default("ip")
+    def _default_ip(self) -> str:
+        return _service_url()[0] or "127.0.0.1"
+
+    port = Integer(
+        help="""The TCP port to listen on.
+
+        Default: the port of $JUPYTERHUB_SERVICE_URL when JupyterHub runs the broker as
+        a service, else 8765.
+        """,
+    ).tag(config=True)
+
+    @default("port")
+    def _default_port(self) -> int:
+        return _service_url()[1] or 8765
+
+    @validate("port")
+    def _check_port(self, proposal):
+        if not 0 <= proposal.value <= 65535:
+            raise ValueError(f"port must be 0-65535, got {proposal.value}")
+        return proposal.value
+
+    base_url = Unicode(
+        help="""The URL prefix the API is served under ({base_url}api/v1).
+
+        Default: $JUPYTERHUB_SERVICE_PREFIX (e.g. /services/slicebroker/) when JupyterHub
+        runs the broker as a service, else /.
+        """,
+    ).tag(config=True)
+
+    @default("base_url")
+    def _default_base_url(self) -> str:
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or "/"
+
+    @validate("base_url")
+    def _check_base_url(self, proposal):
+        return "/" + proposal.value.strip("/") + "/" if proposal.value.strip("/") else "/"
+
+    pass_interval = Float(
+        5.0,
+        help="""Longest time between scheduling passes, in seconds (default 5).
+
+        Passes also run after every change (submit, release, node or project change)
+        and at the next contract deadline (end of protection, grace period, max
+        runtime, lease expiry), so this only bounds how stale fair-share values get.
+        """,
+    ).tag(config=True)
+
+    lease = Float(
+        120.0,
+        help="""How long a heartbeat keeps a slice alive, in seconds (default 120).
+
+        A granted slice (or a waiting one that was heartbeated) whose holder does not
+        heartbeat within this time ends with reason `lost`. On start the broker grants
+        every live slice a fresh lease, so its own downtime costs nobody a slice.
+        """,
+    ).tag(config=True)
+
+    max_wait = Float(
+        60.0,
+        help="""Cap on a long poll (GET /slices/{id}?wait=...), in seconds (default 60).
+
+        Keep it below the timeouts of proxies between clients and the broker.
+        """,
+    ).tag(config=True)
+
+    authenticate_metrics = Bool(
+        True,
+        help="""Whether GET /api/v1/metrics needs a token (default: yes).
+
+        Turn off to let Prometheus scrape without one.
+        """,
+    ).tag(config=True)
+
+    token_cache_max_age = Float(
+        5.0,
+        help="""How long an identified token is remembered, in seconds (default 5).
+
+        Revoked tokens (and JupyterHub role changes) take effect within this time.
+        """,
+    ).tag(config=True)
+
+    upgrade_db = Bool(
+        False,
+        help="""Migrate an out-of-date database on start instead of refusing to run
+        (default: no; `slicebroker upgrade-db` does it by hand).
+        """,
+    ).tag(config=True)
+
+    @validate("pass_interval", "lease")
+    def _check_positive(self, proposal):
+        if not proposal.value > 0:
+            raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
+        return proposal.value
+
+    @validate("max_wait", "token_cache_max_age")
+    def _check_not_negative(self, proposal):
+        if not proposal.value >= 0:
+            raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
+        return proposal.value
+
+    @property
+    def hub_managed(self) -> bool:
+        """Whether JupyterHub runs this broker as a service (its API token is set)."""
+        return bool(os.environ.get("JUPYTERHUB_API_TOKEN"))
+
+    def initialize(self, argv: Sequence[str] | None = None) -> None:
+        super().initialize(argv)
+        _setup_logging(self.log_level)
+
+    def start(self) -> int:
+        return asyncio.run(self.serve())
+
+    async def serve(self) -> int:
+        """Serve until SIGTERM or SIGINT; the exit status."""
+        try:
+            config = load_config(self.config_file)
+        except InvalidConfig as err:
+            log.error("%s: %s", self.config_file, err)
+            return 2
+        database = make_url(normalize_url(self.db_url)).render_as_string(hide_password=True)
+        try:
+            broker = Broker(self.db_url, config, lease=self.lease, upgrade=self.upgrade_db)
+        except DatabaseSchemaError as err:
+            log.error("%s", err)
+            return 2
+        except SQLAlchemyError as err:
+            log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
+            return 1
+        runner = BrokerRunner(broker, pass_interval=self.pass_interval)
+        authenticator = self._authenticator(runner, config.admins)
+        app = make_app(
+            runner,
+            authenticator,
+            base_url=self.base_url,
+            max_wait=self.max_wait,
+            authenticate_metrics=self.authenticate_metrics,
+        )
+        server = HTTPServer(app, max_body_size=MAX_BODY_BYTES)
+        try:
+            server.listen(self.port, address=self.ip)
+        except OSError as err:
+            log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
+            await runner.stop()
+            authenticator.close()
+            return 1
+        runner.start()
+        log.info(
+            "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, database %s, auth %s)",
+            __version__,
+            self.ip,
+            self.port,
+            self.base_url,
+            config.source,
+            database,
+            authenticator.describe(),
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+        server.stop()
+        runner.watchers.close()  # long polls answer now
+        with contextlib.suppress(TimeoutError):  # requests in flight finish
+            await asyncio.wait_for(app.settings["in_flight"].idle(), STOP_TIMEOUT_S)
+        await server.close_all_connections()
+        await runner.stop()
+        authenticator.close()
+        return 0
+
+    def _authenticator(self, runner: BrokerRunner, admins: Iterable[str]) -> Authenticator:
+        if self.hub_managed:
+            return HubAuthenticator.from_environment(self.token_cache_max_age)
+        return TokenAuthenticator(
+            TokenStore(self.db_url),
+            lambda fn: runner.run(fn),
+            admins=admins,
+            cache_max_age=self.token_cache_max_age,
+        )
+
+
+def _setup_logging(level: int | str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``slicebroker serve [options]``: serve until stopped; the exit status."""
+    app = BrokerApp()
+    try:
+        app.initialize(argv)
+        return app.start()
+    except SystemExit as done:  # --help, --version, or a bad option
+        return done.code if isinstance(done.code, int) else 0
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,169 @@
+"""Prometheus metrics of the broker service (``GET /api/v1/metrics``).
+
+Every metric is named ``slicebroker_*`` and carries its unit in its name.
+Counters and histograms are fed by the scheduling loop as passes happen;
+gauges describing the present (queues, GPUs, usage) are set from the database
+when the endpoint is scraped, so every replica of the service reports the same.
+Each :class:`BrokerMetrics` has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..model import Decisions, NodeState, SliceKind
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Queue waits last from seconds (debug lane) to days (large batch work).
+WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400, 604800)
+#: A pass takes milliseconds on small clusters, up to seconds on very large queues.
+PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class BrokerMetrics:
+    """The service's metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queue_length = Gauge(
+            "slicebroker_queue_length_slices",
+            "Slices waiting for GPUs, by project and kind.",
+            ["project", "kind"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "slicebroker_queue_wait_seconds",
+            "Time from submission to grant of granted slices, by project and kind.",
+            ["project", "kind"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.gpus_held = Gauge(
+            "slicebroker_gpus_held",
+            "GPUs held by slices, by GPU type and node state.",
+            ["gpu_type", "node_state"],
+            registry=r,
+        )
+        self.gpus_free = Gauge(
+            "slicebroker_gpus_free",
+            "GPUs held by no slice, by GPU type and node state.",
+            ["gpu_type", "node_state"],
+            registry=r,
+        )
+        self.window_usage = Gauge(
+            "slicebroker_project_usage_weighted_gpu_seconds",
+            "Charged usage in the fair-share lookback window (weighted GPU-seconds), "
+            "per account (parents sum their subtree).",
+            ["project"],
+            registry=r,
+        )
+        self.entitlement = Gauge(
+            "slicebroker_project_entitlement_ratio",
+            "Each account's entitled fraction of the cluster (0-1).",
+            ["project"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "slicebroker_preemptions",
+            "Slices asked to leave, by reason (fair_share, priority, debug_lane, "
+            "unallocated, drain).",
+            ["reason"],
+            registry=r,
+        )
+        self.endings = Counter(
+            "slicebroker_slice_endings",
+            "Slices ended (or requeued) by a scheduling pass, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.pass_duration = Histogram(
+            "slicebroker_pass_duration_seconds",
+            "Wall time of a whole scheduling pass: load, decide and write.",
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.pass_phase = Histogram(
+            "slicebroker_pass_phase_duration_seconds",
+            "Time of each phase of the scheduling decision (Decisions.phase_seconds).",
+            ["phase"],
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.long_polls = Gauge(
+            "slicebroker_long_polls",
+            "Long polls (GET /slices/{id}?wait=...) waiting for news, in this process.",
+            registry=r,
+        )
+        self.pass_failures = Counter(
+            "slicebroker_pass_failures",
+            "Scheduling passes that failed (the database was unavailable, say).",
+            registry=r,
+        )
+
+    # ---- fed by the scheduling loop -------------------------------------------------
+
+    def record_pass(
+        self, decisions: Decisions, live: Mapping[int, Mapping[str, Any]], seconds: float
+    ) -> None:
+        """Count what a pass decided; ``live`` holds the live slices read right after it."""
+        self.pass_duration.observe(seconds)
+        for phase, phase_seconds in decisions.phase_seconds.items():
+            self.pass_phase.labels(phase=phase).observe(phase_seconds)
+        for preemption in decisions.preemptions:
+            self.preemptions.labels(reason=preemption.reason.value).inc()
+        for ending in decisions.endings:
+            self.endings.labels(reason=ending.reason.value).inc()
+        for grant in decisions.grants:
+            slice_ = live.get(grant.slice_id)
+            if slice_ is None or slice_.get("granted_at") is None:
+                continue
+            waited = max(0.0, slice_["granted_at"] - slice_["submitted_at"])
+            self.queue_wait.labels(project=slice_["project"], kind=slice_["kind"]).observe(waited)
+
+    # ---- set at scrape time ---------------------------------------------------------
+
+    def set_state(
+        self,
+        nodes: Iterable[Mapping[str, Any]],
+        projects: Iterable[Mapping[str, Any]],
+        pending: Iterable[Mapping[str, Any]],
+    ) -> None:
+        """Set the gauges from the present state of nodes, projects and the queue."""
+        projects = list(projects)
+        self.queue_length.clear()
+        for project in projects:
+            if project["is_project"]:
+                for kind in SliceKind:
+                    self.queue_length.labels(project=project["name"], kind=kind.value).set(0)
+        for slice_ in pending:
+            self.queue_length.labels(project=slice_["project"], kind=slice_["kind"]).inc()
+        self.window_usage.clear()
+        self.entitlement.clear()
+        for project in projects:
+            self.window_usage.labels(project=project["name"]).set(project["usage"])
+            self.entitlement.labels(project=project["name"]).set(project["entitlement"])
+        held: dict[tuple[str, str], int] = {}
+        free: dict[tuple[str, str], int] = {}
+        nodes = list(nodes)
+        for gpu_type in {node["gpu_type"] for node in nodes}:
+            for state in NodeState:
+                held[gpu_type, state.value] = free[gpu_type, state.value] = 0
+        for node in nodes:
+            key = (node["gpu_type"], node["state"])
+            held[key] = held.get(key, 0) + node["gpus_held"]
+            free[key] = free.get(key, 0) + max(0, node["gpu_count"] - node["gpus_held"])
+        self.gpus_held.clear()
+        self.gpus_free.clear()
+        for (gpu_type, state), count in held.items():
+            self.gpus_held.labels(gpu_type=gpu_type, node_state=state).set(count)
+        for (gpu_type, state), count in free.items():
+            self.gpus_free.labels(gpu_type=gpu_type, node_state=state).set(count)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,269 @@
+"""The service's engine room: database work off the event loop, and the scheduling loop.
+
+:class:`BrokerRunner` owns the :class:`~broker.store.Broker` and one worker
+thread. Every call into the Broker — requests, passes, token look-ups — runs on
+that thread, one after another, so the event loop never blocks on the
+database and database work in this process is serialised.
+
+The scheduling loop (:meth:`BrokerRunner.run_forever`) runs a pass
+
+1. whenever a request changed something (:meth:`BrokerRunner.request_pass`);
+   requests arriving while a pass runs are coalesced into one more pass;
+2. at the earliest deadline of a live slice — end of protection, end of a
+   grace period, ``max_runtime``, lease expiry — so contracts end on time
+   without any request;
+3. every ``pass_interval`` seconds otherwise (usage windows slide, other
+   processes may share the database).
+
+After every pass, long-poll waiters (:class:`SliceWatchers`) hear which slices
+changed. Nothing here is needed to recover from a crash: the database is the
+truth, and a restarted service carries on from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import OperationalError
+
+from ..model import Decisions
+from ..store import Broker
+from .metrics import BrokerMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: What a long-poll waiter compares: a slice's state and queue position.
+SliceKey = tuple[str, int | None]
+
+#: A pass aimed at a deadline runs this long after it, so that "now >= deadline" holds.
+DEADLINE_SLACK_S = 0.01
+#: Keys of a slice that are deadlines at which a pass may have something to do.
+DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
+
+
+def slice_key(slice_: Mapping[str, Any]) -> SliceKey:
+    return slice_["state"], slice_["queue_position"]
+
+
+def next_deadline(live: Iterable[Mapping[str, Any]], now: float) -> float | None:
+    """The earliest deadline after ``now`` among ``live`` slices, or ``None``.
+
+    Deadlines: end of protection (preemption becomes possible), end of the grace
+    period, ``granted_at + max_runtime``, and lease expiry.
+    """
+    earliest: float | None = None
+    for slice_ in live:
+        times = [slice_.get(key) for key in DEADLINE_KEYS]
+        if slice_.get("granted_at") is not None and slice_.get("max_runtime") is not None:
+            times.append(slice_["granted_at"] + slice_["max_runtime"])
+        for at in times:
+            if at is not None and at > now and (earliest is None or at < earliest):
+                earliest = at
+    return earliest
+
+
+class SliceWatchers:
+    """Long-poll waiters, per slice, woken by news of that slice.
+
+    News is a hint, not the truth: a woken waiter reads the slice again. A
+    waiter registers with ``is_news(key)``; :meth:`publish` resolves it when a
+    slice's new key (state, queue position) is news to it, or when the key is
+    unknown (``None``: the slice left the live set). ``generation`` counts
+    publications, so that a waiter can tell whether one raced its read.
+    """
+
+    def __init__(self) -> None:
+        self._waiters: dict[int, dict[asyncio.Future, Callable[[SliceKey | None], bool]]] = {}
+        self.generation = 0
+        self.closed = False
+
+    def watch(self, slice_id: int, is_news: Callable[[SliceKey | None], bool]) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if self.closed:
+            future.set_result(None)
+            return future
+        self._waiters.setdefault(slice_id, {})[future] = is_news
+        return future
+
+    def close(self) -> None:
+        """Wake every waiter for good: the service is stopping."""
+        self.closed = True
+        for waiters in self._waiters.values():
+            for future in waiters:
+                if not future.done():
+                    future.set_result(None)
+
+    def unwatch(self, slice_id: int, future: asyncio.Future) -> None:
+        waiters = self._waiters.get(slice_id)
+        if waiters is not None:
+            waiters.pop(future, None)
+            if not waiters:
+                del self._waiters[slice_id]
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._waiters.values())
+
+    def publish(self, news: Mapping[int, SliceKey], *, complete: bool) -> None:
+        """Tell waiters about ``news``. ``complete``: ``news`` lists every live slice,
+        so a watched slice missing from it has changed (ended, most likely)."""
+        self.generation += 1
+        for slice_id, waiters in list(self._waiters.items()):
+            if slice_id in news:
+                key: SliceKey | None = news[slice_id]
+            elif complete:
+                key = None
+            else:
+                continue
+            for future, is_news in list(waiters.items()):
+                if not future.done() and (key is None or is_news(key)):
+                    future.set_result(key)
+
+
+class BrokerRunner:
+    """Runs ``broker`` on one worker thread and keeps the schedule going.
+
+    ``pass_interval`` (seconds) is the longest time between passes.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        pass_interval: float = 5.0,
+        metrics: BrokerMetrics | None = None,
+    ):
+        self.broker = broker
+        self.pass_interval = pass_interval
+        self.metrics = metrics or BrokerMetrics()
+        self.watchers = SliceWatchers()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
+        self.next_wake: float | None = None  # epoch seconds of the next timed pass
+        self.passes = 0
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._first_pass = asyncio.Event()
+
+    # ---- database work ------------------------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the database thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+        """A request that may change the schedule: run it, tell waiters, ask for a pass."""
+        slice_ = await self.run(fn, *args, **kwargs)
+        self.request_pass()
+        if isinstance(slice_, dict) and "queue_position" in slice_:
+            self.watchers.publish({slice_["id"]: slice_key(slice_)}, complete=False)
+        return slice_
+
+    # ---- the scheduling loop ------------------------------------------------------
+
+    @property
+    def pass_requested(self) -> bool:
+        """Whether a pass was asked for and has not started yet."""
+        return self._wanted.is_set()
+
+    def request_pass(self) -> None:
+        """Ask for a pass soon; any number of requests before it starts make one pass."""
+        self._wanted.set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run_forever())
+
+    async def started(self) -> None:
+        """Return once the first pass after start has run (or failed)."""
+        await self._first_pass.wait()
+
+    async def stop(self) -> None:
+        """Stop the loop, let the running database call finish, close the Broker."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+        self.broker.close()
+
+    async def run_forever(self) -> None:
+        try:
+            await self._extend_leases()
+        except Exception:
+            log.exception("could not extend the leases of live slices after the restart")
+        while True:
+            self._wanted.clear()
+            await self.run_pass()
+            self._first_pass.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wanted.wait(), self._delay())
+
+    def _delay(self) -> float:
+        delay = self.pass_interval
+        if self.next_wake is not None:
+            delay = min(delay, max(0.0, self.next_wake - time.time()) + DEADLINE_SLACK_S)
+        return delay
+
+    async def run_pass(self) -> Decisions | None:
+        """One pass, then metrics, the next deadline and news for waiters."""
+        started = time.perf_counter()
+        try:
+            decisions, live = await self.run(self._pass_and_live)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self.metrics.pass_failures.inc()
+            self.next_wake = None
+            if isinstance(err, OperationalError):  # an outage, not a bug: one line
+                reason = str(err).splitlines()[0]
+                log.error("scheduling pass failed: database unavailable (%s); next try in %g s",
+                          reason, self.pass_interval)  # fmt: skip
+            else:
+                log.exception("scheduling pass failed; next try in %g s", self.pass_interval)
+            return None
+        self.passes += 1
+        seconds = time.perf_counter() - started
+        by_id = {s["id"]: s for s in live}
+        self.metrics.record_pass(decisions, by_id, seconds)
+        self.next_wake = next_deadline(live, time.time())
+        self.watchers.publish({i: slice_key(s) for i, s in by_id.items()}, complete=True)
+        if decisions.grants or decisions.preemptions or decisions.endings:
+            log.info(
+                "pass: %d granted, %d preempted, %d ended, %d waiting (%.1f ms)",
+                len(decisions.grants),
+                len(decisions.preemptions),
+                len(decisions.endings),
+                len(decisions.queue),
+                1000 * seconds,
+            )
+        return decisions
+
+    def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
+        # One job on the database thread: no request slips between the two.
+        decisions = self.broker.run_pass()
+        return decisions, self.broker.list_slices(state="live")
+
+    async def _extend_leases(self) -> None:
+        """After a (re)start, give every leased slice a full lease.
+
+        Holders could not heartbeat while the service was down; without this,
+        the first pass would end their slices as ``lost`` for the broker's absence.
+        """
+        count = await self.run(self._extend_leases_job)
+        if count:
+            log.info("extended the leases of %d live slices after the start", count)
+
+    def _extend_leases_job(self) -> int:
+        live = self.broker.list_slices(state="live")
+        leased = [s["id"] for s in live if s["lease_expires_at"] is not None]
+        for slice_id in leased:
+            self.broker.heartbeat(slice_id, admin=True)
+        return len(leased)

@@ -1,0 +1,401 @@
+"""The service's parts on their own: options, tokens, identities, waiters, deadlines, schemas."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from servicefixtures import TEST_CONFIG, make_service, service_env
+
+from broker.config import DEMO_CONFIG
+from broker.errors import Forbidden, InvalidRequest
+from broker.service.apihandlers.common import acting_identity, owner_filter
+from broker.service.app import BrokerApp, main
+from broker.service.auth import (
+    ADMIN_SCOPE,
+    AGENT_SCOPE,
+    HubAuthenticator,
+    Identity,
+    TokenStore,
+    Unavailable,
+    create_token,
+    list_tokens,
+    parse_authorization,
+    revoke_token,
+    revoke_user_tokens,
+)
+from broker.service.runner import SliceWatchers, next_deadline
+from broker.service.schema import COMPONENTS, ref, validate
+
+# ---- options ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (
+        "JUPYTERHUB_API_TOKEN",
+        "JUPYTERHUB_SERVICE_URL",
+        "JUPYTERHUB_SERVICE_PREFIX",
+        "SLICEBROKER_CONFIG",
+        "SLICEBROKER_DB_URL",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_standalone_defaults(clean_env):
+    app = BrokerApp()
+    assert (app.ip, app.port, app.base_url) == ("127.0.0.1", 8765, "/")
+    assert app.config_file == str(DEMO_CONFIG)
+    assert app.db_url == "sqlite:///slicebroker.sqlite"
+    assert (app.pass_interval, app.lease, app.max_wait) == (5.0, 120.0, 60.0)
+    assert app.authenticate_metrics is True and not app.hub_managed
+
+
+def test_as_a_hub_service_the_address_and_prefix_come_from_the_hub(clean_env):
+    clean_env.setenv("JUPYTERHUB_SERVICE_URL", "http://10.0.0.5:10101")
+    clean_env.setenv("JUPYTERHUB_SERVICE_PREFIX", "/services/slicebroker/")
+    clean_env.setenv("JUPYTERHUB_API_TOKEN", "secret")
+    clean_env.setenv("SLICEBROKER_DB_URL", "postgresql://broker@db/broker")
+    app = BrokerApp()
+    assert (app.ip, app.port, app.base_url) == ("10.0.0.5", 10101, "/services/slicebroker/")
+    assert app.db_url == "postgresql://broker@db/broker"
+    assert app.hub_managed
+
+
+def test_options_from_the_command_line_are_checked(clean_env):
+    app = BrokerApp()
+    app.parse_command_line(["--port=9000", "--base-url=broker", "--lease=30", "--max-wait=5"])
+    assert (app.port, app.base_url, app.lease, app.max_wait) == (9000, "/broker/", 30.0, 5.0)
+    with pytest.raises(Exception, match="must be > 0"):
+        BrokerApp(pass_interval=0)
+    with pytest.raises(Exception, match="port"):
+        BrokerApp(port=70000)
+
+
+def test_help_exits_zero_and_names_every_option(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--config-file", "--db-url", "--ip", "--port", "--base-url", "--lease"):
+        assert option in text
+
+
+def test_a_bad_configuration_stops_the_service_with_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[projects.x]\nshare = 0\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "broker.service", f"--config-file={bad}", "--port=0"],
+        capture_output=True,
+        text=True,
+        env=service_env(),
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "projects.x.share" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_sigterm_stops_the_service_and_a_restart_carries_on(tmp_path):
+    service = make_service(tmp_path)
+    try:
+        _stop_and_restart(service)
+    finally:
+        service.stop()
+
+
+def _stop_and_restart(service) -> None:
+    service.start()
+    alice = service.token("alice")
+    made = service.post(
+        "/slices", token=alice, json={"project": "vision", "gpus": 2, "kind": "batch"}
+    ).json()
+    held = service.get(f"/slices/{made['id']}", token=alice, params={"wait": 5, "state": "pending"})
+    assert held.json()["state"] == "granted"
+    assert service.stop() == 0
+    service.start()
+    again = service.get(f"/slices/{made['id']}", token=alice).json()
+    assert again["state"] == "granted" and again["placements"] == held.json()["placements"]
+    assert again["lease_expires_at"] >= held.json()["lease_expires_at"]  # a fresh lease
+    with ThreadPoolExecutor(1) as pool:
+        params = {"wait": 30, "state": "granted"}
+        poll = pool.submit(service.get, f"/slices/{made['id']}", token=alice, params=params)
+        while "slicebroker_long_polls 1.0" not in service.get("/metrics", token=alice).text:
+            assert not poll.done()  # the poll has not reached the service yet
+        started = time.monotonic()
+        assert service.stop() == 0
+        assert poll.result().status_code == 200  # answered, not cut off
+        assert time.monotonic() - started < 5
+
+
+def test_the_service_refuses_a_busy_port(tmp_path):
+    first = make_service(tmp_path / "one")
+    first.start()
+    try:
+        second = make_service(tmp_path / "two", port=first.port)
+        process = subprocess.run(
+            [sys.executable, "-m", "broker.service", *second.args],
+            capture_output=True,
+            text=True,
+            env=second.env,
+            timeout=60,
+        )
+        assert process.returncode == 1 and "cannot listen" in process.stderr
+    finally:
+        first.stop()
+
+
+# ---- tokens ------------------------------------------------------------------------------
+
+
+def test_tokens_are_stored_hashed_and_verified(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tokens.sqlite'}"
+    token = create_token(url, "alice")
+    agent = create_token(url, "spawner", agent=True)
+    admin = create_token(url, "root", admin=True)
+    store = TokenStore(url)
+    try:
+        assert (store.verify(token).user, store.verify(token).agent) == ("alice", False)
+        assert store.verify(agent).agent and store.verify(admin).admin
+        secret = token.split("_", 2)[2]
+        for forged in (
+            "",
+            "sb",
+            "sb_1",
+            "sb_1_x",
+            "xx_1_" + secret,
+            token + "x",
+            "sb_²_x",
+            f"sb_{2**40}_{secret}",
+            f"sb_0_{secret}",
+        ):
+            assert store.verify(forged) is None, forged
+    finally:
+        store.close()
+    listed = list_tokens(url)
+    assert [(t.user, t.admin, t.agent) for t in listed] == [
+        ("alice", False, False),
+        ("spawner", False, True),
+        ("root", True, False),
+    ]
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.connect() as connection:
+        stored = " ".join(r[0] for r in connection.execute(text("SELECT hashed FROM api_tokens")))
+    engine.dispose()
+    assert token.split("_", 2)[2] not in stored and stored.startswith("sha256$")
+    assert revoke_token(url, token) is True and revoke_token(url, token) is False
+    assert revoke_user_tokens(url, "spawner") == 1
+    assert [t.user for t in list_tokens(url)] == ["root"]
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("token abc", "abc"),
+        ("Token abc", "abc"),
+        ("Bearer abc", "abc"),
+        ("bearer   abc  ", "abc"),
+        ("Basic abc", None),
+        ("token", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_authorization_header(header, token):
+    assert parse_authorization(header) == token
+
+
+# ---- identities ---------------------------------------------------------------------------
+
+ALICE = Identity("alice", frozenset({"cv"}))
+AGENT = Identity("spawner", agent=True, kind="service")
+ADMIN = Identity("root", admin=True)
+
+
+@pytest.mark.parametrize(
+    ("caller", "user", "groups", "acts_as"),
+    [
+        pytest.param(ALICE, None, None, ALICE, id="a user acts as themselves"),
+        pytest.param(ALICE, "alice", ["cv"], ALICE, id="a user may name themselves"),
+        pytest.param(
+            ALICE, None, [], Identity("alice", frozenset()), id="a user may drop their groups"
+        ),
+        pytest.param(AGENT, "erin", ["nlp"], Identity("erin", frozenset({"nlp"})),
+                     id="an agent acts for a user, with only the named groups"),
+        pytest.param(AGENT, "erin", None, Identity("erin"), id="an agent naming no groups"),
+        pytest.param(ADMIN, "erin", None, Identity("erin"), id="an admin acts for a user"),
+        pytest.param(AGENT, None, None, AGENT, id="an agent acts as itself"),
+    ],
+)  # fmt: skip
+def test_who_a_request_acts_for(caller, user, groups, acts_as):
+    assert acting_identity(caller, user, groups) == acts_as
+
+
+@pytest.mark.parametrize(
+    ("user", "groups"),
+    [
+        pytest.param("bob", None, id="another user"),
+        pytest.param(None, ["nlp"], id="a group of others"),
+        pytest.param("alice", ["cv", "nlp"], id="an extra group"),
+    ],
+)
+def test_a_user_may_not_act_for_others(user, groups):
+    with pytest.raises(Forbidden):
+        acting_identity(ALICE, user, groups)
+
+
+def test_agents_and_admins_reach_every_slice_and_users_their_own():
+    assert owner_filter(ALICE) == {"user": "alice"}
+    assert owner_filter(AGENT) == owner_filter(ADMIN) == {"admin": True}
+
+
+class FakeHubAuth:
+    """Answers as JupyterHub's HubAuth would, from a table of tokens."""
+
+    access_scopes = frozenset({"access:services!service=slicebroker"})
+    api_url = "http://hub/hub/api"
+
+    def __init__(self, models):
+        self.models = models
+
+    async def user_for_token(self, token, *, sync=True):
+        from tornado.web import HTTPError
+
+        if token == "hub-down":
+            raise HTTPError(500, "Failed to connect to Hub API")
+        return self.models.get(token)
+
+
+ACCESS = "access:services!service=slicebroker"
+
+
+async def test_hub_tokens_become_identities_by_scope():
+    auth = HubAuthenticator(
+        FakeHubAuth(
+            {
+                "erin": {"kind": "user", "name": "erin", "groups": ["nlp"], "scopes": [ACCESS]},
+                "ada": {"name": "ada", "groups": [], "scopes": [ACCESS, ADMIN_SCOPE]},
+                "bot": {
+                    "kind": "service",
+                    "name": "bot",
+                    "scopes": ["access:services", AGENT_SCOPE],
+                },
+                "other": {"kind": "user", "name": "o", "groups": [], "scopes": ["read:users"]},
+            }
+        )
+    )
+    assert await auth.authenticate("erin") == Identity("erin", frozenset({"nlp"}))
+    assert await auth.authenticate("ada") == Identity("ada", admin=True)
+    assert await auth.authenticate("bot") == Identity("bot", agent=True, kind="service")
+    assert await auth.authenticate("nobody") is None
+    with pytest.raises(Forbidden, match="access:services"):
+        await auth.authenticate("other")
+    with pytest.raises(Unavailable):
+        await auth.authenticate("hub-down")
+
+
+# ---- the scheduling loop's helpers -----------------------------------------------------------
+
+
+def _slice(**fields):
+    base = {
+        "state": "granted",
+        "queue_position": None,
+        "granted_at": None,
+        "max_runtime": None,
+        "protected_until": None,
+        "preempt_deadline": None,
+        "lease_expires_at": None,
+    }
+    return base | fields
+
+
+@pytest.mark.parametrize(
+    ("slices", "expected"),
+    [
+        pytest.param([], None, id="nothing live"),
+        pytest.param([_slice(lease_expires_at=150)], 150, id="a lease"),
+        pytest.param([_slice(granted_at=100, max_runtime=30, lease_expires_at=200)], 130,
+                     id="max runtime before the lease"),
+        pytest.param([_slice(protected_until=120), _slice(preempt_deadline=110)], 110,
+                     id="the earliest of several slices"),
+        pytest.param([_slice(lease_expires_at=90, protected_until=99)], None,
+                     id="deadlines already past are not waited for"),
+    ],
+)  # fmt: skip
+def test_the_next_deadline(slices, expected):
+    assert next_deadline(slices, now=100) == expected
+
+
+async def test_waiters_wake_on_news_only():
+    watchers = SliceWatchers()
+    baseline = ("pending", 3)
+    moved = watchers.watch(1, lambda key: key != baseline)
+    other = watchers.watch(2, lambda key: key[0] != "pending")
+    watchers.publish({1: baseline, 2: ("pending", 1)}, complete=False)
+    assert not moved.done() and not other.done()
+    watchers.publish({1: ("pending", 2)}, complete=False)
+    assert moved.result() == ("pending", 2) and not other.done()
+    watchers.publish({}, complete=True)  # slice 2 left the live set: it ended
+    assert other.result() is None
+    watchers.unwatch(1, moved)
+    watchers.unwatch(2, other)
+    assert len(watchers) == 0 and watchers.generation == 3
+    await asyncio.sleep(0)
+
+
+# ---- schemas --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"project": "p", "gpus": 1, "kind": "batch"}, None),
+        ({"project": "p", "gpus": 1, "kind": "batch", "min_runtime": "1h30m"}, None),
+        ({"project": "p", "gpus": 1, "kind": "batch", "min_runtime": None}, None),
+        ({"project": "p", "gpus": 1, "kind": "batch", "min_runtime": "1 day"}, "min_runtime"),
+        ({"project": "p", "gpus": 1}, "needs 'kind'"),
+        ({"project": "", "gpus": 1, "kind": "batch"}, "body.project must not be empty"),
+        ({"project": "p", "gpus": 1, "kind": "batch", "groups": ["a", 1]}, "body.groups[1]"),
+        ({"project": "p", "gpus": 1, "kind": "batch", "x": 1}, "unknown key 'x'"),
+        ({"project": "p", "gpus": 1e400, "kind": "batch"}, "whole number"),
+    ],
+)
+def test_the_request_schema(value, problem):
+    if problem is None:
+        validate(value, ref("SliceRequest"))
+    else:
+        with pytest.raises(InvalidRequest, match=problem.replace("[", r"\[")):
+            validate(value, ref("SliceRequest"))
+
+
+def test_every_component_is_a_closed_object_listing_its_required_keys():
+    for name, schema in COMPONENTS.items():
+        assert schema["type"] == "object" and schema["additionalProperties"] is False, name
+        assert set(schema.get("required", ())) <= set(schema["properties"]), name
+
+
+def test_the_test_configuration_parses():
+    import tomllib
+
+    from broker.config import parse_config
+
+    assert parse_config(tomllib.loads(TEST_CONFIG)).admins == {"root"}
+
+
+def test_an_unreachable_database_stops_the_service_with_one_line(tmp_path):
+    url = "postgresql://broker:hunter2@127.0.0.1:1/broker"
+    run = subprocess.run(
+        [sys.executable, "-m", "broker.service", f"--db-url={url}", "--port=0"],
+        capture_output=True,
+        text=True,
+        env=service_env(),
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert "cannot open the database" in run.stderr and "Traceback" not in run.stderr
+    assert "hunter2" not in run.stderr
