@@ -2,21 +2,44 @@
 
 A subcommand is a function that adds its parser to the subparsers and sets
 ``handler`` — a function of the parsed arguments returning the exit status —
-listed in :data:`SUBCOMMANDS`. Errors a user can fix are one line on stderr
-(``error: ...``) and exit status 2, never a traceback.
+listed in :data:`SUBCOMMANDS`. Errors are one line on stderr (``error: ...``),
+never a traceback: exit status 2 for a command line to fix, 1 for what the
+broker (or the database) answered or a broker that cannot be reached.
+
+Most commands talk to a broker over its HTTP API (SPEC §8), so they work from
+anywhere: ``--url`` and ``--token`` default to the ``SLICEBROKER_URL`` and
+``SLICEBROKER_TOKEN`` environment variables. ``upgrade-db`` and ``token
+create`` work on the database directly; ``serve`` runs the broker.
+``docs/admin.md`` is the reference, with examples.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-from .config import ClusterConfig, load_config
+from .batch import BatchError, BatchRequest, run_batch
+from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
+from .config import ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
+from .sim.cli import add_parser as add_simulate
 
 PROG = "slicebroker"
 USAGE_ERROR = 2
+API_ERROR = 1
+DB_URL_ENV = "SLICEBROKER_DB_URL"
+#: Retries of a request after a connection failure (0.25 s, then 0.5 s apart).
+CLI_RETRIES = 2
+HOUR = 3600.0
 
 
 class _UsageError(Exception):
@@ -28,6 +51,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 # ---- check-config -----------------------------------------------------------
@@ -49,8 +77,7 @@ def check_config(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
     except InvalidConfig as err:
-        print(f"error: {args.file}: {err}", file=sys.stderr)
-        return USAGE_ERROR
+        return _fail(f"{args.file}: {err}", USAGE_ERROR)
     print(f"{args.file}: ok")
     print("\n".join(summarise(config)))
     return 0
@@ -96,9 +123,807 @@ def _describe_members(config: ClusterConfig, project: str) -> str:
     return "  " + "; ".join(parts) if parts else "  (no members)"
 
 
+# ---- talking to the broker --------------------------------------------------
+
+ApiWork = Callable[[BrokerClient, argparse.Namespace], Awaitable[int]]
+
+
+def _api_command(
+    commands: argparse._SubParsersAction, name: str, work: ApiWork, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A subcommand running ``work`` with a client of the broker ``--url``/``--token`` name."""
+    parser = commands.add_parser(name, **kwargs)
+    api = parser.add_argument_group("broker")
+    api.add_argument(
+        "--url",
+        help=f"the broker's base URL (default: ${URL_ENV})",
+    )
+    api.add_argument(
+        "--token",
+        default=None,
+        help=f"API token (default: ${TOKEN_ENV}; prefer the variable: arguments show in ps)",
+    )
+    api.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up on an unanswered request after this long (default: 30)",
+    )
+    parser.set_defaults(handler=lambda args: _run_api(work, args))
+    return parser
+
+
+def _run_api(work: ApiWork, args: argparse.Namespace) -> int:
+    try:
+        client = BrokerClient(args.url, args.token, timeout=args.timeout, retries=CLI_RETRIES)
+    except ValueError as err:
+        return _fail(f"{err} (see '{PROG} {args.command} --help')", USAGE_ERROR)
+
+    async def session() -> int:
+        try:
+            return await work(client, args)
+        finally:
+            client.close()
+
+    try:
+        return asyncio.run(session())
+    except BrokerAPIError as err:
+        return _fail(_describe_api_error(err), API_ERROR)
+    except BatchError as err:
+        return _fail(str(err), err.status)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _describe_api_error(err: BrokerAPIError) -> str:
+    if not err.status:
+        return err.message
+    return f"{err.message} (HTTP {err.status}, {err.code})"
+
+
+# ---- argument types ---------------------------------------------------------
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names; the empty string is the empty list."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?([+-]\d{2}:?\d{2}|Z)?")
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """Epoch seconds in ``text``: ``now``, a date and time (ISO 8601, local time unless it
+    has an offset: ``2025-03-01``, ``2025-03-01T09:30``), a duration ago (``7d``,
+    ``90m``: a unit is needed) or epoch seconds (a bare number).
+
+    Raises :class:`ValueError` with a message fit for a user.
+    """
+    now = time.time() if now is None else now
+    text = text.strip()
+    if text == "now":
+        return now
+    if _DATE.fullmatch(text):
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        if moment.tzinfo is None:
+            moment = moment.astimezone()  # local time
+        return moment.timestamp()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return now - parse_duration(text)
+    except ValueError:
+        raise ValueError(
+            f"invalid time {text!r}: expected 'now', a date such as 2025-03-01 or "
+            "2025-03-01T09:30, a duration ago such as 7d or 12h, or epoch seconds"
+        ) from None
+
+
+def _time_arg(text: str) -> float:
+    try:
+        return parse_time(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# ---- output -----------------------------------------------------------------
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
+    """Lines of an aligned table, columns two spaces apart.
+
+    ``align`` has a letter per column, ``l`` (left, the default for columns it
+    leaves out) or ``r`` (right, for numbers). Cells are turned into text with
+    ``str``; ``None`` prints as ``-``.
+    """
+    cells = [list(header)] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        parts = []
+        for i, cell in enumerate(row):
+            right = align[i : i + 1] == "r"
+            parts.append(cell.rjust(widths[i]) if right else cell.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+    return lines
+
+
+def _print(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(line)
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _hours(gpu_seconds: float | None) -> str | None:
+    """GPU-seconds as GPU-hours with two decimals."""
+    return None if gpu_seconds is None else f"{gpu_seconds / HOUR:.2f}"
+
+
+def _clock(epoch: float | None, now: float | None = None) -> str | None:
+    """Local time of ``epoch``: ``HH:MM:SS`` today, ``YYYY-MM-DD HH:MM`` otherwise."""
+    if epoch is None:
+        return None
+    now = time.time() if now is None else now
+    moment = time.localtime(epoch)
+    if time.strftime("%Y-%m-%d", moment) == time.strftime("%Y-%m-%d", time.localtime(now)):
+        return time.strftime("%H:%M:%S", moment)
+    return time.strftime("%Y-%m-%d %H:%M", moment)
+
+
+def _span(seconds: float) -> str:
+    """A rounded duration for people: ``45s``, ``12m``, ``3h5m``, ``2d4h``."""
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{round(seconds)}s"
+    if seconds < 2 * HOUR:
+        return f"{round(seconds / 60)}m"
+    if seconds < 2 * 86400:
+        return format_duration(round(seconds / 60) * 60)
+    return format_duration(round(seconds / HOUR) * HOUR)
+
+
+def _when(epoch: float | None, now: float) -> str | None:
+    """When a future moment comes: ``in 5m (14:05:00)``, or ``now`` if it has passed."""
+    if epoch is None:
+        return None
+    if epoch <= now:
+        return "now"
+    return f"in {_span(epoch - now)} ({_clock(epoch, now)})"
+
+
+def _placements(slice_: Mapping[str, Any]) -> str | None:
+    parts = [
+        f"{p['node']}[{','.join(str(i) for i in p['gpu_indices'])}]"
+        for p in slice_.get("placements") or []
+    ]
+    return " ".join(parts) or None
+
+
+# ---- projects ---------------------------------------------------------------
+
+
+def add_projects(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "projects",
+        projects,
+        help="show the project tree: shares, entitlements, usage, fair share",
+        description="Show the project tree with each account's share, entitlement (its "
+        "fraction of the cluster), usage in the lookback window (weighted GPU-hours), "
+        "fair-share value (usage / entitlement, in GPU-hours; lower is served first) and "
+        "each project's rank (1 is served first), GPUs held and slices pending.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the API's JSON instead")
+
+
+async def projects(client: BrokerClient, args: argparse.Namespace) -> int:
+    rows = await client.projects()
+    if args.json:
+        _print_json(rows)
+    else:
+        _print(project_table(rows))
+    return 0
+
+
+def project_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The ``projects`` table: the tree (children indented under their parent)."""
+    depth: dict[str, int] = {}
+    cells = []
+    for row in rows:
+        level = depth[row["name"]] = depth.get(row["parent"], -1) + 1  # parents come first
+        leaf = row["is_project"]
+        cells.append(
+            [
+                "  " * level + row["name"],
+                f"{row['share']:g}",
+                f"{100 * row['entitlement']:.1f}%",
+                _hours(row["usage"]),
+                _hours(row["fairshare_value"]),
+                row["rank"] if leaf else "",
+                row["gpus_held"] if leaf else "",
+                row["pending"] if leaf else "",
+                _members(row) if leaf else "",
+            ]
+        )
+    header = ["ACCOUNT", "SHARE", "ENTITLEMENT", "USAGE GPU-h", "FAIR-SHARE", "RANK", "HELD"]
+    return table([*header, "PENDING", "MEMBERS"], cells, "lrrrrrrrl")
+
+
+def _members(row: Mapping[str, Any]) -> str:
+    parts = []
+    if row.get("users"):
+        parts.append("users " + ",".join(row["users"]))
+    if row.get("groups"):
+        parts.append("groups " + ",".join(row["groups"]))
+    return "; ".join(parts) or "(none)"
+
+
+def add_project(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "project",
+        help="change an account of the project tree (admin)",
+        description="Change the project tree (admin). Changes last until the broker "
+        "restarts unless the configuration file says the same.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    put = _api_command(
+        actions,
+        "set",
+        project_set,
+        help="create an account or change its share, parent or members",
+        description="Create an account, or change its share, parent or members. Options "
+        "left out keep their value (a new account goes at the top of the tree).",
+    )
+    put.add_argument("name", metavar="NAME", help="the account")
+    put.add_argument(
+        "--share",
+        type=_positive_float,
+        required=True,
+        help="weight among its siblings (a number > 0)",
+    )
+    put.add_argument(
+        "--parent",
+        metavar="PARENT",
+        help="the parent account ('' for the top of the tree; default: unchanged)",
+    )
+    put.add_argument(
+        "--users",
+        type=_names,
+        metavar="A,B",
+        help="users who may charge the project, replacing the list ('' for none)",
+    )
+    put.add_argument(
+        "--groups",
+        type=_names,
+        metavar="G,H",
+        help="JupyterHub groups whose members may charge it, replacing the list ('' for none)",
+    )
+
+
+async def project_set(client: BrokerClient, args: argparse.Namespace) -> int:
+    parent = args.parent
+    if parent is None:  # keep the account where it is
+        current = {row["name"]: row for row in await client.projects()}
+        parent = current[args.name]["parent"] if args.name in current else None
+    row = await client.put_project(
+        args.name, share=args.share, parent=parent or None, users=args.users, groups=args.groups
+    )
+    where = f"under {row['parent']}" if row.get("parent") else "at the top"
+    line = (
+        f"{row['name']}: share {row['share']:g} {where}, "
+        f"entitlement {100 * row['entitlement']:.1f}%"
+    )
+    if row.get("is_project"):
+        line += f"; members: {_members(row)}"
+    print(line)
+    return 0
+
+
+# ---- nodes ------------------------------------------------------------------
+
+
+def add_nodes(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "nodes",
+        nodes,
+        help="show the nodes: GPUs, GPUs held, state",
+        description="Show every node: GPU type, GPUs, GPUs held, cost weight, state "
+        "(ready, draining, drained, down), since when and why.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the API's JSON instead")
+
+
+async def nodes(client: BrokerClient, args: argparse.Namespace) -> int:
+    rows = await client.nodes()
+    if args.json:
+        _print_json(rows)
+        return 0
+    now = time.time()
+    cells = [
+        [
+            node["name"],
+            node["gpu_type"],
+            node["gpu_count"],
+            node["gpus_held"],
+            f"{node['weight']:g}",
+            node["state"],
+            _clock(node.get("state_changed_at"), now),
+            node.get("state_reason") or "",
+        ]
+        for node in rows
+    ]
+    header = ["NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "SINCE", "REASON"]
+    _print(table(header, cells, "llrrrl"))
+    return 0
+
+
+def add_node_actions(commands: argparse._SubParsersAction) -> None:
+    for name, work, what in (
+        ("drain", drain, "stop new grants on a node; it empties as contracts end (admin)"),
+        ("undrain", undrain, "put a drained or draining node back in service (admin)"),
+        ("down", down, "mark a node down: its slices end at once (admin)"),
+    ):
+        parser = _api_command(
+            commands, name, work, help=what, description=what[0].upper() + what[1:] + "."
+        )
+        parser.add_argument("node", metavar="NODE", help="the node")
+        if name != "undrain":
+            parser.add_argument("--reason", help="why, for the record and repair automation")
+
+
+async def drain(client: BrokerClient, args: argparse.Namespace) -> int:
+    _print_node(await client.drain(args.node, args.reason))
+    return 0
+
+
+async def undrain(client: BrokerClient, args: argparse.Namespace) -> int:
+    _print_node(await client.undrain(args.node))
+    return 0
+
+
+async def down(client: BrokerClient, args: argparse.Namespace) -> int:
+    _print_node(await client.down(args.node, args.reason))
+    return 0
+
+
+def _print_node(node: Mapping[str, Any]) -> None:
+    line = f"node {node['name']}: {node['state']}"
+    if node.get("state_reason"):
+        line += f" ({node['state_reason']})"
+    if node["state"] == "draining" and node.get("gpus_held"):
+        line += f"; {node['gpus_held']} GPUs still held, drained once they are given back"
+    print(line)
+
+
+# ---- slices -----------------------------------------------------------------
+
+
+def add_queue(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "queue",
+        queue,
+        help="show the pending slices in the order they will be served",
+        description="Show the pending slices in queue order, with each one's position, "
+        "fair-share value (its project's usage / entitlement, in GPU-hours) and estimated "
+        "start when the broker knows one.",
+    )
+    parser.add_argument("--project", help="only this project's slices")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON instead")
+
+
+async def queue(client: BrokerClient, args: argparse.Namespace) -> int:
+    rows = await client.list_slices(state="pending", project=args.project)
+    rows.sort(key=lambda s: (s["queue_position"] is None, s["queue_position"] or 0, s["id"]))
+    if args.json:
+        _print_json(rows)
+        return 0
+    now = time.time()
+    cells = [
+        [
+            s["queue_position"],
+            s["id"],
+            s["project"],
+            s["user"],
+            s["gpus"],
+            s.get("gpu_type") or "any",
+            s["kind"],
+            format_duration(s["min_runtime"]),
+            s["priority"],
+            _hours(s.get("fairshare_value")),
+            _span(now - s["submitted_at"]),
+            _when(s.get("estimated_start"), now),
+        ]
+        for s in rows
+    ]
+    header = ["POS", "SLICE", "PROJECT", "USER", "GPUS", "TYPE", "KIND", "CONTRACT", "PRIO"]
+    _print(table([*header, "FAIR-SHARE", "WAITING", "EST. START"], cells, "rrllrlllrrrl"))
+    return 0
+
+
+def add_slices(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "slices",
+        slices,
+        help="list slices (live ones by default)",
+        description="List slices, oldest first: state, placement, contract, charge so far.",
+    )
+    parser.add_argument(
+        "--state",
+        default="live",
+        help="pending, granted, preempting, ended, live (not ended; the default) or all",
+    )
+    parser.add_argument("--user", help="only this user's slices")
+    parser.add_argument("--project", help="only this project's slices")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON instead")
+
+
+async def slices(client: BrokerClient, args: argparse.Namespace) -> int:
+    state = None if args.state == "all" else args.state
+    rows = await client.list_slices(state=state, project=args.project, user=args.user)
+    if args.json:
+        _print_json(rows)
+        return 0
+    now = time.time()
+    cells = [
+        [
+            s["id"],
+            s["project"],
+            s["user"],
+            s["gpus"],
+            s["kind"],
+            s["state"],
+            _placements(s),
+            format_duration(s["min_runtime"]),
+            _clock(s.get("granted_at"), now),
+            _clock(s.get("protected_until"), now),
+            _hours(s.get("charged_gpu_seconds")),
+            s.get("end_reason") or s.get("preempt_reason"),
+        ]
+        for s in rows
+    ]
+    header = ["SLICE", "PROJECT", "USER", "GPUS", "KIND", "STATE", "PLACEMENT", "CONTRACT"]
+    header += ["GRANTED", "PROTECTED UNTIL", "CHARGED GPU-h", "REASON"]
+    _print(table(header, cells, "rllrllllllrl"))
+    return 0
+
+
+def add_release(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "release",
+        release,
+        help="release a slice (or cancel a pending one)",
+        description="Release a held slice, or cancel a pending one. Users may release "
+        "their own slices; admins any.",
+    )
+    parser.add_argument("slice_id", metavar="ID", type=_whole(1), help="the slice")
+
+
+async def release(client: BrokerClient, args: argparse.Namespace) -> int:
+    slice_ = await client.release(args.slice_id)
+    line = f"slice {slice_['id']}: {slice_['state']}"
+    if slice_.get("end_reason"):
+        line += f" ({slice_['end_reason']})"
+    line += f", charged {_hours(slice_.get('charged_gpu_seconds') or 0.0)} GPU-h"
+    print(line)
+    return 0
+
+
+# ---- usage ------------------------------------------------------------------
+
+
+def add_usage(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "usage",
+        usage,
+        help="report a project's charged usage over a period",
+        description="Report the charged usage of a project (with its sub-accounts) over "
+        "[since, until), per user or per project, in GPU-hours (plain and weighted by "
+        "GPU type). Times are 'now', a date or date and time (2025-03-01, "
+        "2025-03-01T09:30; local time unless an offset is given), a duration ago (7d, "
+        "12h) or epoch seconds.",
+    )
+    parser.add_argument("project", metavar="PROJECT", help="a project or parent account")
+    parser.add_argument(
+        "--since", type=_time_arg, help="start of the period (default: the lookback window)"
+    )
+    parser.add_argument("--until", type=_time_arg, help="end of the period (default: now)")
+    parser.add_argument(
+        "--by", choices=("user", "project"), default="user", help="rows per (default: user)"
+    )
+    parser.add_argument(
+        "--csv", action="store_true", help="print CSV (GPU-seconds, epoch times) as the API does"
+    )
+
+
+async def usage(client: BrokerClient, args: argparse.Namespace) -> int:
+    if args.csv:
+        text = await client.usage(
+            args.project, since=args.since, until=args.until, by=args.by, format="csv"
+        )
+        sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+        return 0
+    answer = await client.usage(args.project, since=args.since, until=args.until, by=args.by)
+    _print(usage_table(answer, by=args.by))
+    return 0
+
+
+def usage_table(answer: Mapping[str, Any], *, by: str) -> list[str]:
+    """The ``usage`` report: a title line with the period, then one row per project (and user)."""
+    rows = answer["usage"]
+    title = f"usage of {answer['project']}"
+    if rows:
+        title += f" from {_clock(rows[0]['since'], 0)} to {_clock(rows[0]['until'], 0)}"
+    lines = [title]
+    names = ["project", "user"] if by == "user" else ["project"]
+    cells = [
+        [
+            *(row[n] for n in names),
+            row["slices"],
+            _hours(row["gpu_seconds"]),
+            _hours(row["weighted_gpu_seconds"]),
+        ]
+        for row in rows
+    ]
+    total = [
+        sum(row["slices"] for row in rows),
+        _hours(sum(row["gpu_seconds"] for row in rows)),
+        _hours(sum(row["weighted_gpu_seconds"] for row in rows)),
+    ]
+    cells.append(["total", *[""] * (len(names) - 1), *total])
+    header = [n.upper() for n in names] + ["SLICES", "GPU-h", "WEIGHTED GPU-h"]
+    lines += table(header, cells, "l" * len(names) + "rrr")
+    return lines
+
+
+# ---- run --------------------------------------------------------------------
+
+
+def add_run(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "run",
+        run,
+        help="run a command on a batch slice: queue, run, heartbeat, requeue",
+        description="Request a batch slice, wait in the queue (printing position, "
+        "fair-share value and estimated start when they change), then run CMD with "
+        "CUDA_VISIBLE_DEVICES set to the granted GPUs. On preemption CMD gets SIGTERM at "
+        "once and SIGKILL at the deadline; with --resumable the request queues again and "
+        "CMD runs again. Exits with CMD's status. See docs/batch.md.",
+        usage=f"{PROG} run --project P --gpus N --min-runtime DURATION [options] -- CMD...",
+    )
+    parser.add_argument("--project", required=True, help="the project to charge")
+    parser.add_argument("--gpus", type=_whole(1), required=True, help="how many GPUs")
+    parser.add_argument(
+        "--min-runtime",
+        type=_duration,
+        required=True,
+        metavar="DURATION",
+        help="protected period: seconds or 15m, 2h, ... (0: free but preemptible any time)",
+    )
+    parser.add_argument(
+        "--max-runtime", type=_duration, metavar="DURATION", help="hard end (default: none)"
+    )
+    parser.add_argument("--gpu-type", help="the GPU type (default: any)")
+    parser.add_argument(
+        "--priority", type=int, help="order among your project's own requests (default: 0)"
+    )
+    parser.add_argument(
+        "--resumable",
+        action="store_true",
+        help="after a preemption, queue again and run CMD again (it resumes from its checkpoint)",
+    )
+    parser.add_argument(
+        "--grace-kill",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="SIGTERM to SIGKILL when the broker sets no deadline: the runner interrupted, "
+        "the slice ended (default: 10)",
+    )
+    parser.add_argument(
+        "--poll",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="longest wait between two looks at the queue figures (default: 10)",
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command")
+    parser.set_defaults(check_args=_check_run)
+
+
+async def run(client: BrokerClient, args: argparse.Namespace) -> int:
+    request = BatchRequest(
+        project=args.project,
+        gpus=args.gpus,
+        min_runtime=args.min_runtime,
+        max_runtime=args.max_runtime,
+        gpu_type=args.gpu_type,
+        priority=args.priority,
+        resumable=args.resumable,
+    )
+    return await run_batch(client, request, args.cmd, grace_kill=args.grace_kill, poll=args.poll)
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    """Take CMD from after ``--``; a usage error if there is none."""
+    if args.cmd[:1] == ["--"]:
+        args.cmd = args.cmd[1:]
+    if not args.cmd:
+        raise _UsageError(f"no command to run (see '{PROG} run --help')")
+
+
+# ---- local commands: database, tokens, the service --------------------------
+
+
+def add_upgrade_db(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "upgrade-db",
+        help="create or migrate the broker's database schema",
+        description="Create the broker's database schema, or migrate it to this version "
+        "of slicebroker. Back the database up first. See docs/persistence.md.",
+    )
+    _db_option(parser)
+    parser.set_defaults(handler=upgrade_db)
+
+
+def _db_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db",
+        default=os.environ.get(DB_URL_ENV),
+        metavar="URL",
+        help=f"database URL: sqlite:///FILE or postgresql://... (default: ${DB_URL_ENV})",
+    )
+
+
+def _need_db(args: argparse.Namespace) -> str:
+    if not args.db:
+        raise _UsageError(f"no database: pass --db URL or set {DB_URL_ENV}")
+    return args.db
+
+
+def upgrade_db(args: argparse.Namespace) -> int:
+    from .orm import head_revision
+    from .orm import upgrade_db as upgrade
+
+    url = _need_db(args)
+    try:
+        upgrade(url)
+    except Exception as err:  # a wrong URL, an unreachable server, a newer schema
+        return _fail(f"cannot upgrade {_safe_url(url)}: {_first_line(err)}", API_ERROR)
+    print(f"{_safe_url(url)}: schema at revision {head_revision()}")
+    return 0
+
+
+def add_token(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "token",
+        help="manage the broker's own API tokens (standalone mode)",
+        description="Manage the broker's own API tokens, in its database.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = actions.add_parser(
+        "create",
+        help="create a token and print it",
+        description="Create an API token for a user and print it (only the token, once: "
+        "the database keeps a hash).",
+    )
+    create.add_argument("--user", required=True, help="whom the token speaks for")
+    create.add_argument("--admin", action="store_true", help="an admin token")
+    create.add_argument(
+        "--agent",
+        action="store_true",
+        help="an agent token (a service acting for users, such as the spawner)",
+    )
+    _db_option(create)
+    create.set_defaults(handler=token_create)
+
+
+def token_create(args: argparse.Namespace) -> int:
+    url = _need_db(args)
+    try:
+        from .service.auth import create_token
+    except ImportError as err:
+        return _fail(f"the broker service is not installed: {err}", API_ERROR)
+    try:
+        token = create_token(url, args.user, admin=args.admin, agent=args.agent)
+    except Exception as err:  # a wrong URL, an unmigrated database
+        return _fail(f"cannot create a token in {_safe_url(url)}: {_first_line(err)}", API_ERROR)
+    print(token)
+    return 0
+
+
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve",
+        add_help=False,
+        help="run the broker's HTTP service (options: slicebroker serve --help)",
+        description="Run the broker's HTTP service; every argument goes to it.",
+    )
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=serve, passes_unknown=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        from .service.app import main as service_main
+    except ImportError as err:
+        return _fail(f"the broker service is not installed: {err}", API_ERROR)
+    return service_main(args.argv)
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "the database"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
+
+
 # ---- the command ------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_check_config]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_check_config,
+    add_projects,
+    add_project,
+    add_nodes,
+    add_node_actions,
+    add_queue,
+    add_slices,
+    add_release,
+    add_usage,
+    add_run,
+    add_upgrade_db,
+    add_token,
+    add_serve,
+    add_simulate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,17 +938,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_library_logs() -> None:
+    """Keep the library's log lines (a retry, say) off stderr: errors are one line here."""
+    logger = logging.getLogger("broker")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``slicebroker`` with ``argv`` (default: the process's arguments); return the status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_library_logs()
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if getattr(args, "passes_unknown", False):
+            args.argv = argv[argv.index(args.command) + 1 :]
+        elif unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if hasattr(args, "check_args"):
+            args.check_args(args)
+        return args.handler(args)
     except _UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_ERROR
     except SystemExit as done:  # --help
         return done.code if isinstance(done.code, int) else 0
-    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,491 @@
+"""The batch runner behind ``slicebroker run``: a command on a granted slice, under its contract.
+
+:func:`run_batch` requests a batch slice, waits in the queue (telling the
+user their position, fair-share value and estimated start whenever these
+change — by long-polling the broker, never by busy polling), runs the command
+on the granted GPUs, heartbeats the slice, and follows the contract:
+
+- preempted (state ``preempting``): the command gets SIGTERM at once and
+  SIGKILL at the broker's ``preempt_deadline``; a resumable request then
+  queues again and the command runs again from the start (it resumes from its
+  own checkpoint);
+- the slice ending under the command (``expired``, ``node_down``, ``lost``):
+  SIGTERM, then SIGKILL ``grace_kill`` seconds later;
+- the command exiting: the slice is released and its status is the runner's;
+- SIGINT or SIGTERM to the runner: forwarded to the command (SIGKILL
+  ``grace_kill`` seconds later), then the slice is released.
+
+The command runs in a process group of its own, so that a terminal's Ctrl-C
+reaches it once (forwarded by the runner) and SIGKILL reaches its children
+too. See ``docs/batch.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .client import BrokerAPIError, BrokerClient, BrokerUnreachable
+from .config import format_duration
+
+T = TypeVar("T")
+
+#: Heartbeat interval when the broker does not say how long a lease lasts (seconds).
+FALLBACK_HEARTBEAT_S = 30.0
+#: Signals the runner forwards to the command.
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+class BatchError(Exception):
+    """The runner cannot go on (the slice ended before a grant, the command cannot be
+    started); ``status`` is the exit status to report: 1, or a shell's 126/127."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """What ``slicebroker run`` asks for; durations in seconds."""
+
+    project: str
+    gpus: int
+    min_runtime: float
+    max_runtime: float | None = None
+    gpu_type: str | None = None
+    priority: int | None = None
+    resumable: bool = False
+
+    def submit(self, client: BrokerClient) -> Awaitable[dict[str, Any]]:
+        return client.submit(
+            self.project,
+            self.gpus,
+            "batch",
+            min_runtime=self.min_runtime,
+            max_runtime=self.max_runtime,
+            gpu_type=self.gpu_type,
+            priority=self.priority,
+            resumable=self.resumable,
+        )
+
+
+class _Stop(enum.Enum):
+    """Why a run of the command ended."""
+
+    EXITED = "exited"  # on its own
+    INTERRUPTED = "interrupted"  # the runner got SIGINT/SIGTERM
+    PREEMPTED = "preempted"  # the slice was preempted (or requeued from a down node)
+    ENDED = "ended"  # the slice ended under it (expired, node down, lost)
+
+
+async def run_batch(
+    client: BrokerClient,
+    request: BatchRequest,
+    command: Sequence[str],
+    *,
+    grace_kill: float = 10.0,
+    poll: float = 10.0,
+    patience: float = 300.0,
+    say: Callable[[str], None] | None = None,
+    environ: Mapping[str, str] | None = None,
+    handle_signals: bool = True,
+) -> int:
+    """Run ``command`` on a batch slice of ``request``; return its exit status.
+
+    The status is the command's (128 + N when signal N ended it), from its
+    last run. ``grace_kill`` is the time, in seconds, between SIGTERM and
+    SIGKILL when the broker sets no deadline; ``poll`` the longest a long-poll
+    waits (how stale queue figures may get); ``patience`` how long the runner
+    keeps trying an unreachable broker while it waits for a grant. ``say``
+    receives the progress lines (default: stderr); ``environ`` is the
+    command's base environment (default: the runner's). With
+    ``handle_signals`` (main thread only) SIGINT and SIGTERM are forwarded.
+
+    Raises :class:`~broker.client.BrokerAPIError` when the broker refuses the
+    request, and :class:`BatchError` when the slice ends before a grant.
+    """
+    runner = _Runner(
+        client,
+        request,
+        list(command),
+        grace_kill=grace_kill,
+        poll=poll,
+        patience=patience,
+        say=say or _stderr,
+        environ=os.environ if environ is None else environ,
+    )
+    with runner.signals(handle_signals):
+        return await runner.run()
+
+
+def _stderr(line: str) -> None:
+    print(f"slicebroker: {line}", file=sys.stderr, flush=True)
+
+
+class _Runner:
+    def __init__(
+        self,
+        client: BrokerClient,
+        request: BatchRequest,
+        command: list[str],
+        *,
+        grace_kill: float,
+        poll: float,
+        patience: float,
+        say: Callable[[str], None],
+        environ: Mapping[str, str],
+    ):
+        self.client = client
+        self.request = request
+        self.command = command
+        self.grace_kill = grace_kill
+        self.poll = poll
+        self.patience = patience
+        self.say = say
+        self.environ = environ
+        self.signum: int | None = None  # the last signal the runner got
+        self.interrupted = asyncio.Event()
+        self.process: asyncio.subprocess.Process | None = None
+        self.runs = 0
+
+    # ---- signals --------------------------------------------------------------
+
+    @contextmanager
+    def signals(self, enabled: bool) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        if enabled:
+            for signum in FORWARDED:
+                loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            yield
+        finally:
+            if enabled:
+                for signum in FORWARDED:
+                    loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        if self.process is not None and self.process.returncode is None:
+            if self.interrupted.is_set():  # a second Ctrl-C: no more waiting
+                self._signal_command(signal.SIGKILL)
+            else:
+                self._signal_command(signum)
+        self.signum = signum
+        self.interrupted.set()
+
+    def _signal_command(self, signum: int) -> None:
+        if self.process is None:
+            return
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signum)
+
+    # ---- the whole run --------------------------------------------------------
+
+    async def run(self) -> int:
+        slice_ = await self.request.submit(self.client)
+        self.say(f"slice {slice_['id']} requested: {_describe_request(self.request)}")
+        try:
+            while True:
+                granted = await self._wait_for_grant(slice_)
+                if granted is None:  # interrupted while waiting; the request is withdrawn
+                    return 128 + (self.signum or signal.SIGINT)
+                slice_ = granted
+                status, stop, slice_ = await self._run_command(granted)
+                resumable = self.request.resumable and not self.interrupted.is_set()
+                if stop is _Stop.PREEMPTED and resumable:
+                    slice_ = await self._requeue(granted)
+                    continue
+                await self._release(slice_)
+                if stop is _Stop.PREEMPTED:
+                    self.say(f"slice {slice_['id']} was preempted; not resumable, not requeued")
+                return status
+        except BaseException:
+            await asyncio.shield(self._release(slice_))  # leave no request behind
+            raise
+
+    # ---- waiting ----------------------------------------------------------------
+
+    async def _wait_for_grant(self, slice_: dict[str, Any]) -> dict[str, Any] | None:
+        """The slice once it holds GPUs; ``None`` (request withdrawn) if interrupted."""
+        shown = ""
+        unreachable_since: float | None = None
+        while True:
+            if self.interrupted.is_set():
+                await self._release(slice_)
+                self.say(f"slice {slice_['id']}: interrupted while waiting; request withdrawn")
+                return None
+            state = slice_["state"]
+            if state in ("granted", "preempting"):
+                return slice_
+            if state == "ended":
+                raise BatchError(
+                    f"slice {slice_['id']} ended before it was granted ({slice_['end_reason']})"
+                )
+            line = _describe_wait(slice_)
+            if line != shown:
+                self.say(f"slice {slice_['id']} {line}")
+                shown = line
+            try:
+                latest = await self._unless_interrupted(
+                    self.client.wait_for_change(slice_["id"], "pending", self.poll)
+                )
+            except BrokerUnreachable as err:
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.patience:
+                    raise
+                self.say(f"{err.message}; trying again")
+                await self._unless_interrupted(asyncio.sleep(self.poll))
+                continue
+            unreachable_since = None
+            if latest is not None:
+                slice_ = latest
+
+    async def _unless_interrupted(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or ``None`` (``work`` cancelled) when the runner is interrupted."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.interrupted.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None
+
+    # ---- running ----------------------------------------------------------------
+
+    async def _run_command(self, slice_: dict[str, Any]) -> tuple[int, _Stop, dict[str, Any]]:
+        """Run the command on ``slice_``'s GPUs until it exits; its status, why, the slice."""
+        self.runs += 1
+        self.say(f"slice {slice_['id']} granted: {_describe_grant(slice_)}")
+        try:
+            self.process = process = await asyncio.create_subprocess_exec(
+                *self.command, env=self._environment(slice_), process_group=0
+            )
+        except OSError as err:
+            status = 127 if isinstance(err, FileNotFoundError) else 126
+            raise BatchError(f"cannot run {self.command[0]!r}: {err.strerror}", status) from None
+        lease = _lease(slice_)
+        tasks = {
+            "exited": asyncio.ensure_future(process.wait()),
+            "interrupted": asyncio.ensure_future(self.interrupted.wait()),
+            "changed": asyncio.ensure_future(self._watch(slice_)),
+            "lost": asyncio.ensure_future(self._heartbeat(slice_["id"], lease)),
+        }
+        try:
+            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+            if tasks["exited"].done():
+                return _exit_status(process.returncode), _Stop.EXITED, slice_
+            if tasks["interrupted"].done():
+                stop, deadline = _Stop.INTERRUPTED, time.time() + self.grace_kill
+                self.say(f"signal {_signal_name(self.signum)}: passed on to the command")
+            elif tasks["changed"].done():
+                slice_ = tasks["changed"].result()
+                stop, deadline = self._on_change(slice_)
+                self._signal_command(signal.SIGTERM)
+            else:
+                stop, deadline = _Stop.ENDED, time.time() + self.grace_kill
+                self.say(
+                    f"slice {slice_['id']}: no heartbeat reached the broker for a whole lease; "
+                    "its GPUs may be given away: stopping the command"
+                )
+                self._signal_command(signal.SIGTERM)
+            await self._stop_by(deadline)  # heartbeats go on meanwhile
+            return _exit_status(process.returncode), stop, slice_
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            if process.returncode is None:  # cancelled from outside: leave nothing behind
+                self._signal_command(signal.SIGKILL)
+            self.process = None
+
+    def _on_change(self, slice_: dict[str, Any]) -> tuple[_Stop, float]:
+        """What a change of state under a running command means: why it stops, and by when."""
+        state, slice_id = slice_["state"], slice_["id"]
+        if state == "preempting":
+            deadline = slice_.get("preempt_deadline") or time.time() + self.grace_kill
+            self.say(
+                f"slice {slice_id} preempted ({slice_.get('preempt_reason') or 'no reason given'}):"
+                f" SIGTERM sent to the command, SIGKILL at {_clock(deadline)}"
+            )
+            return _Stop.PREEMPTED, deadline
+        if state in ("pending", "granted"):  # requeued at once (its node went down), or
+            # even granted again elsewhere between two looks
+            self.say(f"slice {slice_id} lost its GPUs and was requeued: stopping the command")
+            return _Stop.PREEMPTED, time.time() + self.grace_kill
+        self.say(
+            f"slice {slice_id} ended ({slice_.get('end_reason') or 'no reason given'}): "
+            "stopping the command"
+        )
+        if slice_.get("end_reason") in ("preempted", "node_down"):
+            return _Stop.PREEMPTED, time.time() + self.grace_kill
+        return _Stop.ENDED, time.time() + self.grace_kill
+
+    async def _stop_by(self, deadline: float) -> None:
+        """Wait for the command (SIGTERMed) to exit; SIGKILL it at ``deadline`` (epoch seconds)."""
+        process = self.process
+        assert process is not None
+        try:
+            await asyncio.wait_for(process.wait(), max(deadline - time.time(), 0.0))
+        except TimeoutError:
+            self.say("the command is still running at its deadline: SIGKILL")
+            self._signal_command(signal.SIGKILL)
+            await process.wait()
+
+    def _environment(self, slice_: dict[str, Any]) -> dict[str, str]:
+        env = dict(self.environ)
+        placements = slice_["placements"]
+        env["SLICEBROKER_SLICE_ID"] = str(slice_["id"])
+        env["SLICEBROKER_PROJECT"] = slice_["project"]
+        env["SLICEBROKER_PROTECTED_UNTIL"] = repr(slice_.get("protected_until"))
+        env["SLICEBROKER_PLACEMENTS"] = json.dumps(placements)
+        env["SLICEBROKER_RUN"] = str(self.runs)
+        local = _local_placement(placements)
+        if local is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in local["gpu_indices"])
+        return env
+
+    async def _watch(self, slice_: dict[str, Any]) -> dict[str, Any]:
+        """The slice as soon as it is no longer ``granted`` (long-polls)."""
+        failing = False
+        while True:
+            try:
+                latest = await self.client.wait_for_change(slice_["id"], "granted", self.poll)
+            except BrokerAPIError as err:  # the command keeps running; the lease guards it
+                if not failing:
+                    self.say(f"slice {slice_['id']}: cannot watch it: {err.message}")
+                failing = True
+                await asyncio.sleep(self.poll)
+                continue
+            failing = False
+            if latest["state"] != "granted" or latest["granted_at"] != slice_["granted_at"]:
+                return latest  # also granted again elsewhere, between two looks
+
+    async def _heartbeat(self, slice_id: int, lease: float | None) -> None:
+        """Heartbeat every lease/3 seconds; return once a whole lease went without one."""
+        interval = lease / 3 if lease else FALLBACK_HEARTBEAT_S
+        held_until = time.monotonic() + (lease or float("inf"))
+        while True:
+            await asyncio.sleep(max(min(interval, held_until - time.monotonic()), 0.0))
+            if time.monotonic() >= held_until:
+                return
+            sent = time.monotonic()
+            try:
+                latest = await self.client.heartbeat(slice_id)
+            except BrokerAPIError as err:
+                self.say(f"slice {slice_id}: heartbeat failed: {err.message}")
+                continue
+            if latest["state"] in ("granted", "preempting") and lease:
+                held_until = sent + lease
+
+    # ---- after a run ----------------------------------------------------------------
+
+    async def _requeue(self, granted: dict[str, Any]) -> dict[str, Any]:
+        """The request the command runs on next: the same slice if the broker requeued it,
+        else a new one with the same terms (the old one released).
+
+        ``granted`` is the slice as the command's run started on it.
+        """
+        try:
+            latest = await self.client.get_slice(granted["id"])
+        except BrokerAPIError:
+            latest = granted
+        requeued = latest["state"] == "pending" or (
+            latest["state"] == "granted" and latest["granted_at"] != granted["granted_at"]
+        )
+        if requeued:
+            self.say(f"slice {latest['id']} is back in the queue; the command will run again")
+            return latest
+        await self._release(latest)
+        fresh = await self.request.submit(self.client)
+        self.say(
+            f"slice {latest['id']} given back; requested slice {fresh['id']} with the same terms"
+        )
+        return fresh
+
+    async def _release(self, slice_: dict[str, Any]) -> None:
+        if slice_["state"] == "ended":
+            return
+        try:
+            await self.client.release(slice_["id"])
+        except BrokerAPIError as err:
+            self.say(f"slice {slice_['id']}: could not release it: {err.message}")
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def _lease(slice_: Mapping[str, Any]) -> float | None:
+    """How long a heartbeat keeps the slice (seconds), as its grant shows it."""
+    expires, granted = slice_.get("lease_expires_at"), slice_.get("granted_at")
+    if expires is None or granted is None or expires <= granted:
+        return None
+    return expires - granted
+
+
+def _local_placement(placements: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The placement whose GPUs the command sees: the only one, or this host's in a gang."""
+    if len(placements) == 1:
+        return placements[0]
+    names = {socket.gethostname(), socket.gethostname().split(".")[0]}
+    return next((p for p in placements if p["node"] in names), None)
+
+
+def _exit_status(returncode: int | None) -> int:
+    """A shell's view of a return code: 128 + N for a process killed by signal N."""
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "?"
+
+
+def _clock(epoch: float | None) -> str:
+    if epoch is None:
+        return "unknown"
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def _describe_request(request: BatchRequest) -> str:
+    text = f"{request.gpus} GPU{'s' * (request.gpus != 1)}"
+    if request.gpu_type:
+        text += f" of type {request.gpu_type}"
+    text += f" for project {request.project}, protected {format_duration(request.min_runtime)}"
+    if request.resumable:
+        text += ", resumable"
+    return text
+
+
+def _describe_wait(slice_: Mapping[str, Any]) -> str:
+    """A pending slice's place in the queue, as the user reads it; changes only when it does."""
+    parts = ["waiting"]
+    if slice_.get("queue_position") is not None:
+        parts.append(f"position {slice_['queue_position']} in the queue")
+    if slice_.get("fairshare_value") is not None:
+        parts.append(f"fair-share value {slice_['fairshare_value'] / 3600:.1f}")
+    start = slice_.get("estimated_start")
+    parts.append(f"estimated start {_clock(start)[:5]}" if start else "no estimated start yet")
+    return ", ".join(parts)
+
+
+def _describe_grant(slice_: Mapping[str, Any]) -> str:
+    where = "; ".join(
+        f"{p['node']} GPU{'s' * (len(p['gpu_indices']) != 1)} "
+        + ",".join(str(i) for i in p["gpu_indices"])
+        for p in slice_["placements"]
+    )
+    return f"{where}; protected until {_clock(slice_.get('protected_until'))}"

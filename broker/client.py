@@ -1,0 +1,392 @@
+"""An async client of the broker's HTTP API (SPEC §8): for the CLI, the batch runner, the spawner.
+
+One method per route, each returning the parsed JSON answer. It runs on
+tornado's :class:`~tornado.httpclient.AsyncHTTPClient`, so it never blocks the
+event loop of the process that uses it (a JupyterHub, say).
+
+Errors are one class, :class:`BrokerAPIError`, with the HTTP ``status`` and
+the API's ``code`` and ``message``; callers match on ``code`` (or ``status``),
+never on the message. A broker that cannot be reached raises
+:class:`BrokerUnreachable` (a ``BrokerAPIError`` with ``status`` 0) once the
+retries are spent.
+
+Retries: a call that is safe to repeat (every GET, heartbeats, releases, admin
+changes, which all set a state rather than add one) is retried with
+exponential backoff, a bounded number of times, when the connection fails or
+times out, or when a proxy in front of the broker answers 502/503/504. A
+submission (``POST /slices``) creates a slice each time it arrives, so it is
+resent only when the connection was refused, i.e. when the request provably
+never reached the broker.
+
+The token is sent in the ``Authorization`` header only; it is never logged
+and never part of the client's ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
+from tornado.iostream import StreamClosedError
+
+from .errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+URL_ENV = "SLICEBROKER_URL"
+TOKEN_ENV = "SLICEBROKER_TOKEN"
+API_PREFIX = "/api/v1"
+
+#: Statuses a proxy in front of the broker answers while the broker restarts.
+RETRY_STATUSES = frozenset({502, 503, 504})
+#: tornado's status for "no HTTP answer" (connection closed, timeout).
+NO_RESPONSE = 599
+
+
+class BrokerAPIError(BrokerError):
+    """An error answer of the broker: HTTP ``status``, the API's ``code`` and ``message``."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.status!r}, {self.code!r}, {self.message!r})"
+
+
+class BrokerUnreachable(BrokerAPIError):
+    """No answer from the broker (refused, reset, timed out) after the retries: status 0."""
+
+    def __init__(self, message: str):
+        super().__init__(0, "unreachable", message)
+
+
+class BrokerClient:
+    """The broker API at ``url`` (the broker's base URL, without ``/api/v1``) as ``token``.
+
+    ``url`` and ``token`` default to the ``SLICEBROKER_URL`` and
+    ``SLICEBROKER_TOKEN`` environment variables (:class:`ValueError` if neither
+    is given). ``timeout`` is the limit of one attempt in seconds (a long-poll
+    gets its wait on top). ``retries`` is how many times a call safe to repeat
+    is tried again after a connection failure, waiting ``backoff`` seconds,
+    then twice that, and so on (at most ``max_backoff``). ``max_clients`` is
+    how many requests may be in flight at once (long-polls hold one each).
+
+    Use it from one event loop; :meth:`close` (or ``async with``) frees its connections.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff: float = 0.25,
+        max_backoff: float = 4.0,
+        max_clients: int = 10,
+    ):
+        url = url or os.environ.get(URL_ENV, "")
+        token = token or os.environ.get(TOKEN_ENV, "")
+        if not url:
+            raise ValueError(f"no broker URL: pass one or set {URL_ENV}")
+        if not token:
+            raise ValueError(f"no API token: pass one or set {TOKEN_ENV}")
+        self.url = url.rstrip("/")
+        self._token = token
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.max_clients = max_clients
+        self._http: AsyncHTTPClient | None = None
+
+    def __repr__(self) -> str:
+        return f"BrokerClient({self.url!r})"
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    # ---- the transport ----------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        idempotent: bool = True,
+        timeout: float | None = None,
+        parse: bool = True,
+    ) -> Any:
+        """``method`` on ``{url}/api/v1{path}``; the parsed JSON answer (text if not ``parse``).
+
+        ``params`` left ``None`` are not sent. ``idempotent`` says whether the call
+        may be resent after a connection failure (see the module's docstring);
+        ``timeout`` replaces the client's for this call.
+        """
+        query = urlencode({k: v for k, v in (params or {}).items() if v is not None})
+        url = f"{self.url}{API_PREFIX}{path}" + (f"?{query}" if query else "")
+        limit = self.timeout if timeout is None else timeout
+        request = HTTPRequest(
+            url,
+            method=method,
+            headers={
+                "Authorization": f"token {self._token}",
+                "Accept": "application/json",
+                **({"Content-Type": "application/json"} if body is not None else {}),
+            },
+            body=None if body is None else json.dumps(body),
+            allow_nonstandard_methods=True,  # tornado refuses DELETE/POST bodies otherwise
+            connect_timeout=min(limit, self.timeout),
+            request_timeout=limit,
+        )
+        response = await self._fetch(request, method, path, idempotent)
+        text = response.body.decode("utf-8", "replace") if response.body else ""
+        if not parse:
+            return text
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise BrokerAPIError(
+                response.code, "bad_response", f"{method} {path}: the broker's answer is not JSON"
+            ) from None
+
+    def _http_client(self) -> AsyncHTTPClient:
+        # Made on first use, inside the running event loop it belongs to.
+        if self._http is None:
+            self._http = AsyncHTTPClient(force_instance=True, max_clients=self.max_clients)
+        return self._http
+
+    async def _fetch(
+        self, request: HTTPRequest, method: str, path: str, idempotent: bool
+    ) -> HTTPResponse:
+        what = f"{method} {path}"
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                return await self._http_client().fetch(request)
+            except HTTPClientError as err:
+                if err.code == NO_RESPONSE or err.response is None:
+                    failure = f"no answer ({err.message or 'connection closed'})"
+                    never_sent = False
+                elif err.code in RETRY_STATUSES and idempotent:
+                    failure = f"HTTP {err.code} from a proxy"
+                    never_sent = False
+                    if last:
+                        raise _api_error(err.response, what) from None
+                else:
+                    raise _api_error(err.response, what) from None
+            except ConnectionRefusedError:
+                failure, never_sent = "connection refused", True
+            except (OSError, StreamClosedError) as err:
+                failure, never_sent = f"connection failed ({err})", False
+            if not (idempotent or never_sent):
+                raise BrokerUnreachable(
+                    f"{what} to the broker at {self.url}: {failure}; "
+                    "it may or may not have been applied"
+                )
+            if last:
+                raise BrokerUnreachable(f"cannot reach the broker at {self.url}: {failure}")
+            delay = min(self.backoff * 2**attempt, self.max_backoff)
+            log.warning("%s: %s; retrying in %.2gs", what, failure, delay)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    # ---- who am I ---------------------------------------------------------------
+
+    async def whoami(self) -> dict[str, Any]:
+        """``{name, groups, admin, agent, projects}`` of the token's owner."""
+        return await self.request("GET", "/whoami")
+
+    # ---- slices -------------------------------------------------------------------
+
+    async def submit(
+        self,
+        project: str,
+        gpus: int,
+        kind: str = "batch",
+        *,
+        min_runtime: float | str | None = None,
+        gpu_type: str | None = None,
+        resumable: bool | None = None,
+        max_runtime: float | str | None = None,
+        priority: int | None = None,
+        user: str | None = None,
+        groups: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Request a slice (``POST /slices``); the new slice, ``pending``.
+
+        Terms left ``None`` are not sent: the broker's defaults for ``kind``
+        apply. Durations are seconds or text such as ``"15m"``. ``user`` and
+        ``groups`` submit on someone's behalf (agents and admins only).
+        """
+        body = {
+            "project": project,
+            "gpus": gpus,
+            "kind": kind,
+            "min_runtime": min_runtime,
+            "gpu_type": gpu_type,
+            "resumable": resumable,
+            "max_runtime": max_runtime,
+            "priority": priority,
+            "user": user,
+            "groups": groups,
+        }
+        body = {key: value for key, value in body.items() if value is not None}
+        return await self.request("POST", "/slices", body, idempotent=False)
+
+    async def list_slices(
+        self, *, state: str | None = None, project: str | None = None, user: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Slices matching every filter given (``GET /slices``), oldest first."""
+        params = {"state": state, "project": project, "user": user}
+        return (await self.request("GET", "/slices", params=params))["slices"]
+
+    async def get_slice(
+        self, slice_id: int, *, wait: float | None = None, state: str | None = None
+    ) -> dict[str, Any]:
+        """The slice; with ``wait`` and ``state``, a long-poll (see :meth:`wait_for_change`)."""
+        params = {"wait": _number(wait), "state": state}
+        timeout = None if wait is None else self.timeout + wait
+        return await self.request("GET", f"/slices/{int(slice_id)}", params=params, timeout=timeout)
+
+    async def wait_for_change(
+        self, slice_id: int, known_state: str, timeout: float
+    ) -> dict[str, Any]:
+        """The slice as soon as its state is not ``known_state``, or after ``timeout`` seconds.
+
+        Long-polls the broker (``GET /slices/{id}?wait=&state=``), so nothing is
+        asked while nothing changes; polls again if the broker answered early
+        with the state unchanged (a broker may cap its wait). The answer may still
+        be in ``known_state`` when the time is up: check ``state``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            slice_ = await self.get_slice(slice_id, wait=max(left, 0.0), state=known_state)
+            if slice_["state"] != known_state or left <= 0 or deadline - time.monotonic() < 0.05:
+                return slice_
+
+    async def heartbeat(self, slice_id: int) -> dict[str, Any]:
+        """Extend the slice's lease (``POST /slices/{id}/heartbeat``); the slice."""
+        return await self.request("POST", f"/slices/{int(slice_id)}/heartbeat", {})
+
+    async def release(self, slice_id: int) -> dict[str, Any]:
+        """Release a held slice or cancel a pending one (``DELETE /slices/{id}``)."""
+        return await self.request("DELETE", f"/slices/{int(slice_id)}")
+
+    async def events(self, slice_id: int) -> list[dict[str, Any]]:
+        """The slice's state changes, oldest first: ``{at, from_state, to_state, reason}``."""
+        return (await self.request("GET", f"/slices/{int(slice_id)}/events"))["events"]
+
+    # ---- projects -----------------------------------------------------------------
+
+    async def projects(self) -> list[dict[str, Any]]:
+        """The project tree, parents before children (``GET /projects``)."""
+        return (await self.request("GET", "/projects"))["projects"]
+
+    async def usage(
+        self,
+        project: str,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        by: str | None = None,
+        format: str = "json",
+    ) -> Any:
+        """Charged usage of ``project`` in ``[since, until)`` (epoch seconds).
+
+        JSON (parsed) or, with ``format="csv"``, the CSV text as the broker writes it.
+        """
+        params = {"since": _number(since), "until": _number(until), "by": by, "format": format}
+        path = f"/projects/{_segment(project)}/usage"
+        return await self.request("GET", path, params=params, parse=format != "csv")
+
+    async def put_project(
+        self,
+        name: str,
+        *,
+        share: float,
+        parent: str | None = None,
+        users: list[str] | None = None,
+        groups: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Create or change an account (admin): ``PUT /projects/{name}``; the account's row.
+
+        ``parent`` ``None`` makes it a top-level account; ``users``/``groups``
+        replace the members when given.
+        """
+        body: dict[str, Any] = {"share": share, "parent": parent}
+        if users is not None:
+            body["users"] = users
+        if groups is not None:
+            body["groups"] = groups
+        return await self.request("PUT", f"/projects/{_segment(name)}", body)
+
+    # ---- nodes ----------------------------------------------------------------------
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """Every node with its state and GPUs held (``GET /nodes``)."""
+        return (await self.request("GET", "/nodes"))["nodes"]
+
+    async def drain(self, node: str, reason: str | None = None) -> dict[str, Any]:
+        """Stop new grants on ``node``; its slices leave as their contracts end (admin)."""
+        return await self._node_action(node, "drain", reason)
+
+    async def undrain(self, node: str) -> dict[str, Any]:
+        """Put ``node`` back in service (admin)."""
+        return await self._node_action(node, "undrain", None)
+
+    async def down(self, node: str, reason: str | None = None) -> dict[str, Any]:
+        """Mark ``node`` down: its slices end at once (admin)."""
+        return await self._node_action(node, "down", reason)
+
+    async def _node_action(self, node: str, action: str, reason: str | None) -> dict[str, Any]:
+        body = {} if reason is None else {"reason": reason}
+        return await self.request("POST", f"/nodes/{_segment(node)}/{action}", body)
+
+    # ---- metrics ----------------------------------------------------------------------
+
+    async def metrics(self) -> str:
+        """The Prometheus metrics, as text."""
+        return await self.request("GET", "/metrics", parse=False)
+
+
+def _api_error(response: HTTPResponse, what: str) -> BrokerAPIError:
+    """The :class:`BrokerAPIError` an error answer stands for."""
+    status = response.code
+    try:
+        error = json.loads(response.body or b"")["error"]
+        return BrokerAPIError(status, str(error["code"]), str(error["message"]))
+    except (ValueError, KeyError, TypeError):
+        reason = response.reason or "error"
+        return BrokerAPIError(status, f"http_{status}", f"{what}: HTTP {status} {reason}")
+
+
+def _segment(name: str) -> str:
+    """``name`` quoted as one path segment."""
+    return quote(str(name), safe="")
+
+
+def _number(value: float | None) -> str | None:
+    return None if value is None else repr(value)

@@ -1,0 +1,456 @@
+"""``slicebroker`` admin commands over real HTTP against a real broker subprocess.
+
+Each test starts a broker (``tests/servicefixtures.py``) and runs the command
+in this process (``broker.cli.main``), except where the test is about the
+process itself (one line on stderr, no traceback, the ``slicebroker`` script).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servicefixtures import (
+    TEST_CONFIG,
+    BrokerService,
+    free_port,
+    running_service,
+    service_env,
+)
+
+from broker import cli
+from broker.orm import head_revision
+
+#: The test cluster with a GPU weight of 1000, so that a fraction of a second of
+#: four GPUs shows in GPU-hours with two decimals.
+CONFIG = TEST_CONFIG.replace("h100 = 1.0", "h100 = 1000.0")
+
+
+@pytest.fixture
+def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BrokerService]:
+    """A broker on :data:`CONFIG`; the CLI's URL and (admin) token in the environment."""
+    with running_service(tmp_path / "broker", config=CONFIG) as service:
+        monkeypatch.setenv("SLICEBROKER_URL", service.url)
+        monkeypatch.setenv("SLICEBROKER_TOKEN", service.admin_token)
+        yield service
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """``slicebroker ARGV`` in this process: status, stdout, stderr."""
+    status = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def run_script(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``slicebroker ARGV`` as a process."""
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *argv],
+        env=service_env(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def submit(service: BrokerService, token: str, project: str, gpus: int, **terms) -> dict:
+    body = {"project": project, "gpus": gpus, "kind": "batch", "min_runtime": "1h", **terms}
+    answer = service.post("/slices", token=token, json=body)
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+def wait_state(service: BrokerService, slice_id: int, known: str) -> dict:
+    """The slice once it left state ``known`` (a long-poll: no sleeping)."""
+    params = {"wait": 10, "state": known}
+    answer = service.get(f"/slices/{slice_id}", token=service.admin_token, params=params)
+    slice_ = answer.json()
+    assert slice_["state"] != known, slice_
+    return slice_
+
+
+def wait_queued(service: BrokerService, slice_id: int) -> dict:
+    """The pending slice once a pass gave it a queue position (long-polls if none yet)."""
+    slice_ = service.get(f"/slices/{slice_id}", token=service.admin_token).json()
+    if slice_["queue_position"] is None:  # the next pass will set it: wait for that news
+        params = {"wait": 10}
+        slice_ = service.get(f"/slices/{slice_id}", token=service.admin_token, params=params).json()
+    assert slice_["queue_position"] is not None, slice_
+    return slice_
+
+
+def rows_of(out: str) -> dict[str, list[str]]:
+    """A table's rows by their first cell (stripped), cells split on runs of 2+ spaces."""
+    rows = {}
+    for line in out.splitlines()[1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells
+    return rows
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---- projects -----------------------------------------------------------------
+
+
+def test_projects_shows_the_tree_with_usage_fair_share_rank_held_and_pending(service, capsys):
+    alice, carol = service.token("alice"), service.token("carol")
+    first = submit(service, alice, "vision", 4)
+    wait_state(service, first["id"], "pending")
+    charged = service.delete(f"/slices/{first['id']}", token=alice).json()["charged_gpu_seconds"]
+    assert charged > 0
+    held = submit(service, alice, "vision", 4)
+    wait_state(service, held["id"], "pending")
+    submit(service, carol, "nlp", 8)  # cannot fit while vision holds 4: waits
+
+    status, out, err = run_cli(capsys, "projects")
+
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == [
+        "ACCOUNT",
+        "SHARE",
+        "ENTITLEMENT",
+        "USAGE",
+        "GPU-h",
+        "FAIR-SHARE",
+    ]
+    assert [line.split()[0] for line in lines[1:]] == ["lab", "nlp", "vision"]
+    assert lines[2].startswith("  nlp") and lines[3].startswith("  vision")  # indented under lab
+    rows = rows_of(out)
+    # usage = the released slice's charge (plus the held slice's, accruing), in GPU-hours
+    share, entitlement, usage, fairshare, rank, gpus_held, pending = rows["vision"][1:8]
+    assert (share, entitlement, rank, gpus_held, pending) == ("1", "50.0%", "2", "4", "0")
+    assert float(usage) >= round(charged / 3600, 2)
+    assert float(fairshare) == pytest.approx(2 * float(usage), abs=0.02)
+    assert rows["nlp"][1:8] == ["1", "50.0%", "0.00", "0.00", "1", "0", "1"]
+    assert rows["nlp"][8] == "users carol; groups nlp-team"
+    assert rows["lab"][1:3] == ["1", "100.0%"]
+
+
+def test_projects_json_is_the_api_answer(service, capsys):
+    import json
+
+    status, out, _ = run_cli(capsys, "projects", "--json")
+    assert status == 0
+    assert [p["name"] for p in json.loads(out)] == ["lab", "nlp", "vision"]
+
+
+def test_project_set_changes_share_and_members_and_keeps_the_parent(service, capsys):
+    status, out, err = run_cli(
+        capsys, "project", "set", "vision", "--share", "3", "--users", "alice,dave"
+    )
+    assert status == 0, err
+    assert out.strip() == "vision: share 3 under lab, entitlement 75.0%; members: users alice,dave"
+    projects = {
+        p["name"]: p for p in service.get("/projects", token=service.admin_token).json()["projects"]
+    }
+    assert projects["vision"]["parent"] == "lab"
+    assert projects["vision"]["users"] == ["alice", "dave"]
+    assert projects["nlp"]["entitlement"] == pytest.approx(0.25)
+
+
+def test_project_set_creates_an_account_under_a_parent(service, capsys):
+    status, out, err = run_cli(
+        capsys, "project", "set", "audio", "--share", "2", "--parent", "lab", "--groups", "sound"
+    )
+    assert status == 0, err
+    assert out.strip() == "audio: share 2 under lab, entitlement 50.0%; members: groups sound"
+    status, out, _ = run_cli(capsys, "projects")
+    assert rows_of(out)["audio"][1:3] == ["2", "50.0%"]
+
+
+# ---- nodes and drains -------------------------------------------------------------
+
+
+def test_nodes_drain_and_undrain(service, capsys):
+    alice = service.token("alice")
+    held = wait_state(service, submit(service, alice, "vision", 3)["id"], "pending")
+    node = held["placements"][0]["node"]
+
+    status, out, _ = run_cli(capsys, "drain", node, "--reason", "fan failure")
+    assert status == 0
+    assert out.strip() == (
+        f"node {node}: draining (fan failure); 3 GPUs still held, drained once they are given back"
+    )
+    status, out, _ = run_cli(capsys, "nodes")
+    assert status == 0
+    rows = rows_of(out)
+    assert out.splitlines()[0].split() == [
+        "NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "SINCE", "REASON"
+    ]  # fmt: skip
+    assert rows[node][1:6] == ["h100", "4", "3", "1000", "draining"]
+    assert rows[node][-1] == "fan failure"
+    other = ({"n0", "n1"} - {node}).pop()
+    assert rows[other][1:6] == ["h100", "4", "0", "1000", "ready"]
+
+    status, out, _ = run_cli(capsys, "undrain", node)
+    assert status == 0
+    assert out.startswith(f"node {node}: ready")
+    nodes = {n["name"]: n for n in service.get("/nodes", token=alice).json()["nodes"]}
+    assert nodes[node]["state"] == "ready"
+
+
+def test_down_ends_the_slices_on_the_node(service, capsys):
+    alice = service.token("alice")
+    held = wait_state(
+        service, submit(service, alice, "vision", 2, resumable=False)["id"], "pending"
+    )
+    node = held["placements"][0]["node"]
+    status, out, _ = run_cli(capsys, "down", node, "--reason", "PSU")
+    assert (status, out.strip()) == (0, f"node {node}: down (PSU)")
+    assert wait_state(service, held["id"], "granted")["end_reason"] == "node_down"
+
+
+# ---- queue, slices, release -----------------------------------------------------------
+
+
+def test_queue_lists_pending_slices_in_fair_share_order(service, capsys):
+    alice, carol = service.token("alice"), service.token("carol")
+    for _ in range(2):  # fill both nodes for vision
+        wait_state(service, submit(service, alice, "vision", 4)["id"], "pending")
+    late_vision = submit(service, alice, "vision", 2, priority=5)
+    nlp = submit(service, carol, "nlp", 1, min_runtime="30m")
+    wait_queued(service, nlp["id"])  # the pass after the last submission has run
+
+    status, out, err = run_cli(capsys, "queue")
+
+    assert status == 0, err
+    header, *lines = out.splitlines()
+    assert header.split()[:9] == [
+        "POS", "SLICE", "PROJECT", "USER", "GPUS", "TYPE", "KIND", "CONTRACT", "PRIO"
+    ]  # fmt: skip
+    cells = [re.split(r"\s{2,}", line.strip()) for line in lines]
+    # nlp has used nothing, vision holds 8 GPUs: nlp first
+    assert [c[:9] for c in cells] == [
+        ["1", str(nlp["id"]), "nlp", "carol", "1", "any", "batch", "30m", "0"],
+        ["2", str(late_vision["id"]), "vision", "alice", "2", "any", "batch", "1h", "5"],
+    ]
+    assert cells[0][9] == "0.00"  # nlp's fair-share value
+    assert float(cells[1][9]) > 0  # vision's, accruing
+    assert cells[0][11].startswith("in ")  # an estimated start: when vision's contract ends
+
+    status, out, _ = run_cli(capsys, "queue", "--project", "vision")
+    assert [line.split()[2] for line in out.splitlines()[1:]] == ["vision"]
+
+
+def test_slices_filters_by_state_and_user(service, capsys):
+    alice, carol = service.token("alice"), service.token("carol")
+    granted = wait_state(service, submit(service, alice, "vision", 2)["id"], "pending")
+    ended = wait_state(service, submit(service, carol, "nlp", 1)["id"], "pending")
+    service.delete(f"/slices/{ended['id']}", token=carol)
+
+    _, out, _ = run_cli(capsys, "slices")
+    rows = rows_of(out)
+    assert list(rows) == [str(granted["id"])]  # live ones by default
+    placement = granted["placements"][0]
+    indices = ",".join(map(str, placement["gpu_indices"]))
+    assert rows[str(granted["id"])][1:7] == [
+        "vision", "alice", "2", "batch", "granted", f"{placement['node']}[{indices}]"
+    ]  # fmt: skip
+
+    _, out, _ = run_cli(capsys, "slices", "--state", "all", "--user", "carol")
+    rows = rows_of(out)
+    assert list(rows) == [str(ended["id"])]
+    assert rows[str(ended["id"])][5] == "ended" and rows[str(ended["id"])][-1] == "released"
+
+
+def test_release_ends_a_slice_and_reports_its_charge(service, capsys):
+    alice = service.token("alice")
+    held = wait_state(service, submit(service, alice, "vision", 4)["id"], "pending")
+    status, out, _ = run_cli(capsys, "release", str(held["id"]))
+    assert status == 0
+    slice_ = service.get(f"/slices/{held['id']}", token=alice).json()
+    assert slice_["end_reason"] == "released"
+    hours = slice_["charged_gpu_seconds"] / 3600
+    assert out.strip() == f"slice {held['id']}: ended (released), charged {hours:.2f} GPU-h"
+
+
+# ---- usage ------------------------------------------------------------------------------
+
+
+def test_usage_table_and_csv_show_the_ledger(service, capsys):
+    alice, bob = service.token("alice"), service.token("bob")
+    charged = {}
+    for user, token in (("alice", alice), ("bob", bob)):
+        held = wait_state(service, submit(service, token, "vision", 4)["id"], "pending")
+        answer = service.delete(f"/slices/{held['id']}", token=token).json()
+        charged[user] = answer["charged_gpu_seconds"]
+
+    status, out, err = run_cli(capsys, "usage", "vision", "--since", "1h", "--until", "now")
+    assert status == 0, err
+    title, header, *lines = out.splitlines()
+    assert title.startswith("usage of vision from ")
+    assert header.split() == ["PROJECT", "USER", "SLICES", "GPU-h", "WEIGHTED", "GPU-h"]
+    rows = {cells[1] if cells[0] != "total" else "total": cells for cells in map(str.split, lines)}
+    for user in ("alice", "bob"):
+        assert rows[user][:3] == ["vision", user, "1"]
+        assert rows[user][4] == f"{charged[user] / 3600:.2f}"
+    assert rows["total"][1] == "2"
+
+    status, out, _ = run_cli(capsys, "usage", "lab", "--csv", "--since", "2h")
+    assert status == 0
+    parsed = list(csv.DictReader(io.StringIO(out)))
+    assert [(r["project"], r["user"]) for r in parsed] == [("vision", "alice"), ("vision", "bob")]
+    for row in parsed:
+        assert float(row["weighted_gpu_seconds"]) == pytest.approx(charged[row["user"]])
+        assert float(row["gpu_seconds"]) == pytest.approx(charged[row["user"]] / 1000)
+
+    status, out, _ = run_cli(capsys, "usage", "lab", "--csv", "--by", "project")
+    parsed = list(csv.DictReader(io.StringIO(out)))
+    assert [r["project"] for r in parsed] == ["vision"] and "user" not in parsed[0]
+    assert float(parsed[0]["weighted_gpu_seconds"]) == pytest.approx(sum(charged.values()))
+
+
+def test_parse_time_reads_dates_durations_and_epochs():
+    now = 1_700_000_000.0
+    assert cli.parse_time("now", now) == now
+    assert cli.parse_time("7d", now) == now - 7 * 86400
+    assert cli.parse_time("1h30m", now) == now - 5400
+    assert cli.parse_time("1699990000", now) == 1_699_990_000
+    assert cli.parse_time("2023-11-14T22:13:20Z", now) == now
+    assert cli.parse_time("2023-11-14T22:13:20+00:00", now) == now
+    with pytest.raises(ValueError, match="invalid time 'yesterday'"):
+        cli.parse_time("yesterday", now)
+
+
+# ---- errors: one line, the right status -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["release", "not-a-number"], "argument ID: expected a whole number >= 1"),
+        (["project", "set", "x"], "the following arguments are required: --share"),
+        (["project", "set", "x", "--share", "-1"], "expected a number > 0, got '-1'"),
+        (["usage", "lab", "--since", "last tuesday"], "invalid time 'last tuesday'"),
+        (["run", "--project", "p", "--gpus", "1", "--min-runtime", "1x", "--", "true"], "1x"),
+        (["run", "--project", "p", "--gpus", "1", "--min-runtime", "1h"], "no command to run"),
+        (["nodes", "--bogus"], "unrecognized arguments: --bogus"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(argv, expected, capsys, monkeypatch):
+    monkeypatch.setenv("SLICEBROKER_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("SLICEBROKER_TOKEN", "x")
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert expected in one_error_line(err)
+
+
+def test_no_url_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.delenv("SLICEBROKER_URL", raising=False)
+    status, _, err = run_cli(capsys, "projects", "--token", "x")
+    assert status == 2
+    assert "no broker URL" in one_error_line(err)
+
+
+def test_unreachable_broker_is_one_line_status_1():
+    port = free_port()  # nothing listens there
+    done = run_script("nodes", "--url", f"http://127.0.0.1:{port}", "--token", "x")
+    assert done.returncode == 1
+    line = one_error_line(done.stderr)
+    assert line == f"error: cannot reach the broker at http://127.0.0.1:{port}: connection refused"
+    assert done.stdout == ""
+
+
+def test_api_errors_are_one_line_status_1(service):
+    env = {"SLICEBROKER_URL": service.url, "SLICEBROKER_TOKEN": "sb_1_wrong"}
+    done = run_script("projects", env=env)
+    assert done.returncode == 1
+    assert "(HTTP 401, unauthorized)" in one_error_line(done.stderr)
+
+    env["SLICEBROKER_TOKEN"] = service.token("alice")
+    done = run_script("drain", "n0", env=env)
+    assert done.returncode == 1
+    assert "(HTTP 403, forbidden)" in one_error_line(done.stderr)
+    assert service.get("/nodes", token=service.admin_token).json()["nodes"][0]["state"] == "ready"
+
+    env["SLICEBROKER_TOKEN"] = service.admin_token
+    done = run_script("usage", "nowhere", env=env)
+    assert done.returncode == 1
+    assert one_error_line(done.stderr) == "error: no project 'nowhere' (HTTP 404, not_found)"
+
+    done = run_script("drain", "n9", env=env)
+    assert (done.returncode, one_error_line(done.stderr)) == (
+        1,
+        "error: no node 'n9' (HTTP 404, not_found)",
+    )
+
+
+# ---- local commands -----------------------------------------------------------------------
+
+
+def test_upgrade_db_creates_the_schema_and_token_create_prints_a_working_token(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'fresh.sqlite'}"
+    status, out, err = run_cli(capsys, "upgrade-db", "--db", url)
+    assert status == 0, err
+    assert out.strip() == f"{url}: schema at revision {head_revision()}"
+
+    status, out, err = run_cli(capsys, "token", "create", "--user", "root", "--db", url)
+    assert status == 0, err
+    token = out.strip()
+    assert len(out.splitlines()) == 1 and token.startswith("sb_")
+
+    with running_service(tmp_path / "svc", db_url=url) as service:
+        whoami = service.get("/whoami", token=token).json()
+    assert (whoami["name"], whoami["admin"]) == ("root", True)  # root is a configured admin
+
+
+def test_upgrade_db_on_a_bad_url_is_one_line_status_1(tmp_path, capsys):
+    status, _, err = run_cli(capsys, "upgrade-db", "--db", "nosuchdb://x")
+    assert status == 1
+    assert one_error_line(err).startswith("error: cannot upgrade")
+
+    status, _, err = run_cli(capsys, "token", "create", "--user", "a")
+    assert status == 2
+    assert "no database" in one_error_line(err)
+
+
+def test_serve_passes_every_option_to_the_service(tmp_path):
+    config = tmp_path / "cluster.toml"
+    config.write_text(TEST_CONFIG)
+    db = f"sqlite:///{tmp_path / 'broker.sqlite'}"
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            f"--config-file={config}",
+            f"--BrokerApp.db_url={db}",
+            "--ip=127.0.0.1",
+            f"--BrokerApp.port={port}",
+            "--log-level=WARN",
+        ],
+        env=service_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        service = BrokerService(port, db, config, tmp_path / "log", [], {}, process=process)
+        service.wait_until_up(30)
+        token = service.token("root", admin=True)
+        assert service.get("/whoami", token=token).json()["name"] == "root"
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert process.returncode == 0
+
+
+def test_serve_help_is_the_service_help():
+    done = run_script("serve", "--help")
+    assert done.returncode == 0
+    assert "--BrokerApp.pass_interval" in done.stdout or "--pass-interval" in done.stdout
