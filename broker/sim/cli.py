@@ -1,0 +1,239 @@
+"""``slicebroker simulate``: run policies side by side on a workload and report.
+
+Wired into ``slicebroker`` with :func:`add_parser` (it sets ``handler``), and
+runnable alone as ``python -m broker.sim``. Errors a user can fix are one
+line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import InvalidConfig
+from ..model import HOUR, Policy
+from .engine import Result, SimConfig, Simulation
+from .policies import POLICIES
+from .report import comparison, goals_markdown, table, write_report
+from .workloads import (
+    DEFAULT_HELIOS,
+    DEFAULT_LOAD,
+    GeneratorConfig,
+    Workload,
+    generate,
+    load_csv,
+    load_helios,
+    load_tree_csv,
+)
+
+USAGE_ERROR = 2
+
+EXAMPLES = """\
+examples:
+  slicebroker simulate helios --report docs/sim
+  slicebroker simulate generate --slices 20000 --days 30 --report docs/sim
+  slicebroker simulate csv --trace jobs.csv --tree tree.csv --nodes 40 --json out.json
+  python -m broker.sim helios --policies fairshare --limit 2000
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``simulate`` to a ``slicebroker``-style subparsers object."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay or generate a workload and compare scheduling policies",
+        description="Run the real scheduling pass and baseline policies side by side on a "
+        "workload with a simulated clock, and report waits, occupancy, owed GPU-hours, "
+        "preemptions and drains (see docs/simulator.md).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure(parser)
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "workload",
+        choices=("helios", "generate", "csv"),
+        help="helios: the Helios trace; generate: the conditions of SPEC §1; "
+        "csv: a trace in the generic CSV format",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help=f"the trace file (helios: default {DEFAULT_HELIOS}, relative to the current "
+        "directory; csv: required)",
+    )
+    parser.add_argument("--tree", metavar="PATH", help="csv: project tree (name,share,parent)")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, of {', '.join(POLICIES)} (default: all)",
+    )
+    size = parser.add_argument_group("cluster")
+    size.add_argument(
+        "--load",
+        type=float,
+        default=DEFAULT_LOAD,
+        help="size the cluster so that the jobs ask this many times its GPU-time "
+        f"(default {DEFAULT_LOAD}: demand 2-3x capacity, SPEC §1)",
+    )
+    size.add_argument("--nodes", type=int, help="a cluster of this many nodes instead")
+    size.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    size.add_argument("--no-failures", action="store_true", help="no drains or node failures")
+    gen = parser.add_argument_group("generate")
+    gen.add_argument("--days", type=float, default=30.0, help="length (default 30)")
+    gen.add_argument("--slices", type=int, default=20_000, help="jobs submitted (default 20000)")
+    gen.add_argument("--users", type=int, default=150, help="users (default 150)")
+    parser.add_argument("--limit", type=int, help="helios: only the first N GPU jobs")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every random source")
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument(
+        "--quantum",
+        type=float,
+        default=1.0,
+        help="seconds of events handled together before one pass (default 1)",
+    )
+    sim.add_argument(
+        "--tick", type=float, default=300.0, help="a pass at least this often (s) while work waits"
+    )
+    sim.add_argument("--grace", type=float, default=60.0, help="preemption grace period (s)")
+    sim.add_argument(
+        "--drain-deadline",
+        type=float,
+        default=12.0,
+        help="hours after which an unfinished drain needs a human (default 12)",
+    )
+    sim.add_argument(
+        "--warmup",
+        type=float,
+        help="hours at the start left out of the figures, the cluster starting empty "
+        "(default: 24, or a tenth of the run if shorter)",
+    )
+    sim.add_argument("--check", action="store_true", help="assert SPEC §5 invariants each pass")
+    sim.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel")
+    out = parser.add_argument_group("output")
+    out.add_argument("--report", metavar="DIR", help="write JSON, Markdown and PNG plots here")
+    out.add_argument("--json", metavar="FILE", help="write the figures as JSON here")
+    out.add_argument("--no-plots", action="store_true", help="with --report: no PNG files")
+    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    common = {"nodes": args.nodes, "load": args.load, "gpus_per_node": args.gpus_per_node}
+    if args.workload == "helios":
+        return load_helios(
+            args.trace or DEFAULT_HELIOS,
+            seed=args.seed,
+            failures=not args.no_failures,
+            limit=args.limit,
+            **common,
+        )
+    if args.workload == "csv":
+        if not args.trace:
+            raise InvalidConfig("csv needs --trace PATH")
+        tree = load_tree_csv(args.tree) if args.tree else None
+        return load_csv(
+            args.trace, tree=tree, seed=args.seed, failures=not args.no_failures, **common
+        )
+    config = GeneratorConfig(
+        days=args.days,
+        slices=args.slices,
+        users=args.users,
+        load=args.load,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+    )
+    if args.no_failures:
+        config = replace(config, drains_per_day=0.0, breaks=0)
+    return generate(config, seed=args.seed)
+
+
+def _simulate(workload: Workload, name: str, config: SimConfig, policy: Policy) -> Result:
+    return Simulation(workload, POLICIES[name](workload.accounts, policy), config).run()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison described by ``args``; the exit status."""
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        print(
+            f"error: unknown policy {', '.join(unknown) or '(none)'}; choose from "
+            f"{', '.join(POLICIES)}",
+            file=sys.stderr,
+        )
+        return USAGE_ERROR
+    try:
+        workload = build_workload(args)
+    except FileNotFoundError as err:
+        print(f"error: {err} (pass --trace PATH)", file=sys.stderr)
+        return USAGE_ERROR
+    except (InvalidConfig, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    warmup = args.warmup * HOUR if args.warmup is not None else min(24 * HOUR, workload.end / 10)
+    config = SimConfig(
+        warmup=warmup,
+        quantum=args.quantum,
+        tick=args.tick,
+        drain_deadline=args.drain_deadline * HOUR,
+        check=args.check,
+    )
+    policy = Policy(grace_period=args.grace)
+    say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(
+        f"{workload.name}: {len(workload.jobs):,} jobs, {len(workload.nodes)} nodes "
+        f"({workload.capacity} GPUs), offered load {workload.offered_load():.2f}"
+    )
+    results: list[Result] = []
+    if args.jobs > 1 and len(names) > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [pool.submit(_simulate, workload, n, config, policy) for n in names]
+            for future in futures:
+                results.append(future.result())
+                say(_progress(results[-1]))
+    else:
+        for name in names:
+            started = time.perf_counter()
+            results.append(_simulate(workload, name, config, policy))
+            say(_progress(results[-1]) + f" [{time.perf_counter() - started:.1f} s]")
+    data = comparison(workload, results)
+    print(table(data))
+    if "fairshare" in names:
+        print()
+        print(goals_markdown(data))
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if args.report:
+        for path in write_report(args.report, workload, results, plots=not args.no_plots):
+            say(f"wrote {path}")
+    return 0
+
+
+def _progress(result: Result) -> str:
+    s = result.stats
+    return (
+        f"  {result.policy}: {s['passes']:,} passes, {s['pass_seconds']:.1f} s in the policy, "
+        f"{s['wall_seconds']:.1f} s in all"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m broker.sim",
+        description="Compare scheduling policies on a workload (slicebroker simulate).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,538 @@
+"""The discrete-event engine: one simulated clock, an event heap, and the policy under test.
+
+State is plain model values — live :class:`~broker.model.Slice` and
+:class:`~broker.model.Node` objects — moved forward only by
+:func:`broker.transitions.apply` (for a policy's decisions and for an
+operator's) and :func:`broker.transitions.end_slice` (for a holder letting
+go). Events sit in a heap keyed by ``(time, seq)``; the events of one
+``quantum`` are handled together, then, if anything changed, the engine
+builds a :class:`~broker.model.Snapshot` (usage kept incrementally by a
+:class:`~broker.sim.usage.UsageTracker`) and calls the policy once.
+
+What users and the cluster do around the scheduler is modelled here:
+
+- a granted job runs for its remaining work and then releases its slice; an
+  idle session (a squatter) holds its GPUs for its whole stay, doing nothing;
+- preempted work: a resumable batch slice is requeued by the pass and keeps
+  its progress (it checkpoints in the grace period; without grace — its node
+  went down — it loses what it did since its last checkpoint); a
+  non-resumable batch job loses everything and its user submits it again; an
+  interactive session ends and its user starts a new one for the time they
+  still wanted; an idle session is simply gone;
+- node events: ``down`` (the pass ends its slices) and ``draining``; a node
+  is repaired and ``ready`` again some hours after it is down or drained. A
+  drain that has not emptied ``drain_deadline`` after it began needs a human:
+  an operator ends what still runs there (counted as an intervention).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..accounting import held_rate
+from ..fairshare import ProjectTree
+from ..model import (
+    HOUR,
+    Contract,
+    Decisions,
+    Ending,
+    EndReason,
+    Node,
+    NodeState,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+from ..transitions import apply, end_slice
+from .metrics import Drain, Recorder, summarise
+from .policies import Scheduler
+from .usage import UsageTracker
+from .workloads import Job, NodeEvent, Workload
+
+MIN = 60.0
+EARLIEST_PASS = 1.0
+
+# Event kinds (same-time events are handled in the order they were pushed).
+_NODE, _REPAIR, _FINISH, _INTERVENE, _WAKE, _CHECK, _TICK = range(7)
+_KIND_NAMES = ("node", "repair", "release", "intervention", "deadline", "protection end", "tick")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the world around the scheduler behaves; durations in seconds.
+
+    ``quantum``: the events of each quantum are handled together, then one
+    pass runs at its end (0: a pass at every distinct event time).
+    ``tick``: while work is pending, a pass at least this often (fair share
+    drifts as usage accrues). ``drain_deadline``: after this, a drain that
+    has not emptied needs an operator. ``checkpoint_interval``: how much
+    resumable work a slice ended without grace loses at most.
+    ``resubmit``: users start preempted non-resumable work again.
+    ``check``: assert the invariants of SPEC §5 after every pass (slow).
+    ``until``: the end of the run (default: the workload's). ``warmup``: the
+    start of the measured period — the cluster starts empty, so its first
+    hours say little about a loaded cluster. ``history``: keep a log of what
+    happened to each job (:attr:`Result.history`), for tests and debugging.
+    """
+
+    quantum: float = 1.0
+    tick: float = 300.0
+    drain_deadline: float = 12 * HOUR
+    checkpoint_interval: float = 30 * MIN
+    resubmit: bool = True
+    check: bool = False
+    until: float | None = None
+    warmup: float = 0.0
+    history: bool = False
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request in flight: the job behind a slice and how much it still needs."""
+
+    job: Job
+    work: float  # seconds of work asked for by this request
+    remaining: float
+    requested_at: float
+    waited: bool = False
+
+
+@dataclass
+class Result:
+    policy: str
+    workload: str
+    summary: dict[str, Any]
+    stats: dict[str, Any] = field(default_factory=dict)
+    # (time, what, job id) for each request, grant, preemption, requeue and end
+    history: list[tuple[float, str, int]] = field(default_factory=list)
+
+
+class InvariantBroken(AssertionError):
+    """A pass broke an invariant of SPEC §5 (only raised with ``SimConfig.check``)."""
+
+
+class Simulation:
+    """One policy on one workload. :meth:`run` it once."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        scheduler: Scheduler,
+        config: SimConfig | None = None,
+        *,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.workload = workload
+        self.scheduler = scheduler
+        self.config = config or SimConfig()
+        self.log = log
+        self.until = self.config.until if self.config.until is not None else workload.end
+        self.tree = ProjectTree(workload.accounts)
+        self.weights = dict(workload.gpu_type_weights)
+        self.node_types = {n.name: n.gpu_type for n in workload.nodes}
+        self.nodes: dict[str, Node] = {n.name: n for n in workload.nodes}
+        self.slices: dict[int, Slice] = {}
+        self.runs: dict[int, _Run] = {}
+        self.waiting = 0  # pending slices
+        self.usage = UsageTracker(
+            self.tree.projects, scheduler.policy.window, scheduler.policy.half_life
+        )
+        gpus_per_node = max((n.gpu_count for n in workload.nodes), default=8)
+        self.recorder = Recorder(
+            self.tree.projects,
+            node_gpus=gpus_per_node,
+            cluster_gpus=workload.capacity,
+            warmup=self.config.warmup,
+        )
+        self.recorder.set_capacity(0.0, self._capacity())
+        self.drains: dict[str, Drain] = {}  # open drains by node
+        self.repair_after: dict[str, float] = {}
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count(1)
+        self._tick_due: float | None = None
+        self._nodes_tuple: tuple[Node, ...] | None = None
+        self.history: list[tuple[float, str, int]] | None = [] if self.config.history else None
+        self.stats: dict[str, Any] = {
+            "passes": 0,
+            "pass_seconds": 0.0,
+            "max_pass_seconds": 0.0,
+            "phase_seconds": {},
+            "events": 0,
+            "changes_by_event": {},  # events that made the policy look again, by kind
+            "max_waiting": 0,
+        }
+        for event in workload.node_events:
+            self._push(event.at, _NODE, event)
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def run(self) -> Result:
+        started, cpu = time.perf_counter(), time.process_time()
+        jobs, next_job, heap = self.workload.jobs, 0, self._heap
+        quantum = self.config.quantum
+        changes = self.stats["changes_by_event"]
+        while True:
+            first = heap[0][0] if heap else math.inf
+            if next_job < len(jobs) and jobs[next_job].submit < first:
+                first = jobs[next_job].submit
+            if first > self.until or first == math.inf:
+                break
+            at = min(math.ceil(first / quantum) * quantum, self.until) if quantum > 0 else first
+            # No pass at t = 0: the pass reads a grant time of 0.0 as "not granted"
+            # when it checks max_runtime (scheduler.py, `granted_at or now`).
+            at = max(at, first, EARLIEST_PASS)
+            changed = False
+            while True:
+                arrival = jobs[next_job].submit if next_job < len(jobs) else math.inf
+                event = heap[0][0] if heap else math.inf
+                if min(arrival, event) > at:
+                    break
+                self.stats["events"] += 1
+                if arrival <= event:
+                    job = jobs[next_job]
+                    next_job += 1
+                    self.now = job.submit
+                    self._request(job.submit, job, job.duration)
+                    changed = True
+                    changes["arrival"] = changes.get("arrival", 0) + 1
+                else:
+                    t, _, kind, a, b = heapq.heappop(heap)
+                    self.now = t
+                    if self._handle(t, kind, a, b):
+                        changed = True
+                        name = _KIND_NAMES[kind]
+                        changes[name] = changes.get(name, 0) + 1
+            self.now = at
+            if changed:
+                self._pass(at)
+        self._finish_run()
+        self.stats["wall_seconds"] = time.perf_counter() - started
+        self.stats["cpu_seconds"] = time.process_time() - cpu
+        summary = summarise(
+            self.recorder,
+            end=self.until,
+            entitlements={p: self.tree.entitlements[p] for p in self.tree.projects},
+            extra={
+                "capacity_gpus": self.workload.capacity,
+                "nodes": len(self.workload.nodes),
+                "jobs": len(self.workload.jobs),
+                "offered_load": self.workload.offered_load(),
+                "days": self.until / (24 * HOUR),
+            },
+        )
+        return Result(
+            self.scheduler.name, self.workload.name, summary, dict(self.stats), self.history or []
+        )
+
+    def _note(self, t: float, what: str, job: Job) -> None:
+        if self.history is not None:
+            self.history.append((t, what, job.id))
+
+    def _push(self, at: float, kind: int, a: Any = None, b: Any = None) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, a, b))
+
+    def _handle(self, t: float, kind: int, a: Any, b: Any) -> bool:
+        """Handle one event at ``t``; whether the policy should look again."""
+        if kind == _FINISH:
+            return self._release(t, a, b)
+        if kind == _WAKE:
+            return True
+        if kind == _CHECK:  # a contract's protected period ended
+            return self.waiting > 0 or bool(self.drains)
+        if kind == _TICK:
+            self._tick_due = None
+            return self.waiting > 0
+        if kind == _NODE:
+            return self._node_event(t, a)
+        if kind == _REPAIR:
+            return self._repair(t, a)
+        if kind == _INTERVENE:
+            return self._intervene(t, a, b)
+        raise ValueError(f"unknown event kind {kind}")
+
+    # ---- users ------------------------------------------------------------------------
+
+    def _request(self, t: float, job: Job, work: float) -> None:
+        slice_id = next(self._ids)
+        self.slices[slice_id] = Slice(
+            id=slice_id,
+            project=job.project,
+            user=job.user,
+            gpus=job.gpus,
+            kind=job.kind,
+            contract=Contract(job.min_runtime, job.resumable, job.max_runtime),
+            gpu_type=job.gpu_type,
+            priority=job.priority,
+            submitted_at=t,
+        )
+        self.runs[slice_id] = _Run(job, work, work, t)
+        self._note(t, "request", job)
+        self.waiting += 1
+        self.stats["max_waiting"] = max(self.stats["max_waiting"], self.waiting)
+        self.recorder.want(t, job.project, job.gpus)
+        self.recorder.queue(t, job.gpus)
+
+    def _release(self, t: float, slice_id: int, granted_at: float) -> bool:
+        """The job is done (or the squatter leaves): its holder lets the slice go."""
+        slice_ = self.slices.get(slice_id)
+        if slice_ is None or slice_.granted_at != granted_at or not slice_.holds_gpus:
+            return False  # ended or requeued meanwhile
+        entry = end_slice(slice_, t, self.node_types, self.weights)
+        if entry is not None:
+            self.usage.close(entry)
+        del self.slices[slice_id]
+        run = self.runs.pop(slice_id)
+        job = run.job
+        self.recorder.hold(t, job, -job.gpus)
+        self.recorder.want(t, job.project, -job.gpus)
+        self.recorder.endings[EndReason.RELEASED.value] += 1
+        self._note(t, "released", job)
+        if not job.idle:
+            self.recorder.completed += 1
+            self.recorder.completed_gpu_seconds += job.gpus * run.work
+        return True
+
+    # ---- the cluster ----------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        usable = (NodeState.READY, NodeState.DRAINING)
+        return sum(n.gpu_count for n in self.nodes.values() if n.state in usable)
+
+    def _set_node(self, t: float, name: str, state: NodeState) -> None:
+        self.nodes[name] = replace(self.nodes[name], state=state)
+        self._nodes_tuple = None
+        self.recorder.set_capacity(t, self._capacity())
+
+    def _node_event(self, t: float, event: NodeEvent) -> bool:
+        state = self.nodes[event.node].state
+        if event.state is NodeState.DOWN:
+            if state is NodeState.DOWN:
+                return False
+            drain = self.drains.pop(event.node, None)
+            if drain is not None:
+                drain.interrupted = True
+            self._set_node(t, event.node, NodeState.DOWN)
+            self._push(t + event.repair, _REPAIR, event.node)
+            return True
+        if event.state is NodeState.DRAINING:
+            if state is not NodeState.READY:
+                return False
+            drain = Drain(event.node, t)
+            self.recorder.drains.append(drain)
+            self.drains[event.node] = drain
+            self.repair_after[event.node] = event.repair
+            self._set_node(t, event.node, NodeState.DRAINING)
+            self._push(t + self.config.drain_deadline, _INTERVENE, event.node, drain)
+            return True
+        raise ValueError(f"node events are 'down' or 'draining', not {event.state}")
+
+    def _repair(self, t: float, name: str) -> bool:
+        if self.nodes[name].state not in (NodeState.DOWN, NodeState.DRAINED):
+            return False
+        self._set_node(t, name, NodeState.READY)
+        return True
+
+    def _intervene(self, t: float, name: str, drain: Drain) -> bool:
+        """A drain past its deadline: an operator negotiates and ends what still runs."""
+        if self.drains.get(name) is not drain or self.nodes[name].state is not NodeState.DRAINING:
+            return False
+        holders = [
+            s
+            for s in self.slices.values()
+            if s.holds_gpus and any(p.node == name for p in s.placements)
+        ]
+        if not holders:
+            return False
+        drain.intervened = True
+        self.recorder.interventions += 1
+        self.recorder.killed_by_operator += len(holders)
+        endings = tuple(
+            Ending(s.id, EndReason.PREEMPTED, s.contract.resumable and s.kind is SliceKind.BATCH)
+            for s in sorted(holders, key=lambda s: s.id)
+        )
+        self._commit(t, Decisions(endings=endings))
+        return True
+
+    # ---- the policy -----------------------------------------------------------------------
+
+    def _pass(self, now: float) -> None:
+        if self._nodes_tuple is None:
+            self._nodes_tuple = tuple(self.nodes.values())
+        snapshot = Snapshot(
+            now=now,
+            nodes=self._nodes_tuple,
+            accounts=self.workload.accounts,
+            slices=tuple(self.slices.values()),
+            usage=self.usage.at(now),
+            gpu_type_weights=self.weights,
+            policy=self.scheduler.policy,
+        )
+        started = time.perf_counter()
+        decisions = self.scheduler(snapshot)
+        elapsed = time.perf_counter() - started
+        stats = self.stats
+        stats["passes"] += 1
+        stats["pass_seconds"] += elapsed
+        stats["max_pass_seconds"] = max(stats["max_pass_seconds"], elapsed)
+        phases = stats["phase_seconds"]
+        for phase, seconds in decisions.phase_seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+        if self.config.check:
+            check_decisions(snapshot, decisions)
+        self._commit(now, decisions)
+        if self.waiting and self._tick_due is None and self.config.tick > 0:
+            self._tick_due = now + self.config.tick
+            self._push(self._tick_due, _TICK)
+
+    def _commit(self, now: float, decisions: Decisions) -> None:
+        """Apply ``decisions`` at ``now`` and do the bookkeeping each change implies."""
+        before = self.slices
+        applied = apply(before, self.nodes, decisions, now, self.weights)
+        self.slices = applied.slices  # before the bookkeeping: users may submit again
+        for entry in applied.charges:
+            self.usage.close(entry)
+        reasons = {e.slice_id: e.reason for e in decisions.endings}
+        for slice_, reason in applied.ended:
+            self._ended(now, slice_, reason)
+        for slice_ in applied.requeued:
+            self._requeued(now, before[slice_.id], reasons[slice_.id])
+        if applied.requeued:
+            # A pass does not grant what it requeues itself: look again at once.
+            self._push(now, _WAKE)
+        for preemption in decisions.preemptions:
+            self.recorder.preemptions[preemption.reason.value] += 1
+            self._note(
+                now, f"preempted ({preemption.reason.value})", self.runs[preemption.slice_id].job
+            )
+            self._push(preemption.deadline, _WAKE)
+        for grant in decisions.grants:
+            self._granted(now, self.slices[grant.slice_id])
+        if decisions.node_changes:
+            self.nodes = applied.nodes
+            self._nodes_tuple = None
+            for change in decisions.node_changes:
+                if change.state is NodeState.DRAINED:
+                    drain = self.drains.pop(change.node, None)
+                    if drain is not None:
+                        drain.emptied = now
+                    repair = self.repair_after.pop(change.node, 4 * HOUR)
+                    self._push(now + repair, _REPAIR, change.node)
+            self.recorder.set_capacity(now, self._capacity())
+
+    def _granted(self, now: float, slice_: Slice) -> None:
+        run = self.runs[slice_.id]
+        job = run.job
+        self.waiting -= 1
+        self.recorder.queue(now, -job.gpus)
+        self.recorder.hold(now, job, job.gpus)
+        self._note(now, "granted", job)
+        if not run.waited:
+            run.waited = True
+            self.recorder.waited(job, run.requested_at, now - run.requested_at)
+        if slice_.allocated:
+            rate = held_rate(slice_.placements, self.node_types, self.weights)
+            self.usage.open(slice_.project, rate, now)
+        self._push(now + run.remaining, _FINISH, slice_.id, now)
+        if slice_.contract.min_runtime > 0:
+            self._push(now + slice_.contract.min_runtime, _CHECK)
+        if slice_.contract.max_runtime is not None:
+            self._push(now + slice_.contract.max_runtime, _WAKE)
+
+    def _ended(self, now: float, slice_: Slice, reason: EndReason) -> None:
+        """A slice the policy (or an operator) ended without requeueing it."""
+        run = self.runs.pop(slice_.id)
+        job = run.job
+        self.recorder.endings[reason.value] += 1
+        self._note(now, reason.value, job)
+        if slice_.holds_gpus:
+            self.recorder.hold(now, job, -job.gpus)
+        else:
+            self.waiting -= 1
+            self.recorder.queue(now, -job.gpus)
+        self.recorder.want(now, job.project, -job.gpus)
+        if job.idle or reason not in (EndReason.PREEMPTED, EndReason.NODE_DOWN):
+            return
+        elapsed = now - slice_.granted_at if slice_.granted_at is not None else 0.0
+        if job.kind is SliceKind.BATCH:
+            self.recorder.lost_gpu_seconds += job.gpus * elapsed
+            again = run.work  # from the start
+        else:
+            again = run.remaining - elapsed  # the rest of the session
+        if self.config.resubmit and again > 0:
+            self.recorder.resubmitted += 1
+            self._request(now, job, again)
+
+    def _requeued(self, now: float, slice_: Slice, reason: EndReason) -> None:
+        """A resumable slice back in the queue, with its progress up to its last checkpoint."""
+        run = self.runs[slice_.id]
+        job = run.job
+        elapsed = now - slice_.granted_at if slice_.granted_at is not None else 0.0
+        lost = 0.0 if reason is EndReason.PREEMPTED else elapsed % self.config.checkpoint_interval
+        run.remaining = max(1.0, run.remaining - (elapsed - lost))
+        self.recorder.lost_gpu_seconds += job.gpus * lost
+        self.recorder.requeued += 1
+        self.recorder.endings[f"{reason.value} (requeued)"] += 1
+        self._note(now, f"{reason.value} (requeued)", job)
+        self.recorder.hold(now, job, -job.gpus)
+        self.recorder.queue(now, job.gpus)
+        self.waiting += 1
+
+    def _finish_run(self) -> None:
+        end = self.until
+        for run in self.runs.values():
+            if not run.waited:
+                waited = max(0.0, end - run.requested_at)
+                self.recorder.waited(run.job, run.requested_at, waited, started=False)
+
+
+# ---- invariants ------------------------------------------------------------------------
+
+
+def check_decisions(snapshot: Snapshot, decisions: Decisions) -> None:
+    """SPEC §5's invariants for one pass: after it, a GPU is held or promised by
+    at most one slice, grants are on ``ready`` nodes, and no protected slice is
+    preempted."""
+    live = {s.id: s for s in snapshot.slices}
+    ended = {e.slice_id for e in decisions.endings}
+    states = {n.name: n.state for n in snapshot.nodes}
+    held: dict[tuple[str, int], int] = {}
+
+    def take(slice_id: int, placements) -> None:
+        for p in placements:
+            for i in p.gpu_indices:
+                other = held.setdefault((p.node, i), slice_id)
+                if other != slice_id:
+                    raise InvariantBroken(
+                        f"GPU {p.node}:{i} held by slices {other} and {slice_id} at {snapshot.now}"
+                    )
+
+    for s in snapshot.slices:
+        if s.holds_gpus and s.id not in ended:
+            take(s.id, s.placements)
+    for grant in decisions.grants:
+        for p in grant.placements:
+            if states[p.node] is not NodeState.READY:
+                raise InvariantBroken(
+                    f"slice {grant.slice_id} granted on {p.node} ({states[p.node]})"
+                )
+        take(grant.slice_id, grant.placements)
+    for preemption in decisions.preemptions:
+        victim = live[preemption.slice_id]
+        if victim.allocated and victim.is_protected(snapshot.now):
+            raise InvariantBroken(f"protected slice {victim.id} preempted at {snapshot.now}")
+        if victim.state is not SliceState.GRANTED:
+            raise InvariantBroken(f"slice {victim.id} preempted twice")
+
+
+def simulate(workload: Workload, scheduler: Scheduler, config: SimConfig | None = None) -> Result:
+    """Run ``scheduler`` on ``workload`` and return its figures."""
+    return Simulation(workload, scheduler, config).run()

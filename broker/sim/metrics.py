@@ -1,0 +1,333 @@
+"""What a simulation measures, and the summary the report is made of.
+
+The engine tells a :class:`Recorder` what happens (a request, a grant, GPUs
+held or released, a preemption, a drain); the recorder integrates the
+piecewise-constant quantities — GPUs wanted and held per project, capacity,
+GPUs held by idle sessions — into hourly bins, lazily, so that each change
+costs O(1) plus the hours it crosses. :func:`summarise` turns that into the
+figures of the report. Definitions (also in ``docs/simulator.md``):
+
+- *wait*: from a request (a submission, or a user starting a preempted job
+  again) to its grant. Requests still waiting at the end count with the time
+  they have waited so far (a lower bound), so a policy that starves a class
+  cannot look good by never starting it.
+- *occupancy*: GPU-time held by any slice over GPU-time of usable nodes
+  (``ready`` or ``draining``).
+- *owed*: per project and hour, ``min(demand, entitlement × capacity)``, where
+  demand is the GPU-time its slices wanted (held or pending), summed over the
+  hours. *delivered*: the GPU-time the project held, up to what it was owed
+  (``min(held, owed)`` over the whole run); the stricter *hour-by-hour*
+  variant caps each hour separately, so that a project served late (or in
+  bursts larger than its share) does not make up for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model import HOUR, SliceKind
+from .workloads import Job
+
+DEBUG_MAX_GPUS = 2
+DEBUG_MAX_CONTRACT = 15 * 60.0
+
+
+def wait_class(job: Job, node_gpus: int = 8, cluster_gpus: int = 64) -> str:
+    """The class a request's wait is reported under.
+
+    ``debug`` (interactive, ≤ 2 GPUs, contract ≤ 15 min), ``interactive`` (other
+    sessions), ``squatter`` (idle sessions), else batch by size: ``batch 1``,
+    ``batch 2-8`` (within a node of 8), ``batch multi-node`` (up to a quarter of
+    the cluster) and ``batch large`` (more than a quarter of the cluster's GPUs:
+    what fragmentation makes wait).
+    """
+    if job.idle:
+        return "squatter"
+    if job.kind is SliceKind.INTERACTIVE:
+        if job.gpus <= DEBUG_MAX_GPUS and 0 < job.min_runtime <= DEBUG_MAX_CONTRACT:
+            return "debug"
+        return "interactive"
+    if job.gpus <= 1:
+        return "batch 1"
+    if job.gpus <= node_gpus:
+        return f"batch 2-{node_gpus}"
+    if job.gpus * 4 <= cluster_gpus:
+        return "batch multi-node"
+    return "batch large"
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0–100) by linear interpolation between ranks; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+class Hourly:
+    """A piecewise-constant quantity integrated into hourly bins (value × seconds)."""
+
+    __slots__ = ("bins", "since", "value")
+
+    def __init__(self, start: float = 0.0, value: float = 0.0):
+        self.bins: list[float] = []
+        self.since = start
+        self.value = value
+
+    def add(self, t: float, delta: float) -> None:
+        self.flush(t)
+        self.value += delta
+
+    def flush(self, t: float) -> None:
+        since, value = self.since, self.value
+        if t <= since:
+            return
+        self.since = t
+        if value == 0:
+            return
+        bins = self.bins
+        while since < t:
+            hour = int(since // HOUR)
+            upto = min(t, (hour + 1) * HOUR)
+            while len(bins) <= hour:
+                bins.append(0.0)
+            bins[hour] += value * (upto - since)
+            since = upto
+
+    def series(self, hours: int) -> list[float]:
+        return self.bins[:hours] + [0.0] * max(0, hours - len(self.bins))
+
+
+@dataclass
+class Drain:
+    node: str
+    started: float
+    emptied: float | None = None
+    intervened: bool = False
+    interrupted: bool = False  # the node went down first
+
+
+@dataclass
+class Recorder:
+    """Everything measured during one run (see the module docstring)."""
+
+    projects: Sequence[str]
+    node_gpus: int = 8
+    cluster_gpus: int = 64
+    warmup: float = 0.0  # requests before this are not in the waits, hours before it not counted
+    wanted: dict[str, Hourly] = field(init=False)
+    held: dict[str, Hourly] = field(init=False)
+    capacity: Hourly = field(default_factory=Hourly)
+    idle: Hourly = field(default_factory=Hourly)
+    busy: Hourly = field(default_factory=Hourly)
+    pending: Hourly = field(default_factory=Hourly)
+    waits: dict[str, list[float]] = field(default_factory=dict)
+    censored: Counter = field(default_factory=Counter)
+    preemptions: Counter = field(default_factory=Counter)
+    endings: Counter = field(default_factory=Counter)
+    lost_gpu_seconds: float = 0.0
+    completed: int = 0
+    completed_gpu_seconds: float = 0.0
+    resubmitted: int = 0
+    requeued: int = 0
+    drains: list[Drain] = field(default_factory=list)
+    interventions: int = 0
+    killed_by_operator: int = 0
+
+    def __post_init__(self) -> None:
+        self.wanted = {p: Hourly() for p in self.projects}
+        self.held = {p: Hourly() for p in self.projects}
+
+    # -- what the engine reports -------------------------------------------
+
+    def want(self, t: float, project: str, gpus: int) -> None:
+        self.wanted[project].add(t, gpus)
+
+    def queue(self, t: float, gpus: int) -> None:
+        self.pending.add(t, gpus)
+
+    def hold(self, t: float, job: Job, gpus: int) -> None:
+        self.held[job.project].add(t, gpus)
+        (self.idle if job.idle else self.busy).add(t, gpus)
+
+    def set_capacity(self, t: float, gpus: int) -> None:
+        self.capacity.add(t, gpus - self.capacity.value)
+
+    def waited(self, job: Job, requested_at: float, seconds: float, started: bool = True) -> None:
+        if requested_at < self.warmup:
+            return
+        cls = wait_class(job, self.node_gpus, self.cluster_gpus)
+        self.waits.setdefault(cls, []).append(seconds)
+        if not started:
+            self.censored[cls] += 1
+
+    def flush(self, t: float) -> None:
+        for series in (*self.wanted.values(), *self.held.values()):
+            series.flush(t)
+        for series in (self.capacity, self.idle, self.busy, self.pending):
+            series.flush(t)
+
+
+# ---- the summary --------------------------------------------------------------------
+
+WAIT_CLASSES = ("debug", "interactive", "batch 1", "batch 2-8", "batch multi-node", "batch large")
+
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """One project's owed and delivered GPU-seconds (module docstring)."""
+
+    owed: float
+    held: float
+    hourly_delivered: float  # sum over hours of min(held, owed)
+
+    @property
+    def delivered(self) -> float:
+        return min(self.held, self.owed)
+
+    def fraction(self, hourly: bool = False) -> float | None:
+        if self.owed <= 0:
+            return None
+        return (self.hourly_delivered if hourly else self.delivered) / self.owed
+
+
+def owed_delivered(
+    wanted: Mapping[str, Sequence[float]],
+    held: Mapping[str, Sequence[float]],
+    capacity: Sequence[float],
+    entitlements: Mapping[str, float],
+) -> dict[str, Owed]:
+    """Per project, what it was owed hour by hour and what it got."""
+    result = {}
+    for project, share in entitlements.items():
+        owed = held_total = hourly = 0.0
+        for hour, cap in enumerate(capacity):
+            got = held[project][hour]
+            owe = min(wanted[project][hour], share * cap)
+            owed += owe
+            held_total += got
+            hourly += min(got, owe)
+        result[project] = Owed(owed, held_total, hourly)
+    return result
+
+
+def summarise(
+    recorder: Recorder,
+    *,
+    end: float,
+    entitlements: Mapping[str, float],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The figures of one run, JSON-able. Measured hours: from the one the
+    recorder's warm-up ends in, to ``end``."""
+    recorder.flush(end)
+    hours = max(1, math.ceil(end / HOUR))
+    first = min(hours - 1, int(recorder.warmup // HOUR))
+
+    def measured(series: Hourly) -> list[float]:
+        return series.series(hours)[first:]
+
+    capacity = measured(recorder.capacity)
+    wanted = {p: measured(recorder.wanted[p]) for p in recorder.projects}
+    held = {p: measured(recorder.held[p]) for p in recorder.projects}
+    total_capacity = sum(capacity)
+    held_total = sum(sum(v) for v in held.values())
+    wanted_total = sum(sum(v) for v in wanted.values())
+    owed = owed_delivered(wanted, held, capacity, entitlements)
+    owed_sum = sum(o.owed for o in owed.values())
+    delivered_sum = sum(o.delivered for o in owed.values())
+    hourly_sum = sum(o.hourly_delivered for o in owed.values())
+    waits = {}
+    for cls in sorted(recorder.waits, key=_class_order):
+        values = recorder.waits[cls]
+        waits[cls] = {
+            "count": len(values),
+            "not_started": recorder.censored[cls],
+            "mean": sum(values) / len(values),
+            "p50": percentile(values, 50),
+            "p90": percentile(values, 90),
+            "p99": percentile(values, 99),
+        }
+    drains = recorder.drains
+    emptied = [d.emptied - d.started for d in drains if d.emptied is not None]
+    per_project = {
+        p: {
+            "entitlement": entitlements[p],
+            "owed_gpu_hours": owed[p].owed / HOUR,
+            "delivered_gpu_hours": owed[p].delivered / HOUR,
+            "delivered_fraction": owed[p].fraction(),
+            "hourly_delivered_fraction": owed[p].fraction(hourly=True),
+            "held_gpu_hours": owed[p].held / HOUR,
+            "wanted_gpu_hours": sum(wanted[p]) / HOUR,
+        }
+        for p in recorder.projects
+    }
+    owed_projects = [v for v in per_project.values() if v["owed_gpu_hours"] > 1]
+    fractions = [v["delivered_fraction"] for v in owed_projects]
+    summary = {
+        "waits": waits,
+        "occupancy": held_total / total_capacity if total_capacity else 0.0,
+        "busy_occupancy": sum(measured(recorder.busy)) / total_capacity if total_capacity else 0.0,
+        "demand_ratio": wanted_total / total_capacity if total_capacity else 0.0,
+        "owed_delivered": delivered_sum / owed_sum if owed_sum else None,
+        "owed_delivered_hourly": hourly_sum / owed_sum if owed_sum else None,
+        "worst_project_delivered": min(fractions) if fractions else None,
+        "worst_project_delivered_hourly": min(
+            (v["hourly_delivered_fraction"] for v in owed_projects), default=None
+        ),
+        "projects_at_95": sum(1 for f in fractions if f >= 0.95),
+        "projects_owed": len(fractions),
+        "squatter_idle_gpu_hours": sum(measured(recorder.idle)) / HOUR,
+        "preemptions": dict(sorted(recorder.preemptions.items())),
+        "preemptions_total": sum(recorder.preemptions.values()),
+        "lost_gpu_hours": recorder.lost_gpu_seconds / HOUR,
+        "endings": dict(sorted(recorder.endings.items())),
+        "completed": recorder.completed,
+        "completed_gpu_hours": recorder.completed_gpu_seconds / HOUR,
+        "requeued": recorder.requeued,
+        "resubmitted": recorder.resubmitted,
+        "drains": len(drains),
+        "drains_emptied": len(emptied),
+        "drain_hours_p50": _hours(percentile(emptied, 50)),
+        "drain_hours_max": _hours(max(emptied) if emptied else None),
+        "interventions": recorder.interventions,
+        "killed_by_operator": recorder.killed_by_operator,
+        "projects": per_project,
+        "warmup_hours": first,
+        "hourly": {  # every hour, warm-up included
+            "capacity_gpus": [c / HOUR for c in recorder.capacity.series(hours)],
+            "held_gpus": [
+                sum(values) / HOUR
+                for values in zip(*(recorder.held[p].series(hours) for p in held), strict=True)
+            ],
+            "idle_gpus": [v / HOUR for v in recorder.idle.series(hours)],
+            "pending_gpus": [v / HOUR for v in recorder.pending.series(hours)],
+        },
+        "wait_samples": {cls: _sample(v) for cls, v in recorder.waits.items()},
+    }
+    if extra:
+        summary |= dict(extra)
+    return summary
+
+
+def _class_order(cls: str) -> tuple[int, str]:
+    return (WAIT_CLASSES.index(cls) if cls in WAIT_CLASSES else len(WAIT_CLASSES), cls)
+
+
+def _hours(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds / HOUR
+
+
+def _sample(values: Iterable[float], points: int = 200) -> list[float]:
+    """Quantiles at ``points`` evenly spaced ranks: enough for a CDF plot, small in JSON."""
+    ordered = sorted(values)
+    if len(ordered) <= points:
+        return ordered
+    return [ordered[round(i * (len(ordered) - 1) / (points - 1))] for i in range(points)]

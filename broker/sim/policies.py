@@ -1,0 +1,309 @@
+"""The policies the simulator compares, behind one small interface.
+
+A policy is a callable from a :class:`~broker.model.Snapshot` to
+:class:`~broker.model.Decisions`, with a ``name`` and the
+:class:`~broker.model.Policy` it runs under (which also tells the engine how
+to count usage: a hard window or a half-life). ``fairshare`` is the real
+scheduling pass, :func:`broker.scheduler.schedule`, called as is. The
+baselines are small pure functions of their own, sharing only the
+housekeeping every cluster does (:func:`settle`) and the core's free-GPU map
+for placement, so that they differ from ours in ordering, quotas and
+preemption — not in how a slice is packed onto a node:
+
+- ``fifo``: first come, first served; the head of the queue waits for room and
+  everyone waits behind it. No preemption.
+- ``priority``: the system SPEC §1 replaces. Strict priority (then submit
+  time), greedy: whatever fits starts, the rest is skipped. Non-preemptible
+  per-project concurrency quotas. Users set priorities freely, so they are
+  inflated (the workloads put most work at the top).
+- ``slurm``: Slurm-like multifactor priority — fair-share factor
+  ``2^(-usage/share)`` over usage decayed with a half-life, plus an age
+  factor — with one reservation for the highest-priority job that does not
+  fit. No contracts, no preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from ..fairshare import ProjectTree
+from ..model import (
+    DAY,
+    Account,
+    Decisions,
+    Ending,
+    EndReason,
+    Grant,
+    NodeChange,
+    NodeState,
+    Placement,
+    Policy,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+from ..placement import FreeGpus
+from ..scheduler import schedule
+
+
+class Scheduler(Protocol):
+    """What the engine drives: a pure function of a snapshot, and its knobs."""
+
+    name: str
+    policy: Policy
+
+    def __call__(self, snapshot: Snapshot, /) -> Decisions: ...
+
+
+class FairShare:
+    """Ours: the real pass (SPEC §4–§6), with the project tree built once."""
+
+    name = "fairshare"
+
+    def __init__(self, accounts: Sequence[Account], policy: Policy | None = None):
+        self.tree = ProjectTree(accounts)
+        self.policy = policy or Policy()
+
+    def __call__(self, snapshot: Snapshot, /) -> Decisions:
+        return schedule(snapshot, self.tree)
+
+
+# ---- what every baseline does ----------------------------------------------------
+
+
+@dataclass
+class Settled:
+    """A cluster after the housekeeping of :func:`settle`: what ends, what is free."""
+
+    endings: list[Ending]
+    node_changes: list[NodeChange]
+    free: FreeGpus
+    pending: list[Slice]
+    held: dict[str, int] = field(default_factory=dict)  # GPUs held per project
+
+
+def settle(snapshot: Snapshot) -> Settled:
+    """End slices on ``down`` nodes (resumable batch requeues) and past their
+    ``max_runtime`` or grace; report empty draining nodes ``drained``; map the
+    free GPUs of ``ready`` nodes. No baseline preempts, so a draining node
+    empties only as its jobs end (or an operator steps in)."""
+    now = snapshot.now
+    states = {n.name: n.state for n in snapshot.nodes}
+    endings: list[Ending] = []
+    holding: list[Slice] = []
+    pending: list[Slice] = []
+    for s in snapshot.slices:
+        if s.state is SliceState.PENDING:
+            pending.append(s)
+            continue
+        if any(states.get(p.node, NodeState.DOWN) is NodeState.DOWN for p in s.placements):
+            requeue = s.contract.resumable and s.kind is SliceKind.BATCH
+            endings.append(Ending(s.id, EndReason.NODE_DOWN, requeue))
+        elif (
+            s.contract.max_runtime is not None
+            and s.granted_at is not None
+            and now >= s.granted_at + s.contract.max_runtime
+        ):
+            endings.append(Ending(s.id, EndReason.EXPIRED))
+        elif s.preempt_deadline is not None and now >= s.preempt_deadline:
+            requeue = s.contract.resumable and s.kind is SliceKind.BATCH
+            endings.append(Ending(s.id, EndReason.PREEMPTED, requeue))
+        else:
+            holding.append(s)
+    busy = {p.node for s in holding for p in s.placements}
+    changes = [
+        NodeChange(n.name, NodeState.DRAINED, "empty after drain")
+        for n in sorted(snapshot.nodes, key=lambda n: n.name)
+        if n.state is NodeState.DRAINING and n.name not in busy
+    ]
+    free = FreeGpus(
+        [n for n in snapshot.nodes if n.state is NodeState.READY], snapshot.gpu_type_weights
+    )
+    held: dict[str, int] = {}
+    for s in holding:
+        free.take(s.placements)
+        held[s.project] = held.get(s.project, 0) + s.gpus
+    return Settled(endings, changes, free, pending, held)
+
+
+def _decisions(settled: Settled, grants: list[Grant]) -> Decisions:
+    return Decisions(
+        grants=tuple(grants),
+        endings=tuple(settled.endings),
+        node_changes=tuple(settled.node_changes),
+    )
+
+
+def _fit(free: FreeGpus, s: Slice) -> tuple[Placement, ...] | None:
+    return free.fit(s.gpus, s.gpu_type, s.kind is SliceKind.BATCH)
+
+
+# ---- the baselines -----------------------------------------------------------------
+
+
+class Fifo:
+    """First come, first served; the head waits and blocks the queue behind it.
+
+    Order: submit time, then slice id.
+    """
+
+    name = "fifo"
+
+    def __init__(self, accounts: Sequence[Account] = (), policy: Policy | None = None):
+        self.policy = policy or Policy()
+
+    def __call__(self, snapshot: Snapshot, /) -> Decisions:
+        settled = settle(snapshot)
+        grants = []
+        for s in sorted(settled.pending, key=lambda s: (s.submitted_at, s.id)):
+            placements = _fit(settled.free, s)
+            if placements is None:
+                break
+            settled.free.take(placements)
+            grants.append(Grant(s.id, placements))
+        return _decisions(settled, grants)
+
+
+class StrictPriority:
+    """Strict priority with non-preemptible per-project concurrency quotas (SPEC §1).
+
+    Order: priority (higher first), submit time, slice id. Each pending slice
+    starts if it fits and its project stays within its quota — ``entitlement
+    × cluster GPUs × overcommit``, rounded, at least 1 — otherwise it is
+    skipped (no reservation, no preemption). A project holding nothing may
+    start one job of any size, so that no job is barred for being larger
+    than its project's quota.
+    """
+
+    name = "priority"
+
+    def __init__(
+        self, accounts: Sequence[Account], policy: Policy | None = None, overcommit: float = 1.5
+    ):
+        self.policy = policy or Policy()
+        tree = ProjectTree(accounts)
+        self.entitlements = {p: tree.entitlements[p] for p in tree.projects}
+        self.overcommit = overcommit
+
+    def quotas(self, total_gpus: int) -> dict[str, int]:
+        return {
+            p: max(1, round(share * total_gpus * self.overcommit))
+            for p, share in self.entitlements.items()
+        }
+
+    def __call__(self, snapshot: Snapshot, /) -> Decisions:
+        settled = settle(snapshot)
+        quotas = self.quotas(sum(n.gpu_count for n in snapshot.nodes))
+        held = settled.held
+        grants = []
+        for s in sorted(settled.pending, key=lambda s: (-s.priority, s.submitted_at, s.id)):
+            holding = held.get(s.project, 0)
+            if holding and holding + s.gpus > quotas[s.project]:
+                continue
+            placements = _fit(settled.free, s)
+            if placements is None:
+                continue
+            settled.free.take(placements)
+            held[s.project] = holding + s.gpus
+            grants.append(Grant(s.id, placements))
+        return _decisions(settled, grants)
+
+
+class MultifactorFairShare:
+    """Slurm-like multifactor priority (half-life decay, no contracts).
+
+    ``priority = fairshare_weight × 2^(-U/S) + age_weight × min(1, age / max_age)``
+    with ``U`` the project's decayed usage over all projects' and ``S`` its
+    entitlement (Slurm's classic fair-share factor). Order: priority (higher
+    first), submit time, slice id. Jobs start greedily in that order, except
+    that the first one that does not fit reserves the node(s) with the most
+    free GPUs (whole nodes for a gang), which later jobs may not use: Slurm
+    holds back the top job's resources this way, here without time limits to
+    backfill against.
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        accounts: Sequence[Account],
+        policy: Policy | None = None,
+        *,
+        fairshare_weight: float = 10_000.0,
+        age_weight: float = 1_000.0,
+        max_age: float = 7 * DAY,
+    ):
+        policy = policy or Policy()
+        # usage decays with a half-life (Slurm's PriorityDecayHalfLife, default 7 days)
+        self.policy = policy if policy.half_life else replace(policy, half_life=7 * DAY)
+        tree = ProjectTree(accounts)
+        self.entitlements = {p: tree.entitlements[p] for p in tree.projects}
+        self.fairshare_weight = fairshare_weight
+        self.age_weight = age_weight
+        self.max_age = max_age
+
+    def factors(self, usage: dict[str, float] | Snapshot) -> dict[str, float]:
+        """The fair-share factor ``2^(-U/S)`` of every project (1.0 when nothing is used)."""
+        if isinstance(usage, Snapshot):
+            usage = dict(usage.usage)
+        total = sum(usage.get(p, 0.0) for p in self.entitlements)
+        if total <= 0:
+            return dict.fromkeys(self.entitlements, 1.0)
+        return {p: 2.0 ** (-(usage.get(p, 0.0) / total) / e) for p, e in self.entitlements.items()}
+
+    def __call__(self, snapshot: Snapshot, /) -> Decisions:
+        settled = settle(snapshot)
+        factors = self.factors(dict(snapshot.usage))
+        now = snapshot.now
+
+        def priority(s: Slice) -> tuple[float, float, int]:
+            age = min(1.0, max(0.0, now - s.submitted_at) / self.max_age)
+            value = self.fairshare_weight * factors[s.project] + self.age_weight * age
+            return (-value, s.submitted_at, s.id)
+
+        grants = []
+        reserved = False
+        for s in sorted(settled.pending, key=priority):
+            placements = _fit(settled.free, s)
+            if placements is not None:
+                settled.free.take(placements)
+                grants.append(Grant(s.id, placements))
+            elif not reserved:
+                reserved = True
+                settled.free.take(_reserve(settled.free, s))
+        return _decisions(settled, grants)
+
+
+def _reserve(free: FreeGpus, s: Slice) -> list[Placement]:
+    """The free GPUs of the nodes a blocked slice waits for: the node of its type
+    with the most free GPUs that could hold it, or for a gang as many such
+    nodes as its size needs (most free first, then by name)."""
+    nodes = [
+        n
+        for n in free.nodes.values()
+        if (s.gpu_type is None or n.gpu_type == s.gpu_type)
+        and (n.gpu_count >= s.gpus or s.kind is SliceKind.BATCH)
+    ]
+    nodes.sort(key=lambda n: (-len(free.free[n.name]), n.name))
+    chosen, count = [], 0
+    for n in nodes:
+        chosen.append(Placement(n.name, tuple(sorted(free.free[n.name]))))
+        count += n.gpu_count
+        if count >= s.gpus:
+            break
+    return chosen
+
+
+# ---- by name -----------------------------------------------------------------------
+
+PolicyFactory = Callable[[Sequence[Account]], Scheduler]
+
+POLICIES: dict[str, PolicyFactory] = {
+    "fairshare": FairShare,
+    "priority": StrictPriority,
+    "slurm": MultifactorFairShare,
+    "fifo": Fifo,
+}

@@ -1,0 +1,129 @@
+"""Workloads: the Helios loader, the generic CSV format and the SPEC §1 generator."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from broker.errors import InvalidConfig
+from broker.fairshare import ProjectTree
+from broker.model import HOUR, NodeState, SliceKind
+from broker.sim.workloads import (
+    DEFAULT_HELIOS,
+    GeneratorConfig,
+    Job,
+    classify,
+    generate,
+    load_csv,
+    load_helios,
+    load_tree_csv,
+    write_csv,
+)
+
+# The trace lives next to the repository (../shared/traces); users' checkouts may lack it.
+HELIOS = Path(__file__).resolve().parent.parent / DEFAULT_HELIOS
+needs_helios = pytest.mark.skipif(
+    not HELIOS.is_file(), reason=f"Helios trace not found at {DEFAULT_HELIOS} (shared traces)"
+)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "runtime", "expected"),
+    [
+        pytest.param(1, 300, (SliceKind.INTERACTIVE, 900.0, False), id="small and short: debug"),
+        pytest.param(2, 900, (SliceKind.INTERACTIVE, 900.0, False), id="2 GPUs, 15 min: debug"),
+        pytest.param(4, 300, (SliceKind.BATCH, 900.0, False), id="4 GPUs is batch"),
+        pytest.param(1, 1800, (SliceKind.BATCH, HOUR, False), id="up to an hour: whole run"),
+        pytest.param(8, 5 * HOUR, (SliceKind.BATCH, HOUR, True), id="long: resumable"),
+    ],
+)
+def test_classify_marks_small_short_jobs_as_debug_sessions(gpus, runtime, expected):
+    assert classify(gpus, runtime) == expected
+
+
+@needs_helios
+def test_helios_loader_keeps_gpu_jobs_and_sizes_the_cluster_for_the_load():
+    w = load_helios(HELIOS, load=2.5)
+    assert len(w.jobs) == 10_796  # GPU jobs of the 15,000
+    assert w.jobs[0].submit == 0 and all(
+        a.submit <= b.submit for a, b in zip(w.jobs, w.jobs[1:], strict=False)
+    )
+    assert w.end / 86400 == pytest.approx(20.19, abs=0.01)
+    assert w.offered_load() == pytest.approx(2.5, rel=0.03)
+    assert max(j.gpus for j in w.jobs) == 160 <= w.capacity
+    kinds = Counter(j.kind for j in w.jobs)
+    debug = sum(1 for j in w.jobs if j.gpus <= 2 and j.duration <= 900)
+    assert kinds[SliceKind.INTERACTIVE] == debug
+    tree = ProjectTree(w.accounts)
+    assert {j.project for j in w.jobs} <= set(tree.projects)
+    users = {j.user: j.project for j in w.jobs}
+    assert all(users[j.user] == j.project for j in w.jobs)  # one project per user
+
+
+def test_helios_loader_says_where_it_looked_when_the_trace_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Helios trace not found"):
+        load_helios(tmp_path / "nope.csv")
+
+
+def test_generic_csv_round_trips_and_fills_in_what_is_missing(tmp_path):
+    jobs = [
+        Job(0, 0.0, "ann", "p00", 1, 600.0, SliceKind.INTERACTIVE, 900.0),
+        Job(1, 5.0, "bob", "p01", 16, 7200.0, SliceKind.BATCH, 3600.0, True, 86400.0, 2),
+        Job(2, 9.0, "cid", "p02", 1, 86400.0, SliceKind.INTERACTIVE, 8 * HOUR, idle=True),
+    ]
+    path = tmp_path / "jobs.csv"
+    write_csv(jobs, path)
+    w = load_csv(path, nodes=4, failures=False)
+    assert w.jobs == tuple(jobs) and w.capacity == 32
+    minimal = tmp_path / "minimal.csv"
+    minimal.write_text("submit,gpus,duration\n0,1,120\n30,8,7200\n")
+    w = load_csv(minimal, nodes=1, failures=False)
+    assert [(j.kind, j.min_runtime, j.resumable) for j in w.jobs] == [
+        classify(1, 120),
+        classify(8, 7200),
+    ]
+    assert w.jobs[0].user == "u0" and w.jobs[0].project == w.jobs[1].project
+
+
+def test_generic_csv_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("submit,gpus,duration\n0,1,120\n5,two,60\n")
+    with pytest.raises(InvalidConfig, match=r"bad\.csv:3"):
+        load_csv(path, nodes=1)
+    path.write_text("submit,gpus\n0,1\n")
+    with pytest.raises(InvalidConfig, match="missing column"):
+        load_csv(path, nodes=1)
+
+
+def test_a_tree_file_gives_the_projects_and_their_shares(tmp_path):
+    tree = tmp_path / "tree.csv"
+    tree.write_text("name,share,parent\nlab,1,\nnlp,3,lab\nvision,1,lab\n")
+    accounts = load_tree_csv(tree)
+    assert ProjectTree(accounts).entitlements["nlp"] == pytest.approx(0.75)
+    jobs = tmp_path / "jobs.csv"
+    jobs.write_text("submit,gpus,duration,project\n0,1,60,nlp\n1,1,60,robotics\n")
+    with pytest.raises(InvalidConfig, match="robotics"):
+        load_csv(jobs, tree=accounts, nodes=1)
+
+
+def test_generator_has_the_conditions_of_spec_section_1():
+    config = GeneratorConfig(days=7, slices=3000, load=2.5)
+    w = generate(config, seed=7)
+    assert len({j.user for j in w.jobs}) > 100  # about 150 users, some quiet ones
+    assert w.offered_load() == pytest.approx(2.5, rel=0.05)
+    debug = [j for j in w.jobs if j.kind is SliceKind.INTERACTIVE and not j.idle]
+    assert any(j.min_runtime == 15 * 60 and j.gpus <= 2 for j in debug)
+    assert any(j.idle for j in w.jobs)  # squatters
+    assert any(e.state is NodeState.DOWN for e in w.node_events)  # a node breaks
+    assert any(e.state is NodeState.DRAINING for e in w.node_events)
+    assert any(j.min_runtime == 0 for j in w.jobs)  # free, preemptible work
+
+
+def test_generator_random_sources_are_per_purpose():
+    base = GeneratorConfig(days=3, slices=500)
+    a = generate(base, seed=1)
+    assert generate(base, seed=1) == a
+    calmer = generate(GeneratorConfig(days=3, slices=500, drains_per_day=3.0), seed=1)
+    assert calmer.jobs == a.jobs and calmer.node_events != a.node_events
