@@ -1,4 +1,4 @@
-"""``python -m broker.bench [pass] [--repeat N]``: print benchmark figures as JSON."""
+"""``python -m broker.bench [pass|api|spawn] ...``: print benchmark figures as JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import scheduling
+from . import api, scheduling, spawn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,8 +17,31 @@ def main(argv: list[str] | None = None) -> int:
     passes.add_argument(
         "--factors", default="1,8", help="sizes as multiples of 1,024 GPUs / 3,000 slices"
     )
+    load = sub.add_parser("api", help="the HTTP API under load from concurrent clients")
+    load.add_argument(
+        "--db", choices=("sqlite", "postgresql", "both"), default="both", help="database(s)"
+    )
+    load.add_argument("--clients", type=int, default=200, help="concurrent clients")
+    load.add_argument("--seconds", type=float, default=20.0, help="length of the run")
+    load.add_argument("--heartbeats", type=int, default=2, help="heartbeats per slice held")
+    load.add_argument(
+        "--postgres-url",
+        default=api.POSTGRES_ADMIN_URL,
+        help="a PostgreSQL database to create the run's database from (trust auth on "
+        "127.0.0.1:5432 by default; $SLICEBROKER_TEST_POSTGRES)",
+    )
+    spawns = sub.add_parser(
+        "spawn", help="what the broker adds to a notebook spawn (two real hubs, alternately)"
+    )
+    spawns.add_argument("--repeat", type=int, default=20, help="spawns timed per hub")
     args = parser.parse_args(argv)
-    if args.which in (None, "pass"):
+    if args.which == "spawn":
+        report = spawn.run(repeat=args.repeat)
+    elif args.which == "api":
+        report = api.run(
+            args.db, args.clients, args.seconds, args.postgres_url, heartbeats=args.heartbeats
+        )
+    elif args.which in (None, "pass"):
         repeat = getattr(args, "repeat", 100)
         factors = tuple(int(f) for f in getattr(args, "factors", "1,8").split(","))
         report = scheduling.run(repeat=repeat, factors=factors)

@@ -1,0 +1,169 @@
+"""The embedded default (SPEC §9): ``jupyterhub -f jupyterhub_config.py`` on one machine.
+
+It starts, besides the hub and its proxy:
+
+- the broker as a hub-managed service on SQLite (``python -m broker.service``),
+  reached by the spawner at ``http://127.0.0.1:$SLICEBROKER_PORT/services/slicebroker``
+  and by people at ``<hub>/services/slicebroker/api/v1``;
+- the budget- and queue-aware idle culler as a hub-managed service
+  (``python -m spawner.culler``);
+- notebook servers as local processes, each on the GPUs of its slice.
+
+The cluster is this machine's GPUs (found with ``nvidia-smi``, written to
+``slicebroker-cluster.toml`` in the working directory) with the demo's project
+tree, or, without GPUs, the declared demo inventory (``broker/demo.toml``: one
+node of 8 H100s, for trying things out). Users log in with the demo password.
+
+Environment it reads (all optional):
+
+- ``SLICEBROKER_CONFIG``: your cluster file instead of the discovered/demo one;
+- ``SLICEBROKER_DB_URL``: the broker's database (default ``sqlite:///slicebroker.sqlite``);
+- ``SLICEBROKER_PORT``: the broker service's port (default 10101);
+- ``SLICEBROKER_DEMO_PASSWORD``: the demo users' password (default printed at start).
+
+Lines marked "REAL DEPLOYMENT" say what a real deployment changes; see docs/hub-admin.md.
+"""
+
+import importlib.util
+import os
+import secrets
+import sys
+
+from broker.config import load_config
+from spawner.inventory import discover
+from spawner.notices import TEMPLATE_PATH, template_vars
+
+c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
+
+# ---- the cluster: GPUs and projects ----------------------------------------------------
+
+cluster_file = os.environ.get("SLICEBROKER_CONFIG")
+if cluster_file:
+    print(f"slicebroker: cluster configuration {cluster_file} (SLICEBROKER_CONFIG)")
+else:
+    inventory = discover(os.path.abspath("slicebroker-cluster.toml"))
+    cluster_file = str(inventory.config_path)
+    c.SliceBrokerSpawner.node_gpus = inventory.node_gpus
+    c.SliceBrokerSpawner.local_nodes = [node.name for node in inventory.nodes]
+    print(f"slicebroker: {inventory.describe()}")
+cluster = load_config(cluster_file)
+broker_db = os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///" + os.path.abspath(
+    "slicebroker.sqlite"
+)
+# REAL DEPLOYMENT: your own cluster file (SLICEBROKER_CONFIG) and PostgreSQL, e.g.
+# SLICEBROKER_DB_URL=postgresql+psycopg://broker:secret@db.example.org/slicebroker
+
+# ---- the broker, as a hub-managed service -------------------------------------------------
+
+broker_port = int(os.environ.get("SLICEBROKER_PORT", "10101"))
+broker_service_url = f"http://127.0.0.1:{broker_port}"
+broker_url = f"{broker_service_url}/services/slicebroker"
+# The spawner's identity with the broker: a service token with the agent role, new at
+# every hub start (sessions survive it: the broker checks tokens with the hub).
+agent_token = secrets.token_hex(32)
+
+c.JupyterHub.services = [
+    {
+        "name": "slicebroker",
+        "url": broker_service_url,
+        "command": [sys.executable, "-m", "broker.service"],
+        "environment": {"SLICEBROKER_CONFIG": cluster_file, "SLICEBROKER_DB_URL": broker_db},
+        "display": False,
+    },
+    {"name": "slicebroker-spawner", "api_token": agent_token},
+    {
+        "name": "slicebroker-culler",
+        "command": [
+            sys.executable,
+            "-m",
+            "spawner.culler",
+            "--timeout=1h",  # idle limit when nobody waits for GPUs
+            "--busy-timeout=15m",  # ... while requests wait
+            "--over-share-timeout=5m",  # ... while they wait, for projects over their share
+            "--cull-every=60",
+        ],
+        "environment": {"SLICEBROKER_URL": broker_url},
+    },
+]
+c.JupyterHub.custom_scopes = {
+    "custom:slicebroker:admin": {
+        "description": "Administer the GPU broker: projects, nodes, every slice."
+    },
+    "custom:slicebroker:agent": {
+        "description": "Act for any user with the GPU broker (the spawner's scope)."
+    },
+}
+BROKER_ACCESS = "access:services!service=slicebroker"
+c.JupyterHub.load_roles = [
+    # Everyone may use the broker's API with their own token (slicebroker CLI, batch jobs).
+    {"name": "user", "scopes": ["self", BROKER_ACCESS]},
+    {
+        "name": "slicebroker-agent",
+        "scopes": ["custom:slicebroker:agent", BROKER_ACCESS],
+        "services": ["slicebroker-spawner"],
+    },
+    {
+        "name": "slicebroker-admin",
+        "scopes": ["custom:slicebroker:admin", BROKER_ACCESS],
+        "users": sorted(cluster.admins | {"admin"}),
+    },
+    {
+        "name": "slicebroker-culler",
+        "scopes": [
+            "list:users",
+            "read:users:activity",
+            "read:servers",
+            "delete:servers",
+            BROKER_ACCESS,
+        ],
+        "services": ["slicebroker-culler"],
+    },
+]
+
+# ---- the spawner ------------------------------------------------------------------------------
+
+# Every server runs as the hub's user in /tmp/<name>: the demo users have no system accounts.
+c.JupyterHub.spawner_class = "spawner.local.SimpleSliceBrokerSpawner"
+# REAL DEPLOYMENT on one machine with system accounts: each server as its user.
+# c.JupyterHub.spawner_class = "slicebroker"
+c.SliceBrokerMixin.broker_url = broker_url
+c.SliceBrokerMixin.broker_token = agent_token
+c.SliceBrokerMixin.protected_choices = ["15m", "1h", "2h", "4h", "8h", "0"]
+c.SliceBrokerMixin.protected_default = "15m"
+c.SliceBrokerMixin.max_gpus = max((node.gpu_count for node in cluster.nodes), default=1)
+c.Spawner.start_timeout = 3600  # waiting in the queue is part of start
+if importlib.util.find_spec("jupyterlab") is not None:
+    c.Spawner.default_url = "/lab"
+if os.geteuid() == 0:
+    # The servers run as the hub's user; Jupyter Server refuses root unless told.
+    c.Spawner.args = ["--ServerApp.allow_root=True"]
+# Send people to the progress page (queue position) after 2 s rather than 10 s.
+c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 2}
+
+# Sessions outlive a hub restart: the new hub reconnects to them and their slices.
+c.JupyterHub.cleanup_servers = False
+
+# Pages that tell users why the broker ended their session.
+c.JupyterHub.template_paths = [TEMPLATE_PATH]
+c.JupyterHub.template_vars = template_vars()
+
+# ---- users ------------------------------------------------------------------------------------
+
+demo_users = sorted(
+    set().union(*(members.users for members in cluster.members.values())) | {"admin"}
+)
+c.JupyterHub.authenticator_class = "dummy"
+password = os.environ.get("SLICEBROKER_DEMO_PASSWORD")
+if not password:
+    password = "slicebroker-demo"
+    print(
+        f"slicebroker: demo users {', '.join(demo_users)} log in with the password "
+        f"{password!r} (set SLICEBROKER_DEMO_PASSWORD to change it)"
+    )
+c.DummyAuthenticator.password = password
+c.Authenticator.allowed_users = set(demo_users)
+c.Authenticator.admin_users = {"admin"}
+c.JupyterHub.load_groups = {"demo-users": {"users": demo_users}}
+# REAL DEPLOYMENT: a real authenticator (OAuthenticator, LDAP, PAM, ...) and groups that
+# match the projects' `groups`, e.g.
+# c.JupyterHub.authenticator_class = "github"

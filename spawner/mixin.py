@@ -1,0 +1,755 @@
+"""The broker half of the spawner: a GPU slice first, then the server (SPEC §7).
+
+:class:`SliceBrokerMixin` goes in front of any JupyterHub spawner (the local
+process spawner in :mod:`spawner.local`; a Kubernetes spawner later)::
+
+    class MySpawner(SliceBrokerMixin, SomeSpawner): ...
+
+and changes its life cycle as follows.
+
+- ``start()`` asks the broker for a slice on behalf of the user (with the
+  agent token, naming the user and their groups), waits in the queue,
+  then starts the server through the spawner below it. If the spawn is
+  cancelled (the hub's ``start_timeout``, a DELETE of the pending server) or
+  fails, the request is withdrawn before the error goes on.
+- ``progress()`` streams the queue position, fair-share value and estimated
+  wait while the request waits, then the grant and the launch.
+- ``poll()`` says "running" while ``start()`` runs (waiting in the queue
+  included); once the server is gone it releases the slice and says stopped.
+- ``stop()`` is idempotent and always releases the slice, even when no server
+  was ever launched.
+- A background task per slice heartbeats it (holding the lease) and watches
+  its state. When the slice is preempted, the server keeps running until the
+  grace period ends, then stops; when the slice ends (preempted, expired,
+  node down) the server stops at once. Either way the spawner records a
+  *notice* (:mod:`spawner.notices`) that the hub's pages show: what happened,
+  when, and what to do.
+- ``get_state()`` keeps the slice id, so a restarted hub reconnects to its
+  running sessions (and heartbeats them again) instead of losing them.
+
+Backends launch on the granted GPUs: the slice is in :attr:`slice`
+(``placements: [{node, gpu_indices}]``), and :meth:`get_env` already adds
+``SLICEBROKER_*`` variables naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from html import escape
+from typing import Any
+
+from jupyterhub.spawner import SpawnException
+from tornado import web
+from traitlets import Float, Int, List, Unicode, Union, default, validate
+from traitlets.config import Configurable
+
+from broker.client import URL_ENV, BrokerAPIError, BrokerClient
+from broker.config import format_duration, parse_duration
+
+from . import notices
+from .options import (
+    Choices,
+    OptionsError,
+    SliceRequest,
+    gpu_type_views,
+    options_from_form,
+    project_views,
+    render_form,
+    resolve_request,
+)
+
+TOKEN_ENV = "SLICEBROKER_TOKEN"
+#: How long past a preemption deadline the spawner waits for the broker to end the
+#: slice before it stops the server anyway (seconds).
+END_WAIT_S = 5.0
+#: Pause after a failed broker call in the background task (seconds).
+RETRY_PAUSE_S = 2.0
+
+_DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
+
+
+def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
+    """A :class:`SpawnException` whose text the hub's pages show as it is."""
+    exc = SpawnException(message, reason=reason, message_html=html, status_code=status)
+    exc.jupyterhub_message = message
+    if html:
+        exc.jupyterhub_html_message = html
+    return exc
+
+
+def broker_error(err: BrokerAPIError) -> web.HTTPError:
+    """What the user sees when the broker refuses or fails a request."""
+    if err.status == 0 or err.status >= 500:
+        return spawn_error(
+            "broker_unavailable",
+            f"The GPU broker is not answering ({err.message}). Try again in a minute; if it "
+            "persists, tell your hub admin.",
+            status=503,
+        )
+    if err.status == 401:
+        return spawn_error(
+            "broker_auth",
+            "The hub cannot authenticate with the GPU broker; tell your hub admin "
+            "(SliceBrokerMixin.broker_token).",
+            status=500,
+        )
+    return spawn_error(
+        f"broker_{err.code}", f"The GPU broker refused the request: {err.message}", status=400
+    )
+
+
+async def render_options_form(spawner: SliceBrokerMixin) -> str:
+    """``Spawner.options_form`` of a slice-broker spawner (JupyterHub calls it with the spawner)."""
+    return await spawner.slice_options_form()
+
+
+async def apply_slice_options(spawner: SliceBrokerMixin, user_options: Mapping[str, Any]) -> None:
+    """``Spawner.apply_user_options`` of a slice-broker spawner: check the options."""
+    await spawner.apply_slice_options(user_options)
+
+
+class SliceBrokerMixin(Configurable):
+    """Acquire a GPU slice from the broker before the server starts; see the module docstring.
+
+    Put it first among the bases: ``class S(SliceBrokerMixin, LocalProcessSpawner)``.
+    """
+
+    # ---- configuration ---------------------------------------------------------
+
+    broker_url = Unicode(
+        help=f"""The broker's base URL, without ``/api/v1``.
+
+        For the broker run as a hub-managed service, its service URL and prefix,
+        e.g. ``http://127.0.0.1:10101/services/slicebroker``. Default: the
+        ``{URL_ENV}`` environment variable of the hub.
+        """,
+    ).tag(config=True)
+
+    @default("broker_url")
+    def _broker_url_default(self) -> str:
+        return os.environ.get(URL_ENV, "")
+
+    broker_token = Unicode(
+        help=f"""The API token the spawner uses with the broker.
+
+        It must hold the ``custom:slicebroker:agent`` scope (it acts for every
+        user: it submits, heartbeats and releases their slices) and access to
+        the broker service (``access:services!service=slicebroker``). The
+        embedded ``jupyterhub_config.py`` makes a random one at every hub start.
+        Default: the ``{TOKEN_ENV}`` environment variable of the hub.
+        """,
+    ).tag(config=True)
+
+    @default("broker_token")
+    def _broker_token_default(self) -> str:
+        return os.environ.get(TOKEN_ENV, "")
+
+    broker_timeout = Float(
+        10.0,
+        help="Seconds one call to the broker may take (a long-poll gets its wait on top).",
+    ).tag(config=True)
+
+    protected_choices = List(
+        Union([Unicode(), Float()]),
+        default_value=_DEFAULT_PROTECTED,
+        help="""Protected lengths a user may choose, in the order the form lists them.
+
+        Each is seconds or a duration such as ``"15m"``, ``"2h"``. For this long
+        after the grant nothing preempts the session; ``0`` is a free session
+        (not charged, preemptible at any time). Each must be within the
+        broker's ``policy.max_min_runtime``. Default: 15 min (debug), 1 h, 2 h,
+        4 h, 8 h and 0.
+        """,
+    ).tag(config=True)
+
+    @validate("protected_choices")
+    def _check_protected_choices(self, proposal: Any) -> list:
+        values = list(proposal.value)
+        if not values:
+            raise ValueError("protected_choices must offer at least one length")
+        for value in values:
+            parse_duration(value)  # raises ValueError with the reason
+        return values
+
+    protected_default = Union(
+        [Unicode(), Float()],
+        default_value="15m",
+        help="The protected length preselected on the form and used when a spawn names none "
+        "(seconds or a duration). Must be one of protected_choices.",
+    ).tag(config=True)
+
+    debug_protected_max = Union(
+        [Unicode(), Float()],
+        default_value="15m",
+        help="Protected lengths up to this are labelled 'debug' on the form. Match it to the "
+        "broker's policy.debug_max_min_runtime (the debug lane).",
+    ).tag(config=True)
+
+    gpu_choices = List(
+        Int(),
+        default_value=[1, 2, 4, 8],
+        help="GPU counts a user may choose (those above max_gpus are left out).",
+    ).tag(config=True)
+
+    default_gpus = Int(1, help="GPUs of a session whose spawn names no count.").tag(config=True)
+
+    max_gpus = Int(
+        8,
+        help="The most GPUs one session may have; larger requests are refused with a message.",
+    ).tag(config=True)
+
+    gpu_types = List(
+        Unicode(),
+        help="""GPU types a user may choose, e.g. ``["h100", "b200"]``. Empty (the
+        default): every type among the broker's nodes. A session without a type
+        takes any.""",
+    ).tag(config=True)
+
+    default_project = Unicode(
+        "",
+        help="""The project preselected and used when a spawn names none, if the
+        user may charge it. Empty (the default): the user's project that ranks
+        first in fair share.""",
+    ).tag(config=True)
+
+    session_max_runtime = Union(
+        [Unicode(), Float()],
+        default_value=None,
+        allow_none=True,
+        help="""A hard end for every session (seconds or a duration), after which
+        its slice ends as ``expired`` and the server stops. None (the default):
+        the broker's ``[defaults.interactive] max_runtime``.""",
+    ).tag(config=True)
+
+    heartbeat_interval = Float(
+        30.0,
+        help="""Seconds between heartbeats of a slice (while it waits and while it
+        runs). Keep it well under the broker's lease (120 s by default): a slice
+        whose heartbeats stop for a lease ends as ``lost``.""",
+    ).tag(config=True)
+
+    queue_refresh_interval = Float(
+        5.0,
+        help="Seconds between refreshes of the queue position shown while a spawn waits.",
+    ).tag(config=True)
+
+    @default("start_timeout")
+    def _start_timeout_default(self) -> int:
+        # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
+        return 3600
+
+    @default("options_form")
+    def _options_form_default(self) -> Any:
+        return render_options_form
+
+    @default("options_from_form")
+    def _options_from_form_default(self) -> Any:
+        return options_from_form
+
+    @default("apply_user_options")
+    def _apply_user_options_default(self) -> Any:
+        return apply_slice_options
+
+    # ---- run-time state ----------------------------------------------------------
+
+    slice_id: int | None = None
+    #: The slice as the broker last showed it (``GET /slices/{id}``), or ``None``.
+    slice: dict[str, Any] | None = None
+    #: The request being (or last) submitted, set by :meth:`apply_slice_options`.
+    slice_request: SliceRequest | None = None
+    #: Why the last session ended, when the broker ended it (see :mod:`spawner.notices`).
+    notice: dict[str, Any] | None = None
+
+    _broker: BrokerClient | None = None
+    _watch_task: asyncio.Task | None = None
+    _starting = False
+    _stopping = False
+    _needs_reconnect = False
+    _progress_events: list[dict[str, Any]] | None = None
+    _progress_update: asyncio.Event | None = None
+    _update: asyncio.Event | None = None
+    _options_seconds = 0.0
+
+    @property
+    def broker(self) -> BrokerClient:
+        """The broker's client, as the agent (one per spawner: long-polls hold a connection)."""
+        if self._broker is None:
+            if not self.broker_url:
+                raise spawn_error(
+                    "broker_config",
+                    "The hub has no GPU broker configured (SliceBrokerMixin.broker_url); tell "
+                    "your hub admin.",
+                    status=500,
+                )
+            self._broker = BrokerClient(
+                self.broker_url, self.broker_token, timeout=self.broker_timeout, max_clients=4
+            )
+        return self._broker
+
+    def choices(self) -> Choices:
+        """What the admin offers, as :mod:`spawner.options` reads it."""
+        protected = tuple(dict.fromkeys(parse_duration(v) for v in self.protected_choices))
+        default_protected = parse_duration(self.protected_default)
+        if default_protected not in protected:
+            default_protected = protected[0]
+        return Choices(
+            protected=protected,
+            protected_default=default_protected,
+            gpus=tuple(self.gpu_choices),
+            default_gpus=self.default_gpus,
+            max_gpus=self.max_gpus,
+            gpu_types=tuple(self.gpu_types),
+            default_project=self.default_project,
+            debug_max=parse_duration(self.debug_protected_max),
+        )
+
+    def _user_groups(self) -> list[str]:
+        return sorted(group.name for group in getattr(self.user, "groups", None) or ())
+
+    # ---- options -------------------------------------------------------------------
+
+    async def _cluster_view(self) -> tuple[list, list, int]:
+        """The user's projects, the cluster's GPU types and the queue length, from the broker."""
+        try:
+            rows, nodes = await asyncio.gather(self.broker.projects(), self.broker.nodes())
+        except BrokerAPIError as err:
+            raise broker_error(err) from None
+        projects = project_views(rows, self.user.name, self._user_groups())
+        queue = sum(int(r.get("pending") or 0) for r in rows if r.get("is_project"))
+        return projects, gpu_type_views(nodes), queue
+
+    async def slice_options_form(self) -> str:
+        """The options form: the user's projects with their budget position and queue,
+        GPU count and type, and the protected length."""
+        try:
+            projects, gpu_types, queue = await self._cluster_view()
+        except web.HTTPError as err:
+            message = getattr(err, "jupyterhub_message", str(err))
+            return f'<div class="alert alert-danger" id="sb-broker-error">{escape(message)}</div>'
+        previous = self.orm_spawner.user_options if self.orm_spawner is not None else None
+        return render_form(
+            projects=projects,
+            gpu_types=gpu_types,
+            choices=self.choices(),
+            previous=previous or {},
+            notice_html=notices.notice_alert(self.notice),
+            queue_total=queue,
+        )
+
+    async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:
+        """Check ``user_options`` and keep the request for :meth:`start`.
+
+        Raises a :class:`SpawnException` with a message for the user when the
+        options ask for what the user may not have. The server's
+        ``user_options`` then show the request as resolved (defaults filled in).
+        """
+        began = time.perf_counter()
+        projects, gpu_types, _ = await self._cluster_view()
+        try:
+            request = resolve_request(
+                user_options or {}, projects=projects, gpu_types=gpu_types, choices=self.choices()
+            )
+        except OptionsError as err:
+            raise spawn_error(err.reason, err.message, html=err.html) from None
+        self.slice_request = request
+        self.user_options = request.as_user_options()
+        self._options_seconds = time.perf_counter() - began
+        return request
+
+    # ---- state ---------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        state = super().get_state()
+        mine: dict[str, Any] = {}
+        if self.slice_id is not None:
+            mine["slice_id"] = self.slice_id
+            if self.slice is not None:
+                mine["slice"] = {
+                    key: self.slice.get(key)
+                    for key in (
+                        "id",
+                        "project",
+                        "gpus",
+                        "gpu_type",
+                        "state",
+                        "placements",
+                        "granted_at",
+                        "protected_until",
+                        "min_runtime",
+                    )
+                }
+        if self.notice:
+            mine["notice"] = self.notice
+        if mine:
+            state[notices.STATE_KEY] = mine
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        mine = state.get(notices.STATE_KEY) or {}
+        self.slice_id = mine.get("slice_id")
+        self.slice = mine.get("slice")
+        self.notice = mine.get("notice")
+        # A hub restart: the first poll() asks the broker where the slice stands.
+        self._needs_reconnect = self.slice_id is not None
+
+    def clear_state(self) -> None:
+        """Forget the slice (the notice stays until the next start, for the pages)."""
+        super().clear_state()
+        self.slice_id = None
+        self.slice = None
+        self._needs_reconnect = False
+        self._options_seconds = 0.0
+
+    def get_env(self) -> dict[str, str]:
+        env = super().get_env()
+        env.update(self.slice_env())
+        return env
+
+    def slice_env(self) -> dict[str, str]:
+        """Variables naming the slice: its id, project, node(s) and protected end."""
+        s = self.slice
+        if not s:
+            return {}
+        return {
+            "SLICEBROKER_SLICE_ID": str(s["id"]),
+            "SLICEBROKER_PROJECT": str(s.get("project") or ""),
+            "SLICEBROKER_PROTECTED_UNTIL": notices.iso_time(s.get("protected_until")),
+            "SLICEBROKER_GPU_TYPE": str(s.get("gpu_type") or ""),
+            "SLICEBROKER_NODES": ",".join(p["node"] for p in s.get("placements") or ()),
+        }
+
+    def placement_problem(self, slice_: Mapping[str, Any]) -> str | None:
+        """Why a backend cannot launch on this grant (``None``: it can). Backends override."""
+        return None
+
+    # ---- start -----------------------------------------------------------------------
+
+    async def start(self) -> Any:
+        """Get a slice (waiting in the queue), then start the server on it."""
+        self._starting = True
+        self._needs_reconnect = False
+        self.notice = None
+        self._progress_events = []
+        try:
+            request = self.slice_request
+            if request is None:
+                request = await self.apply_slice_options(self.user_options or {})
+            granted = await self._acquire(request)
+            self._add_progress(notices.grant_event(granted))
+            try:
+                url = await super().start()
+            except BaseException:
+                await asyncio.shield(self._release(self.slice_id))
+                raise
+            return url
+        finally:
+            self._starting = False
+            self.slice_request = None
+            self._pulse_progress()
+            if self.slice_id is not None and (self.slice or {}).get("state") != "granted":
+                # The slice changed while the server launched: let the task act on it.
+                self._start_watch()
+
+    async def _acquire(self, request: SliceRequest) -> dict[str, Any]:
+        gpus = f"{request.gpus} {request.gpu_type or ''} GPU{'s' if request.gpus != 1 else ''}"
+        self._add_progress(
+            {
+                "progress": 5,
+                "message": f"Asking the GPU broker for {' '.join(gpus.split())} "
+                f"(project {request.project}, protected {format_duration(request.min_runtime)}).",
+            }
+        )
+        max_runtime = self.session_max_runtime
+        began = time.perf_counter()
+        submit = asyncio.ensure_future(
+            self.broker.submit(
+                request.project,
+                request.gpus,
+                "interactive",
+                min_runtime=request.min_runtime,
+                gpu_type=request.gpu_type,
+                max_runtime=None if max_runtime is None else parse_duration(max_runtime),
+                user=self.user.name,
+                groups=self._user_groups(),
+            )
+        )
+        try:
+            submitted = await asyncio.shield(submit)
+        except asyncio.CancelledError:
+            # Cancelled while the request was on its way: withdraw what it made, if anything.
+            with contextlib.suppress(Exception):
+                made = await submit
+                await self._release(made["id"])
+            raise
+        except BrokerAPIError as err:
+            raise broker_error(err) from None
+        self.log.info("Slice %s requested for %s: %s", submitted["id"], self._log_name, request)
+        self._track(submitted)
+        try:
+            granted = await self._until_granted()
+            problem = self.placement_problem(granted)
+            if problem:
+                raise spawn_error("placement", problem, status=500)
+            waited = time.perf_counter() - began
+            self.log.info(
+                "Slice %s granted to %s: broker time %.1f ms (options %.1f ms, request and "
+                "queue %.1f ms)",
+                granted["id"],
+                self._log_name,
+                1000 * (self._options_seconds + waited),
+                1000 * self._options_seconds,
+                1000 * waited,
+            )
+            return granted
+        except BaseException as err:
+            why = "cancelled" if isinstance(err, asyncio.CancelledError) else "failed"
+            self.log.info(
+                "Spawn of %s %s; withdrawing slice %s", self._log_name, why, self.slice_id
+            )
+            await asyncio.shield(self._release(self.slice_id))
+            raise
+
+    async def _until_granted(self) -> dict[str, Any]:
+        while True:
+            update = self._update_event()
+            s = self.slice or {}
+            if s.get("state") == "granted":
+                return s
+            if s.get("state") in ("preempting", "ended"):
+                why = s.get("end_reason") or s.get("preempt_reason") or s.get("state")
+                raise spawn_error(
+                    "slice_ended",
+                    f"Your GPU request (slice {s.get('id')}) ended before it was granted "
+                    f"({why}). Start again.",
+                )
+            await update.wait()
+
+    # ---- progress ------------------------------------------------------------------------
+
+    def _add_progress(self, event: dict[str, Any]) -> None:
+        if self._progress_events is None:
+            return
+        if self._progress_events and self._progress_events[-1]["message"] == event["message"]:
+            return
+        self._progress_events.append(event)
+        self._pulse_progress()
+
+    def _pulse_progress(self) -> None:
+        if self._progress_update is not None:
+            old, self._progress_update = self._progress_update, asyncio.Event()
+            old.set()
+
+    async def progress(self) -> Any:
+        """Queue position, fair-share value and estimated wait while pending; then the launch."""
+        seen = 0
+        while True:
+            if self._progress_update is None:
+                self._progress_update = asyncio.Event()
+            update = self._progress_update
+            events = self._progress_events or []
+            while seen < len(events):
+                yield events[seen]
+                seen += 1
+            if not (self._starting or getattr(self, "_spawn_pending", False)):
+                return
+            await update.wait()
+
+    # ---- the slice's background task ------------------------------------------------------
+
+    def _update_event(self) -> asyncio.Event:
+        if self._update is None:
+            self._update = asyncio.Event()
+        return self._update
+
+    def _track(self, slice_: dict[str, Any]) -> None:
+        """Hold ``slice_``: remember it and start heartbeating and watching it."""
+        self.slice_id = slice_["id"]
+        self._observe(slice_)
+        self._start_watch()
+
+    def _start_watch(self, beat_now: bool = False) -> None:
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.ensure_future(self._watch(self.slice_id, beat_now))
+
+    def _cancel_watch(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+
+    def _observe(self, slice_: dict[str, Any]) -> None:
+        """Take in the broker's latest view of the held slice."""
+        if slice_.get("id") != self.slice_id:
+            return
+        previous = (self.slice or {}).get("state")
+        self.slice = slice_
+        state = slice_.get("state")
+        if state == "pending" and self._starting:
+            self._add_progress(notices.queue_event(slice_, time.time()))
+        if state != previous and state in ("preempting", "ended") and not self._starting:
+            self.notice = notices.notice_from_slice(slice_)
+            if self.orm_spawner is not None:
+                # The pages read the stored state: show the news now (the hub commits it).
+                self.orm_spawner.state = self.get_state()
+            self.log.warning(
+                "Slice %s of %s is %s (%s)",
+                slice_.get("id"),
+                self._log_name,
+                state,
+                slice_.get("preempt_reason") or slice_.get("end_reason"),
+            )
+        if self._update is not None:
+            old, self._update = self._update, asyncio.Event()
+            old.set()
+
+    async def _watch(self, slice_id: int, beat_now: bool = False) -> None:
+        """Heartbeat the slice and follow its state until it ends or is released.
+
+        A new request is heartbeated at once, alongside the first long-poll; a
+        reconnect (``beat_now``) heartbeats before anything else.
+        """
+        next_beat = 0.0 if beat_now else time.monotonic() + self.heartbeat_interval
+        if not beat_now:
+            # A new request gets its lease at once (a hub that dies now leaves nothing
+            # waiting for ever), without delaying the long-poll that sees the grant.
+            first = asyncio.ensure_future(self.broker.heartbeat(slice_id))
+            first.add_done_callback(lambda f: f.cancelled() or f.exception())
+        while self.slice_id == slice_id:
+            s = self.slice or {}
+            state = s.get("state")
+            if state == "ended":
+                break
+            if (
+                state == "preempting"
+                and time.time() >= (s.get("preempt_deadline") or 0) + END_WAIT_S
+            ):
+                break
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    fresh = await self.broker.heartbeat(slice_id)
+                    next_beat = now + self.heartbeat_interval
+                else:
+                    wait = next_beat - now
+                    if state == "pending":
+                        wait = min(wait, self.queue_refresh_interval)
+                    elif state == "preempting":
+                        until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
+                        wait = min(wait, max(until_end, 0.05))
+                    fresh = await self.broker.wait_for_change(slice_id, state, wait)
+            except asyncio.CancelledError:
+                raise
+            except BrokerAPIError as err:
+                if err.status == 404:
+                    self.log.warning(
+                        "Slice %s of %s is gone from the broker", slice_id, self._log_name
+                    )
+                    self._observe({**s, "id": slice_id, "state": "ended", "end_reason": "lost"})
+                    break
+                self.log.warning("Slice %s of %s: %s", slice_id, self._log_name, err.message)
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            except Exception:
+                self.log.exception("Watching slice %s of %s failed", slice_id, self._log_name)
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            self._observe(fresh)
+        if self.slice_id == slice_id and not self._starting and not self._stopping:
+            await self._end_session(slice_id)
+
+    async def _end_session(self, slice_id: int) -> None:
+        """The slice is over: stop the server and let the hub notice at once."""
+        s = self.slice or {}
+        self.log.warning(
+            "Stopping %s: its slice %s is %s (%s)",
+            self._log_name,
+            slice_id,
+            s.get("state"),
+            s.get("end_reason") or s.get("preempt_reason"),
+        )
+        self._stopping = True
+        try:
+            await self._backend_stop(now=False)
+        except Exception:
+            self.log.exception("Stopping %s after its slice ended failed", self._log_name)
+        finally:
+            self._stopping = False
+        await self._release(slice_id)
+        await self.poll_and_notify()
+
+    async def _backend_stop(self, now: bool = False) -> None:
+        """Stop the server with the spawner below this mixin."""
+        await super().stop(now=now)
+
+    async def _release(self, slice_id: int | None) -> None:
+        """Let the slice go (cancel it if it waits). Idempotent; never raises."""
+        if slice_id is None:
+            return
+        if self.slice_id == slice_id:
+            self._cancel_watch()
+        known = self.slice if (self.slice or {}).get("id") == slice_id else None
+        if known is None or known.get("state") != "ended":
+            try:
+                final = await self.broker.release(slice_id)
+                self.log.info(
+                    "Slice %s of %s released (%s, %.1f GPU-seconds charged)",
+                    slice_id,
+                    self._log_name,
+                    final.get("end_reason"),
+                    final.get("charged_gpu_seconds") or 0.0,
+                )
+            except BrokerAPIError as err:
+                if err.status != 404:
+                    self.log.error(
+                        "Releasing slice %s of %s failed (%s); its lease will end it",
+                        slice_id,
+                        self._log_name,
+                        err.message,
+                    )
+            except Exception:
+                self.log.exception("Releasing slice %s of %s failed", slice_id, self._log_name)
+        if self.slice_id == slice_id:
+            self.slice_id = None
+
+    def _reconnect(self) -> None:
+        """After a hub restart: hold the slice again. The background task asks the broker
+        where it stands (the broker may still be starting) and stops a server whose slice
+        ended while the hub was away."""
+        self._needs_reconnect = False
+        if self.slice_id is not None:
+            self.log.info("Reconnecting %s to slice %s", self._log_name, self.slice_id)
+            self._start_watch(beat_now=True)
+
+    # ---- poll and stop ----------------------------------------------------------------------
+
+    async def poll(self) -> int | None:
+        """``None`` while starting (waiting in the queue included) or running; else the exit
+        status, once the slice is released."""
+        if self._starting:
+            return None
+        if self._needs_reconnect and not self._stopping:
+            self._reconnect()
+        held = self.slice_id
+        status = await super().poll()  # the local spawner clears its state when dead
+        if status is not None and held is not None and not self._stopping:
+            await self._release(held)
+        return status
+
+    async def stop(self, now: bool = False) -> None:
+        """Stop the server (if any) and release the slice; safe to call at any time."""
+        held = self.slice_id
+        self._stopping = True
+        try:
+            if held is not None:
+                self._cancel_watch()
+            await super().stop(now=now)
+        finally:
+            self._stopping = False
+            await self._release(held)
+
+
+__all__ = ["SliceBrokerMixin", "apply_slice_options", "render_options_form", "spawn_error"]

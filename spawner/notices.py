@@ -1,0 +1,235 @@
+"""What the user is told: queue progress while a spawn waits, and why a session ended.
+
+A *notice* is a small JSON-able dict the spawner keeps in its state when its
+slice is preempted or ends on the broker's initiative::
+
+    {"slice_id": 12, "project": "vision", "gpus": 1, "state": "preempting" | "ended",
+     "reason": "fair_share", "end_reason": "preempted" | None,
+     "at": 1764441600.0, "protected_until": 1764441000.0}
+
+``at`` is when the session stops (the preemption deadline) or stopped. The
+words are made from it when a page is rendered (:func:`describe`), so that they
+can improve without touching stored state. :func:`notices_for` feeds the
+templates shipped in ``spawner/templates`` (see :data:`TEMPLATE_PATH`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+TEMPLATE_PATH = str(Path(__file__).with_name("templates"))
+"""Add to ``c.JupyterHub.template_paths`` for pages that say why a session ended."""
+
+STATE_KEY = "slicebroker"
+
+# Why a running slice was asked to leave (the broker's preempt_reason) ...
+_PREEMPT_WHY = {
+    "fair_share": (
+        "its protected period was over and a request from a project that ranks higher in "
+        "fair share (it has used less of its entitlement) needed the GPUs"
+    ),
+    "priority": (
+        "its protected period was over and higher-priority work of the same project needed the GPUs"
+    ),
+    "debug_lane": "a short debugging session needed the GPUs",
+    "unallocated": (
+        "it was a free session (protected length 0), which any charged request may preempt"
+    ),
+    "drain": "its node is being drained for maintenance",
+}
+# ... and why a slice ended (the broker's end_reason) when it was not preempted.
+_END_WHY = {
+    "expired": "it reached the maximum runtime of a session",
+    "node_down": "its node went down",
+    "lost": "the hub stopped renewing its lease (the hub was down or lost contact)",
+    "released": "its GPUs were released outside this session (by an administrator?)",
+    "cancelled": "the request was withdrawn",
+}
+_WHAT_TO_DO = {
+    "fair_share": (
+        "Start a new session when you need one; a longer protected length keeps the GPUs "
+        "yours for longer, and sessions of projects that have used less of their share wait less."
+    ),
+    "priority": "Start a new session, or ask your project to order its work differently.",
+    "debug_lane": (
+        "Start a new session; batch work past its protected period gives way to debugging."
+    ),
+    "unallocated": (
+        "Choose a protected length above 0 to keep the GPUs for that long (it is charged to "
+        "your project)."
+    ),
+    "drain": "Start a new session: it will be placed on another node.",
+    "expired": "Start a new session if you need more time.",
+    "node_down": "Start a new session: it will be placed on another node.",
+    "lost": "Start a new session.",
+    "released": "Start a new session.",
+    "cancelled": "Start a new session.",
+}
+
+
+def clock_time(epoch: float | None) -> str:
+    """``14:03:27 UTC`` (with the date when it is not today)."""
+    if epoch is None:
+        return "an unknown time"
+    moment = datetime.fromtimestamp(epoch, UTC)
+    today = datetime.fromtimestamp(time.time(), UTC).date()
+    if moment.date() == today:
+        return moment.strftime("%H:%M:%S UTC")
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso_time(epoch: float | None) -> str:
+    """ISO 8601 in UTC (``2026-11-29T14:03:27Z``), or empty."""
+    if epoch is None:
+        return ""
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def notice_from_slice(slice_: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The notice a slice in ``preempting`` or (broker-)ended state calls for, else ``None``.
+
+    A slice released or cancelled by its own spawner needs no notice: callers
+    make one only for endings they did not ask for.
+    """
+    state = slice_.get("state")
+    if state == "preempting":
+        at = slice_.get("preempt_deadline")
+    elif state == "ended":
+        at = slice_.get("ended_at")
+    else:
+        return None
+    return {
+        "slice_id": slice_.get("id"),
+        "project": slice_.get("project"),
+        "gpus": slice_.get("gpus"),
+        "state": state,
+        "reason": slice_.get("preempt_reason"),
+        "end_reason": slice_.get("end_reason"),
+        "at": at,
+        "protected_until": slice_.get("protected_until"),
+    }
+
+
+def describe(notice: Mapping[str, Any]) -> dict[str, str]:
+    """``{"title", "text", "html", "what_to_do"}`` for a notice."""
+    reason = notice.get("reason")
+    end_reason = notice.get("end_reason")
+    when = clock_time(notice.get("at"))
+    gpus = notice.get("gpus") or 0
+    what = (
+        f"Your GPU session ({gpus} GPU{'s' if gpus != 1 else ''}, project {notice.get('project')})"
+    )
+    if reason in _PREEMPT_WHY:
+        why = _PREEMPT_WHY[reason]
+        key = reason
+        if notice.get("state") == "preempting":
+            title = "Your GPU session is being preempted"
+            text = (
+                f"{what} was preempted because {why}. It stops at {when}: save your work "
+                "before then."
+            )
+        else:
+            title = "Your GPU session was preempted"
+            text = f"{what} was stopped at {when} because {why}."
+    else:
+        key = end_reason if end_reason in _END_WHY else "released"
+        title = "Your GPU session ended"
+        text = f"{what} was stopped at {when} because {_END_WHY[key]}."
+    todo = _WHAT_TO_DO[key]
+    html = (
+        f"<strong>{escape(title)}.</strong> {escape(text)} {escape(todo)}"
+        f' <span class="text-muted">(slice {escape(str(notice.get("slice_id")))})</span>'
+    )
+    return {"title": title, "text": text, "html": html, "what_to_do": todo}
+
+
+def notice_alert(notice: Mapping[str, Any] | None) -> str:
+    """A Bootstrap alert with the notice, for the options form; empty without a notice."""
+    if not notice:
+        return ""
+    return f'<div class="alert alert-warning" id="sb-notice">{describe(notice)["html"]}</div>'
+
+
+def notices_for(user: Any) -> dict[str, dict[str, str]]:
+    """Why each of ``user``'s servers last ended, by server name, as :func:`describe` says.
+
+    Reads the spawners' stored state (``orm_spawner.state``), so it never
+    creates a spawner. Made for ``c.JupyterHub.template_vars`` (called with the
+    current user, or ``None`` on pages nobody is logged in to).
+    """
+    found: dict[str, dict[str, str]] = {}
+    orm_spawners = getattr(user, "orm_spawners", None) or {}
+    for name, orm_spawner in orm_spawners.items():
+        state = getattr(orm_spawner, "state", None) or {}
+        notice = (state.get(STATE_KEY) or {}).get("notice")
+        if notice:
+            found[name] = describe(notice)
+    return found
+
+
+def template_vars() -> dict[str, Any]:
+    """What ``c.JupyterHub.template_vars`` needs for the shipped templates."""
+    return {"slicebroker_notices": notices_for}
+
+
+# ---- queue progress -----------------------------------------------------------------------
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def wait_text(estimated_start: float | None, now: float) -> str:
+    if estimated_start is None:
+        return "no estimate yet"
+    left = estimated_start - now
+    if left <= 60:
+        return "within a minute"
+    if left < 3600:
+        return f"in about {round(left / 60)} min"
+    return f"in about {left / 3600:.1f} h"
+
+
+def queue_event(slice_: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """The progress event for a pending slice: queue position, fair-share value, wait."""
+    gpus = slice_.get("gpus") or 0
+    kind = f" {slice_['gpu_type']}" if slice_.get("gpu_type") else ""
+    what = f"{gpus}{kind} GPU{'s' if gpus != 1 else ''} for project {slice_.get('project')}"
+    position = slice_.get("queue_position")
+    value = slice_.get("fairshare_value")
+    where = f"{ordinal(position)} in the queue" if position else "in the queue"
+    fair = f"fair-share value {value:.3g}" if value is not None else "fair-share value pending"
+    wait = wait_text(slice_.get("estimated_start"), now)
+    message = (
+        f"Waiting for {what}: {where}; {fair} (usage ÷ entitlement, lower goes first); "
+        f"estimated start: {wait}."
+    )
+    html = (
+        f"Waiting for {escape(what)}: <strong>{escape(where)}</strong>; {escape(fair)} "
+        f"(usage ÷ entitlement, lower goes first); estimated start: {escape(wait)}."
+    )
+    return {"progress": 20, "message": message, "html_message": html}
+
+
+def grant_event(slice_: Mapping[str, Any]) -> dict[str, Any]:
+    places = "; ".join(
+        f"{p['node']} [{', '.join(str(i) for i in p['gpu_indices'])}]"
+        for p in slice_.get("placements") or ()
+    )
+    protected = slice_.get("protected_until")
+    if slice_.get("min_runtime"):
+        until = f"protected until {clock_time(protected)}"
+    else:
+        until = "free session: preemptible at any time"
+    gpus = slice_.get("gpus") or 0
+    return {
+        "progress": 60,
+        "message": f"Granted {gpus} GPU{'s' if gpus != 1 else ''} on {places} ({until}); "
+        "starting the server.",
+    }

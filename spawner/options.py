@@ -1,0 +1,492 @@
+"""What a user may ask for (SPEC §7): the options form, and user options turned into a request.
+
+Everything here is pure: it takes what the broker said (``GET /projects``,
+``GET /nodes``) and what the hub admin offers (:class:`Choices`) and returns
+values or HTML. The spawner (:mod:`spawner.mixin`) does the I/O.
+
+User options, from the form or from JupyterHub's REST API
+(``{"user_options": {...}}``), are::
+
+    {"project": "vision", "gpus": 1, "gpu_type": "h100", "protected": "15m"}
+
+Every key is optional: the project defaults to the admin's ``default_project``
+when the user may charge it, else to the user's project that ranks first in
+fair share (the one that gets GPUs soonest); ``gpu_type`` empty or absent
+means any type; ``protected`` is one of the admin's choices, as a duration
+(``"15m"``, ``"1h"``) or seconds, ``0`` being a free session that any
+allocated request may preempt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from broker.config import format_duration, parse_duration
+
+#: The keys of ``user_options`` the spawner reads.
+OPTION_KEYS = ("project", "gpus", "gpu_type", "protected")
+
+
+class OptionsError(Exception):
+    """A request the user can fix. ``reason`` is a short label (a metrics label in
+    JupyterHub); ``message`` is shown to the user as it is."""
+
+    def __init__(self, reason: str, message: str, html: str = ""):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.html = html
+
+
+@dataclass(frozen=True, slots=True)
+class Choices:
+    """What the hub admin offers on the form; durations in seconds."""
+
+    protected: tuple[float, ...] = (900.0, 3600.0, 7200.0, 14400.0, 28800.0, 0.0)
+    protected_default: float = 900.0
+    gpus: tuple[int, ...] = (1, 2, 4, 8)
+    default_gpus: int = 1
+    max_gpus: int = 8
+    gpu_types: tuple[str, ...] = ()  # offered types; empty: every type the cluster has
+    default_project: str = ""
+    debug_max: float = 900.0  # protected lengths up to this are labelled "debug"
+
+    @property
+    def gpu_counts(self) -> tuple[int, ...]:
+        """The GPU counts offered: the admin's choices up to ``max_gpus``."""
+        return tuple(n for n in self.gpus if 1 <= n <= self.max_gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectView:
+    """A project as the form shows it: its budget position and queue.
+
+    ``used_fraction`` is the project's share of all charged usage in the
+    broker's lookback window (``None`` while nobody has used anything);
+    compared with ``entitlement`` it says whether the project is over or
+    under its fair share. ``fairshare_value`` is usage / entitlement, the
+    value the queue is sorted by (lower goes first); ``rank`` 1 is served first.
+    """
+
+    name: str
+    entitlement: float
+    usage: float
+    used_fraction: float | None
+    fairshare_value: float
+    rank: int | None
+    pending: int
+    gpus_held: int
+
+    @property
+    def over_share(self) -> bool:
+        return self.used_fraction is not None and self.used_fraction > self.entitlement
+
+
+@dataclass(frozen=True, slots=True)
+class GpuTypeView:
+    """One GPU type of the cluster: how many GPUs, and how many are free now."""
+
+    name: str
+    total: int
+    free: int
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRequest:
+    """A checked request: what the spawner asks the broker for."""
+
+    project: str
+    gpus: int
+    gpu_type: str | None
+    min_runtime: float
+
+    def as_user_options(self) -> dict[str, Any]:
+        """The request as user options (what the hub's REST API shows for the server)."""
+        return {
+            "project": self.project,
+            "gpus": self.gpus,
+            "gpu_type": self.gpu_type or "",
+            "protected": format_duration(self.min_runtime),
+        }
+
+
+# ---- reading the broker's answers ------------------------------------------------
+
+
+def project_views(
+    rows: Iterable[Mapping[str, Any]], user: str, groups: Iterable[str]
+) -> list[ProjectView]:
+    """The projects ``user`` (a member of ``groups``) may charge, best ranked first.
+
+    ``rows`` are ``GET /projects``'s; the total usage is summed over the top-level accounts.
+    """
+    rows = list(rows)
+    groups = set(groups)
+    total = sum(float(r.get("usage") or 0.0) for r in rows if r.get("parent") is None)
+    views = []
+    for row in rows:
+        if not row.get("is_project"):
+            continue
+        if user not in (row.get("users") or ()) and groups.isdisjoint(row.get("groups") or ()):
+            continue
+        usage = float(row.get("usage") or 0.0)
+        views.append(
+            ProjectView(
+                name=row["name"],
+                entitlement=float(row.get("entitlement") or 0.0),
+                usage=usage,
+                used_fraction=usage / total if total > 0 else None,
+                fairshare_value=float(row.get("fairshare_value") or 0.0),
+                rank=row.get("rank"),
+                pending=int(row.get("pending") or 0),
+                gpus_held=int(row.get("gpus_held") or 0),
+            )
+        )
+    return sorted(views, key=_rank_key)
+
+
+def _rank_key(view: ProjectView) -> tuple[int, str]:
+    return (view.rank if view.rank is not None else 1 << 30, view.name)
+
+
+def gpu_type_views(nodes: Iterable[Mapping[str, Any]]) -> list[GpuTypeView]:
+    """GPU types of the nodes that take work (``ready``) or will again (``draining``), by name."""
+    totals: dict[str, list[int]] = {}
+    for node in nodes:
+        if node.get("state") not in ("ready", "draining", "drained") or not node.get(
+            "in_config", True
+        ):
+            continue
+        count = int(node.get("gpu_count") or 0)
+        entry = totals.setdefault(node["gpu_type"], [0, 0])
+        entry[0] += count
+        if node.get("state") == "ready":
+            entry[1] += max(count - int(node.get("gpus_held") or 0), 0)
+    return [GpuTypeView(name, total, free) for name, (total, free) in sorted(totals.items())]
+
+
+# ---- user options ---------------------------------------------------------------------
+
+
+def options_from_form(form_data: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """Form fields (lists of strings) to user options: the first value of each known key."""
+    options: dict[str, Any] = {}
+    for key in OPTION_KEYS:
+        values = form_data.get(key) or ()
+        if values:
+            options[key] = values[0].strip() if isinstance(values[0], str) else values[0]
+    return options
+
+
+def resolve_request(
+    options: Mapping[str, Any],
+    *,
+    projects: Sequence[ProjectView],
+    gpu_types: Sequence[GpuTypeView],
+    choices: Choices,
+) -> SliceRequest:
+    """Check ``options`` against what the user may charge and the admin offers.
+
+    ``projects`` are the user's (:func:`project_views`), ``gpu_types`` the
+    cluster's. Raises :class:`OptionsError` with a message for the user.
+    """
+    if not isinstance(options, Mapping):
+        raise OptionsError("invalid_options", "Server options must be a JSON object.")
+    project = _project(options.get("project"), projects, choices)
+    gpus = _gpus(options.get("gpus"), choices)
+    gpu_type = _gpu_type(options.get("gpu_type"), gpu_types, choices)
+    min_runtime = _protected(options.get("protected"), choices)
+    return SliceRequest(project=project, gpus=gpus, gpu_type=gpu_type, min_runtime=min_runtime)
+
+
+def _project(value: object, projects: Sequence[ProjectView], choices: Choices) -> str:
+    names = [p.name for p in projects]
+    if not names:
+        raise OptionsError(
+            "no_project",
+            "You are not a member of any project that may use GPUs, so there is no budget "
+            "to charge a session to (protected or free). Ask your hub admin to add you, "
+            "or one of your groups, to a project.",
+        )
+    if value in (None, ""):
+        if choices.default_project in names:
+            return choices.default_project
+        return names[0]
+    if not isinstance(value, str) or value not in names:
+        raise OptionsError(
+            "project",
+            f"You cannot charge project {_show(value)}. Your projects: {', '.join(names)}.",
+        )
+    return value
+
+
+def _gpus(value: object, choices: Choices) -> int:
+    offered = choices.gpu_counts
+    if value in (None, ""):
+        return choices.default_gpus
+    number = _whole(value)
+    if number is None or number < 1:
+        raise OptionsError(
+            "gpus", f"The number of GPUs must be a whole number of at least 1, got {_show(value)}."
+        )
+    if number > choices.max_gpus:
+        raise OptionsError(
+            "too_many_gpus",
+            f"You asked for {number} GPUs; a session here may have at most {choices.max_gpus}.",
+        )
+    if offered and number not in offered:
+        raise OptionsError(
+            "gpus",
+            f"{number} GPUs is not offered; choose one of: {', '.join(map(str, offered))}.",
+        )
+    return number
+
+
+def _gpu_type(value: object, gpu_types: Sequence[GpuTypeView], choices: Choices) -> str | None:
+    if value in (None, "", "any"):
+        return None
+    offered = offered_gpu_types(gpu_types, choices)
+    if not isinstance(value, str) or value not in offered:
+        known = ", ".join(offered) or "none"
+        raise OptionsError(
+            "gpu_type", f"Unknown GPU type {_show(value)}; this hub offers: {known}."
+        )
+    return value
+
+
+def offered_gpu_types(gpu_types: Sequence[GpuTypeView], choices: Choices) -> list[str]:
+    """The GPU types a user may pick: the admin's list, else every type the cluster has."""
+    if choices.gpu_types:
+        return list(choices.gpu_types)
+    return [t.name for t in gpu_types]
+
+
+def _protected(value: object, choices: Choices) -> float:
+    if value in (None, ""):
+        return choices.protected_default
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        seconds = None
+    if seconds is None or seconds not in choices.protected:
+        offered = ", ".join(format_duration(s) for s in choices.protected)
+        raise OptionsError(
+            "protected",
+            f"Protected length {_show(value)} is not offered; choose one of: {offered}.",
+        )
+    return seconds
+
+
+def _whole(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    return None
+
+
+def _show(value: object) -> str:
+    text = repr(value) if not isinstance(value, str) else f"'{value}'"
+    return text if len(text) <= 60 else text[:57] + "...'"
+
+
+# ---- wording -----------------------------------------------------------------------------
+
+
+def protected_label(seconds: float, choices: Choices) -> str:
+    """How the form names a protected length."""
+    if seconds == 0:
+        return "0 — free: not charged, but any charged request may preempt it at any time"
+    text = _human_duration(seconds)
+    if seconds <= choices.debug_max:
+        return f"{text} — debug: gets a GPU fastest"
+    return text
+
+
+def _human_duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)} min"
+    return format_duration(seconds)
+
+
+def percent(fraction: float | None) -> str:
+    if fraction is None:
+        return "—"
+    value = 100 * fraction
+    return f"{value:.0f}%" if value >= 10 or value == 0 else f"{value:.1f}%"
+
+
+def budget_position(project: ProjectView) -> str:
+    """One line on where the project stands: usage against entitlement, rank, queue."""
+    if project.used_fraction is None:
+        used = "no GPU time used yet"
+    else:
+        used = f"used {percent(project.used_fraction)} of GPU time"
+        used += " (over its share)" if project.over_share else " (within its share)"
+    rank = f"rank {project.rank}" if project.rank is not None else "unranked"
+    waiting = f"{project.pending} waiting" if project.pending else "nobody waiting"
+    return f"entitled to {percent(project.entitlement)}, {used}; {rank}; {waiting}"
+
+
+def _short_position(project: ProjectView) -> str:
+    rank = f"rank {project.rank}" if project.rank is not None else "unranked"
+    used = percent(project.used_fraction) if project.used_fraction is not None else "0%"
+    waiting = f"{project.pending} waiting" if project.pending else "nobody waiting"
+    return f"{rank} · used {used} (entitled {percent(project.entitlement)}) · {waiting}"
+
+
+# ---- the form ------------------------------------------------------------------------------
+
+
+def render_form(
+    *,
+    projects: Sequence[ProjectView],
+    gpu_types: Sequence[GpuTypeView],
+    choices: Choices,
+    previous: Mapping[str, Any] | None = None,
+    notice_html: str = "",
+    queue_total: int = 0,
+) -> str:
+    """The options form's HTML (the fields only; JupyterHub adds the ``<form>`` and Start).
+
+    ``previous`` (the last user options) preselects values; ``notice_html``
+    (why the last session ended) is shown above the fields.
+    """
+    previous = previous or {}
+    parts = ['<div class="slicebroker-options">']
+    if notice_html:
+        parts.append(notice_html)
+    if not projects:
+        parts.append(
+            '<div class="alert alert-warning" id="sb-no-project">You are not a member of any '
+            "project that may use GPUs. Ask your hub admin to add you, or one of your groups, "
+            "to a project.</div></div>"
+        )
+        return "".join(parts)
+    parts.append(_project_field(projects, previous, choices))
+    parts.append(_budget_table(projects, queue_total))
+    parts.append(_gpus_field(choices, previous))
+    parts.append(_gpu_type_field(gpu_types, choices, previous))
+    parts.append(_protected_field(choices, previous))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _selected(condition: bool) -> str:
+    return " selected" if condition else ""
+
+
+def _project_field(
+    projects: Sequence[ProjectView], previous: Mapping[str, Any], choices: Choices
+) -> str:
+    names = [p.name for p in projects]
+    chosen = previous.get("project")
+    if chosen not in names:
+        chosen = choices.default_project if choices.default_project in names else names[0]
+    options = "".join(
+        f'<option value="{escape(p.name)}"{_selected(p.name == chosen)}>'
+        f"{escape(p.name)} — {escape(_short_position(p))}</option>"
+        for p in projects
+    )
+    return (
+        '<div class="mb-3"><label for="sb-project" class="form-label">Project '
+        "(charged for the GPU time)</label>"
+        f'<select class="form-select" name="project" id="sb-project">{options}</select></div>'
+    )
+
+
+def _budget_table(projects: Sequence[ProjectView], queue_total: int) -> str:
+    rows = "".join(
+        "<tr>"
+        f"<td>{escape(p.name)}</td>"
+        f"<td>{p.rank if p.rank is not None else '—'}</td>"
+        f"<td>{percent(p.entitlement)}</td>"
+        f"<td>{percent(p.used_fraction)}{' ▲' if p.over_share else ''}</td>"
+        f"<td>{p.fairshare_value:.3g}</td>"
+        f"<td>{p.pending}</td>"
+        f"<td>{p.gpus_held}</td>"
+        "</tr>"
+        for p in projects
+    )
+    queue = (
+        f"{queue_total} request{'s' if queue_total != 1 else ''} waiting in the whole queue."
+        if queue_total
+        else "Nobody is waiting for GPUs right now."
+    )
+    return (
+        '<div class="mb-3"><table class="table table-sm" id="sb-budget">'
+        "<thead><tr><th>Your project</th><th>Rank</th><th>Entitled</th>"
+        "<th>Used (lookback window)</th><th>Fair-share value</th><th>Waiting</th>"
+        "<th>GPUs in use</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+        '<div class="form-text">Requests are served in fair-share order: the project with the '
+        "lowest usage ÷ entitlement first (▲: over its share). "
+        f'<span id="sb-queue-total">{escape(queue)}</span></div></div>'
+    )
+
+
+def _gpus_field(choices: Choices, previous: Mapping[str, Any]) -> str:
+    chosen = _whole(previous.get("gpus"))
+    counts = choices.gpu_counts or (choices.default_gpus,)
+    if chosen not in counts:
+        chosen = choices.default_gpus
+    options = "".join(f'<option value="{n}"{_selected(n == chosen)}>{n}</option>' for n in counts)
+    return (
+        '<div class="mb-3"><label for="sb-gpus" class="form-label">GPUs</label>'
+        f'<select class="form-select" name="gpus" id="sb-gpus">{options}</select></div>'
+    )
+
+
+def _gpu_type_field(
+    gpu_types: Sequence[GpuTypeView], choices: Choices, previous: Mapping[str, Any]
+) -> str:
+    by_name = {t.name: t for t in gpu_types}
+    offered = offered_gpu_types(gpu_types, choices)
+    chosen = previous.get("gpu_type") or ""
+    options = [f'<option value=""{_selected(chosen not in offered)}>any type</option>']
+    for name in offered:
+        view = by_name.get(name)
+        free = f" ({view.free} of {view.total} free now)" if view else ""
+        options.append(
+            f'<option value="{escape(name)}"{_selected(name == chosen)}>{escape(name)}{free}'
+            "</option>"
+        )
+    return (
+        '<div class="mb-3"><label for="sb-gpu-type" class="form-label">GPU type</label>'
+        f'<select class="form-select" name="gpu_type" id="sb-gpu-type">{"".join(options)}'
+        "</select></div>"
+    )
+
+
+def _protected_field(choices: Choices, previous: Mapping[str, Any]) -> str:
+    try:
+        chosen = parse_duration(previous.get("protected"))
+    except ValueError:
+        chosen = None
+    if chosen not in choices.protected:
+        chosen = choices.protected_default
+    options = "".join(
+        f'<option value="{escape(format_duration(s))}"{_selected(s == chosen)}>'
+        f"{escape(protected_label(s, choices))}</option>"
+        for s in choices.protected
+    )
+    return (
+        '<div class="mb-3"><label for="sb-protected" class="form-label">Protected length'
+        "</label>"
+        f'<select class="form-select" name="protected" id="sb-protected">{options}</select>'
+        '<div class="form-text">For this long after the GPUs are granted nothing can take them '
+        "from you. Afterwards the session keeps running, still charged, until a request that "
+        "ranks higher in fair share needs the GPUs; then you get a grace period to save your "
+        "work. Your project pays for the time the GPUs are held, busy or idle: stop the server "
+        "when you are done. Short protected lengths are granted soonest.</div></div>"
+    )

@@ -1,0 +1,539 @@
+"""SliceBrokerMixin's life cycle against an in-memory broker and an in-memory backend.
+
+The backend is a minimal spawner (no processes), so these tests show what the
+mixin does for any spawner it sits on — the local one now, a Kubernetes one
+later: queue, progress, withdrawal on cancel, poll/stop/state, preemption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from jupyterhub.spawner import Spawner, SpawnException
+
+from broker.client import BrokerAPIError
+from spawner import mixin as mixin_module
+from spawner.local import SliceBrokerSpawner
+from spawner.mixin import SliceBrokerMixin
+
+PROJECTS = [
+    {"name": "root", "parent": None, "is_project": False, "usage": 100.0, "entitlement": 1.0},
+    {
+        "name": "vision",
+        "parent": "root",
+        "is_project": True,
+        "usage": 80.0,
+        "entitlement": 0.5,
+        "fairshare_value": 160.0,
+        "rank": 2,
+        "users": ["alice"],
+        "groups": [],
+        "pending": 1,
+        "gpus_held": 2,
+    },
+    {
+        "name": "nlp",
+        "parent": "root",
+        "is_project": True,
+        "usage": 20.0,
+        "entitlement": 0.5,
+        "fairshare_value": 40.0,
+        "rank": 1,
+        "users": [],
+        "groups": ["nlp-team"],
+        "pending": 0,
+        "gpus_held": 0,
+    },
+]
+NODES = [{"name": "n0", "gpu_type": "h100", "gpu_count": 4, "state": "ready", "gpus_held": 2}]
+
+
+class FakeBroker:
+    """The broker API the mixin uses, in memory. Tests move slices with grant/preempt/end."""
+
+    def __init__(self) -> None:
+        self.slices: dict[int, dict[str, Any]] = {}
+        self.calls: list[tuple[str, Any]] = []
+        self.changed = asyncio.Event()
+        self.submit_error: BrokerAPIError | None = None
+        self.submit_gate: asyncio.Event | None = None
+
+    def _touch(self) -> None:
+        old, self.changed = self.changed, asyncio.Event()
+        old.set()
+
+    async def projects(self):
+        return PROJECTS
+
+    async def nodes(self):
+        return NODES
+
+    async def submit(self, project, gpus, kind, **terms):
+        self.calls.append(("submit", (project, gpus, kind, terms)))
+        if self.submit_gate is not None:
+            await self.submit_gate.wait()
+        if self.submit_error is not None:
+            raise self.submit_error
+        slice_id = len(self.slices) + 1
+        self.slices[slice_id] = {
+            "id": slice_id,
+            "project": project,
+            "user": terms.get("user"),
+            "gpus": gpus,
+            "gpu_type": terms.get("gpu_type"),
+            "kind": kind,
+            "min_runtime": terms.get("min_runtime"),
+            "state": "pending",
+            "end_reason": None,
+            "placements": [],
+            "granted_at": None,
+            "protected_until": None,
+            "preempt_deadline": None,
+            "preempt_reason": None,
+            "ended_at": None,
+            "queue_position": None,
+            "fairshare_value": None,
+            "estimated_start": None,
+            "charged_gpu_seconds": 0.0,
+        }
+        return dict(self.slices[slice_id])
+
+    async def heartbeat(self, slice_id):
+        self.calls.append(("heartbeat", slice_id))
+        return dict(self._get(slice_id))
+
+    async def get_slice(self, slice_id, **_):
+        return dict(self._get(slice_id))
+
+    async def wait_for_change(self, slice_id, known_state, timeout):
+        changed = self.changed
+        if self._get(slice_id)["state"] == known_state:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout)
+        return dict(self._get(slice_id))
+
+    async def release(self, slice_id):
+        self.calls.append(("release", slice_id))
+        s = self._get(slice_id)
+        if s["state"] == "pending":
+            self.end(slice_id, "cancelled")
+        elif s["state"] in ("granted", "preempting"):
+            self.end(slice_id, "released")
+        return dict(s)
+
+    def _get(self, slice_id):
+        if slice_id not in self.slices:
+            raise BrokerAPIError(404, "not_found", f"no slice {slice_id}")
+        return self.slices[slice_id]
+
+    # ---- what the scheduler would do ----
+
+    def queue(self, slice_id, position, value=0.5, start=None):
+        self.slices[slice_id].update(
+            queue_position=position, fairshare_value=value, estimated_start=start
+        )
+        self._touch()
+
+    def grant(self, slice_id, node="n0", gpus=(1, 2)):
+        s = self.slices[slice_id]
+        now = time.time()
+        s.update(
+            state="granted",
+            placements=[{"node": node, "gpu_indices": list(gpus)}],
+            granted_at=now,
+            protected_until=now + (s["min_runtime"] or 0),
+            queue_position=None,
+        )
+        self._touch()
+
+    def preempt(self, slice_id, reason="fair_share", grace=0.2):
+        self.slices[slice_id].update(
+            state="preempting", preempt_reason=reason, preempt_deadline=time.time() + grace
+        )
+        self._touch()
+
+    def end(self, slice_id, reason):
+        self.slices[slice_id].update(state="ended", end_reason=reason, ended_at=time.time())
+        self._touch()
+
+    def released(self) -> list[int]:
+        return [arg for name, arg in self.calls if name == "release"]
+
+
+class MemoryBackend(Spawner):
+    """A spawner whose "server" is a flag: what the mixin sits on in these tests."""
+
+    running = False
+    launched_env: dict[str, str] | None = None
+    stops = 0
+
+    def get_env(self):
+        return {}
+
+    async def start(self):
+        self.launched_env = self.get_env()
+        self.running = True
+        return ("127.0.0.1", 12345)
+
+    async def stop(self, now=False):
+        self.stops += 1
+        self.running = False
+
+    async def poll(self):
+        return None if self.running else 0
+
+
+class GpuSpawner(SliceBrokerMixin, MemoryBackend):
+    pass
+
+
+def user(name="alice", groups=()):
+    return SimpleNamespace(
+        name=name, groups=[SimpleNamespace(name=g) for g in groups], url=f"/user/{name}/"
+    )
+
+
+@pytest.fixture
+def broker():
+    return FakeBroker()
+
+
+@pytest.fixture
+def make(broker, monkeypatch):
+    monkeypatch.setattr(mixin_module, "END_WAIT_S", 0.05)
+
+    def make(**traits) -> GpuSpawner:
+        traits.setdefault("user", user())
+        spawner = GpuSpawner(
+            broker_url="http://broker.invalid",
+            broker_token="agent",
+            heartbeat_interval=0.05,
+            queue_refresh_interval=0.02,
+            **traits,
+        )
+        spawner._broker = broker
+        return spawner
+
+    return make
+
+
+async def eventually(check, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def started_and_waiting(spawner, broker, options=None):
+    spawner.user_options = options or {"project": "vision", "gpus": 2, "protected": "1h"}
+    task = asyncio.ensure_future(spawner.start())
+    await eventually(lambda: broker.slices)
+    return task, 1
+
+
+# ---- starting ---------------------------------------------------------------------------
+
+
+async def test_start_asks_for_a_slice_for_the_user_waits_in_the_queue_then_launches(make, broker):
+    spawner = make(user=user("alice", ["nlp-team"]))
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.queue(slice_id, 3, value=160.0, start=time.time() + 600)
+    await eventually(
+        lambda: any("3rd in the queue" in e["message"] for e in spawner._progress_events)
+    )
+    assert not task.done()
+    assert await spawner.poll() is None  # waiting in the queue counts as running
+
+    broker.grant(slice_id, gpus=(1, 2))
+    assert await task == ("127.0.0.1", 12345)
+
+    (_, (project, gpus, kind, terms)), *_ = broker.calls
+    assert (project, gpus, kind) == ("vision", 2, "interactive")
+    assert terms["user"] == "alice" and terms["groups"] == ["nlp-team"]
+    assert terms["min_runtime"] == 3600.0
+    assert spawner.launched_env["SLICEBROKER_SLICE_ID"] == "1"
+    assert spawner.launched_env["SLICEBROKER_PROJECT"] == "vision"
+    assert spawner.launched_env["SLICEBROKER_PROTECTED_UNTIL"].endswith("Z")
+    messages = [e["message"] for e in spawner._progress_events]
+    assert any("fair-share value 160" in m and "in about 10 min" in m for m in messages)
+    assert "Granted 2 GPUs on n0 [1, 2]" in messages[-1]
+    await spawner.stop()
+
+
+async def test_progress_streams_the_queue_then_the_grant(make, broker):
+    spawner = make()
+    spawner._spawn_pending = True
+    task, slice_id = await started_and_waiting(spawner, broker)
+    seen: list[str] = []
+
+    async def read():
+        async for event in spawner.progress():
+            seen.append(event["message"])
+
+    reader = asyncio.ensure_future(read())
+    broker.queue(slice_id, 2)
+    await eventually(lambda: any("2nd in the queue" in m for m in seen))
+    broker.grant(slice_id)
+    await task
+    spawner._spawn_pending = False
+    spawner._pulse_progress()
+    await asyncio.wait_for(reader, 5)
+
+    assert seen[0].startswith("Asking the GPU broker for 2 GPUs (project vision")
+    assert any("2nd in the queue" in m for m in seen)
+    assert seen[-1].startswith("Granted 2 GPUs")
+    await spawner.stop()
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_cancelled_or_timed_out_spawn_withdraws_its_request(make, broker, how):
+    spawner = make()
+    spawner.user_options = {"project": "vision"}
+    if how == "cancelled":
+        task = asyncio.ensure_future(spawner.start())
+        await eventually(lambda: broker.slices)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(spawner.start(), 0.2)
+
+    assert broker.slices[1]["end_reason"] == "cancelled"
+    assert broker.released() == [1]
+    assert spawner.slice_id is None
+    assert await spawner.poll() == 0
+    await spawner.stop()  # the hub may still call it: nothing more to release
+    assert broker.released() == [1]
+
+
+async def test_a_spawn_cancelled_while_its_request_is_on_the_way_withdraws_it(make, broker):
+    spawner = make()
+    spawner.user_options = {"project": "vision"}
+    broker.submit_gate = asyncio.Event()
+    task = asyncio.ensure_future(spawner.start())
+    await eventually(lambda: broker.calls)
+    task.cancel()
+    await asyncio.sleep(0)
+    broker.submit_gate.set()  # the broker makes the slice after all
+
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert broker.slices[1]["end_reason"] == "cancelled"
+
+
+async def test_a_request_that_ends_while_it_waits_fails_the_spawn_with_the_reason(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.end(slice_id, "lost")
+
+    with pytest.raises(SpawnException) as raised:
+        await task
+    assert "ended before it was granted (lost)" in raised.value.jupyterhub_message
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected", "http"),
+    [
+        (403, "forbidden", "The GPU broker refused the request: not a member", 400),
+        (400, "invalid_request", "The GPU broker refused the request: not a member", 400),
+        (0, "unreachable", "The GPU broker is not answering", 503),
+        (401, "unauthorized", "cannot authenticate with the GPU broker", 500),
+    ],
+)
+async def test_broker_errors_become_messages_for_the_spawn_page(
+    make, broker, status, code, expected, http
+):
+    spawner = make()
+    broker.submit_error = BrokerAPIError(status, code, "not a member")
+    spawner.user_options = {"project": "vision"}
+
+    with pytest.raises(SpawnException) as raised:
+        await spawner.start()
+    assert expected in raised.value.jupyterhub_message
+    assert raised.value.status_code == http
+    assert spawner.slice_id is None
+
+
+@pytest.mark.parametrize(
+    ("options", "reason", "message"),
+    [
+        ({"project": "nlp"}, "project", "You cannot charge project 'nlp'. Your projects: vision."),
+        ({"gpus": 16}, "too_many_gpus", "a session here may have at most 4"),
+        ({"gpus": "two"}, "gpus", "must be a whole number"),
+        ({"gpu_type": "tpu"}, "gpu_type", "Unknown GPU type 'tpu'; this hub offers: h100."),
+        ({"protected": "3h"}, "protected", "Protected length '3h' is not offered"),
+    ],
+)
+async def test_options_a_user_may_not_have_are_refused_with_a_message(
+    make, broker, options, reason, message
+):
+    spawner = make(max_gpus=4)
+    with pytest.raises(SpawnException) as raised:
+        await spawner.apply_slice_options(options)
+    assert raised.value.reason == reason
+    assert message in raised.value.jupyterhub_message
+    assert not broker.calls
+
+
+async def test_a_user_with_no_project_is_told_so(make, broker):
+    spawner = make(user=user("mallory"))
+    with pytest.raises(SpawnException) as raised:
+        await spawner.apply_slice_options({"protected": "15m"})
+    assert raised.value.reason == "no_project"
+    assert "not a member of any project" in raised.value.jupyterhub_message
+
+
+async def test_applied_options_show_the_resolved_request(make, broker):
+    spawner = make(user=user("alice", ["nlp-team"]))
+    await spawner.apply_slice_options({})
+    # No project given: the user's best-ranked project; the admin's defaults for the rest.
+    assert spawner.user_options == {"project": "nlp", "gpus": 1, "gpu_type": "", "protected": "15m"}
+
+
+# ---- running: poll, stop, state ---------------------------------------------------------------
+
+
+async def running(spawner, broker):
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.grant(slice_id)
+    await task
+    return slice_id
+
+
+async def test_a_server_that_dies_is_reported_stopped_and_its_slice_released(make, broker):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    await eventually(lambda: ("heartbeat", slice_id) in broker.calls)
+    assert await spawner.poll() is None
+
+    spawner.running = False
+    assert await spawner.poll() == 0
+    assert broker.slices[slice_id]["end_reason"] == "released"
+    assert spawner.slice_id is None
+
+
+async def test_stop_is_idempotent_and_releases_the_slice_once(make, broker):
+    spawner = make()
+    await spawner.stop()  # never started
+    slice_id = await running(spawner, broker)
+    await spawner.stop()
+    await spawner.stop()
+
+    assert broker.released() == [slice_id]
+    assert broker.slices[slice_id]["end_reason"] == "released"
+    assert not spawner.running
+
+
+async def test_the_state_keeps_the_slice_so_a_restarted_hub_reconnects(make, broker):
+    first = make()
+    slice_id = await running(first, broker)
+    state = first.get_state()
+    first._cancel_watch()  # the old hub is gone
+
+    second = make()
+    second.load_state(state)
+    second.running = True  # the server outlived the hub
+    beats = broker.calls.count(("heartbeat", slice_id))
+
+    assert state["slicebroker"]["slice_id"] == slice_id
+    assert await second.poll() is None
+    await eventually(lambda: broker.calls.count(("heartbeat", slice_id)) > beats)
+    assert second.slice_env()["SLICEBROKER_SLICE_ID"] == str(slice_id)
+    await second.stop()
+    assert broker.slices[slice_id]["end_reason"] == "released"
+
+
+async def test_clear_state_forgets_the_slice_but_keeps_the_notice(make):
+    spawner = make()
+    spawner.load_state({"slicebroker": {"slice_id": 7, "notice": {"reason": "fair_share"}}})
+    spawner.clear_state()
+
+    assert spawner.slice_id is None
+    assert spawner.get_state() == {"slicebroker": {"notice": {"reason": "fair_share"}}}
+
+
+# ---- the broker ending a session -----------------------------------------------------------------
+
+
+async def test_a_preempted_session_runs_until_its_grace_ends_then_stops_with_a_notice(make, broker):
+    spawner = make()
+    spawner.orm_spawner = SimpleNamespace(name="", state=None, user_options=None, server=None)
+    stopped = []
+    spawner.add_poll_callback(lambda: stopped.append(True))
+    slice_id = await running(spawner, broker)
+
+    broker.preempt(slice_id, "fair_share", grace=0.3)
+    await eventually(lambda: spawner.notice is not None)
+    assert spawner.running and spawner.notice["state"] == "preempting"
+    # The pages read the stored state: the news is there before the server stops.
+    assert spawner.orm_spawner.state["slicebroker"]["notice"]["state"] == "preempting"
+    broker.end(slice_id, "preempted")
+    await eventually(lambda: stopped)
+
+    assert not spawner.running
+    assert spawner.notice["end_reason"] == "preempted" and spawner.notice["reason"] == "fair_share"
+    assert broker.released() == []  # the broker ended it; nothing to release
+    assert await spawner.poll() == 0
+
+
+async def test_a_session_whose_slice_outlives_its_deadline_stops_anyway(make, broker):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    broker.preempt(slice_id, "debug_lane", grace=0.1)  # and the broker never ends it
+
+    await eventually(lambda: not spawner.running)
+    assert broker.slices[slice_id]["state"] == "ended"
+    assert spawner.notice["reason"] == "debug_lane"
+
+
+async def test_an_expired_session_stops_at_once(make, broker):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    broker.end(slice_id, "expired")
+
+    await eventually(lambda: not spawner.running)
+    assert spawner.notice["end_reason"] == "expired"
+    assert spawner.get_state()["slicebroker"]["notice"]["end_reason"] == "expired"
+
+
+# ---- the local backend's environment ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("node_gpus", "placement", "visible"),
+    [
+        ({}, {"node": "box", "gpu_indices": [2, 3]}, "2,3"),
+        ({"box-a100": [4, 5, 6]}, {"node": "box-a100", "gpu_indices": [0, 2]}, "4,6"),
+    ],
+)
+def test_the_local_backend_lists_the_granted_gpus(node_gpus, placement, visible):
+    spawner = SliceBrokerSpawner(user=user(), node_gpus=node_gpus)
+    spawner.slice = {"id": 4, "project": "vision", "placements": [placement], "protected_until": 0}
+    env = spawner.slice_env()
+
+    assert env["CUDA_VISIBLE_DEVICES"] == visible
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["SLICEBROKER_PROTECTED_UNTIL"] == "1970-01-01T00:00:00Z"
+
+
+def test_the_local_backend_refuses_a_grant_on_another_machine():
+    spawner = SliceBrokerSpawner(user=user(), local_nodes=["box"])
+    elsewhere = {"placements": [{"node": "other", "gpu_indices": [0]}]}
+    here = {"placements": [{"node": "box", "gpu_indices": [0]}]}
+
+    assert "not this machine" in spawner.placement_problem(elsewhere)
+    assert spawner.placement_problem(here) is None
+
+
+def test_the_spawner_defaults_suit_a_queue():
+    spawner = SliceBrokerSpawner(user=user())
+    assert spawner.start_timeout == 3600
+    assert spawner.choices().protected == (900.0, 3600.0, 7200.0, 14400.0, 28800.0, 0.0)
+    assert spawner.choices().protected_default == 900.0
+    assert callable(spawner.options_form) and callable(spawner.apply_user_options)

@@ -1,0 +1,323 @@
+"""spawner.options and spawner.notices: what the user may ask for, and what they are told."""
+
+from __future__ import annotations
+
+import time
+from html.parser import HTMLParser
+
+import pytest
+
+from spawner.notices import (
+    describe,
+    notice_from_slice,
+    notices_for,
+    ordinal,
+    queue_event,
+    wait_text,
+)
+from spawner.options import (
+    Choices,
+    GpuTypeView,
+    OptionsError,
+    ProjectView,
+    SliceRequest,
+    budget_position,
+    gpu_type_views,
+    options_from_form,
+    project_views,
+    render_form,
+    resolve_request,
+)
+
+ROWS = [
+    {"name": "org", "parent": None, "is_project": False, "usage": 1000.0},
+    {
+        "name": "vision",
+        "parent": "org",
+        "is_project": True,
+        "usage": 800.0,
+        "entitlement": 0.35,
+        "fairshare_value": 2285.7,
+        "rank": 3,
+        "users": ["alice", "bob"],
+        "groups": [],
+        "pending": 2,
+        "gpus_held": 4,
+    },
+    {
+        "name": "systems",
+        "parent": "org",
+        "is_project": True,
+        "usage": 100.0,
+        "entitlement": 0.2,
+        "fairshare_value": 500.0,
+        "rank": 1,
+        "users": ["alice"],
+        "groups": [],
+        "pending": 0,
+        "gpus_held": 1,
+    },
+    {
+        "name": "eval",
+        "parent": "org",
+        "is_project": True,
+        "usage": 100.0,
+        "entitlement": 0.1,
+        "fairshare_value": 1000.0,
+        "rank": 2,
+        "users": [],
+        "groups": ["demo-users"],
+        "pending": 0,
+        "gpus_held": 0,
+    },
+]
+NODES = [
+    {"name": "a", "gpu_type": "h100", "gpu_count": 8, "state": "ready", "gpus_held": 5},
+    {"name": "b", "gpu_type": "h100", "gpu_count": 8, "state": "draining", "gpus_held": 8},
+    {"name": "c", "gpu_type": "b200", "gpu_count": 4, "state": "down", "gpus_held": 0},
+]
+CHOICES = Choices(max_gpus=4)
+
+
+def views(user="alice", groups=()):
+    return project_views(ROWS, user, groups)
+
+
+def test_a_user_sees_only_the_projects_they_may_charge_best_ranked_first():
+    assert [p.name for p in views()] == ["systems", "vision"]
+    assert [p.name for p in views("carol", ["demo-users"])] == ["eval"]
+    assert views("mallory") == []
+
+
+def test_the_budget_position_compares_usage_with_entitlement():
+    systems, vision = views()
+    assert vision.used_fraction == pytest.approx(0.8) and vision.over_share
+    assert systems.used_fraction == pytest.approx(0.1) and not systems.over_share
+    assert budget_position(vision) == (
+        "entitled to 35%, used 80% of GPU time (over its share); rank 3; 2 waiting"
+    )
+    fresh = ProjectView("new", 0.5, 0.0, None, 0.0, 1, 0, 0)
+    assert budget_position(fresh) == "entitled to 50%, no GPU time used yet; rank 1; nobody waiting"
+
+
+def test_gpu_types_count_what_takes_work_and_what_is_free():
+    assert gpu_type_views(NODES) == [GpuTypeView("h100", 16, 3)]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, SliceRequest("systems", 1, None, 900.0)),
+        (
+            {"project": "vision", "gpus": "2", "gpu_type": "h100", "protected": "1h"},
+            SliceRequest("vision", 2, "h100", 3600.0),
+        ),
+        ({"gpus": 4, "protected": 0}, SliceRequest("systems", 4, None, 0.0)),
+        ({"protected": "8h", "gpu_type": "any"}, SliceRequest("systems", 1, None, 28800.0)),
+        ({"protected": 7200}, SliceRequest("systems", 1, None, 7200.0)),
+    ],
+)
+def test_options_resolve_to_a_request(options, expected):
+    assert (
+        resolve_request(options, projects=views(), gpu_types=gpu_type_views(NODES), choices=CHOICES)
+        == expected
+    )
+
+
+def test_the_admins_default_project_wins_when_the_user_may_charge_it():
+    choices = Choices(default_project="vision")
+    request = resolve_request({}, projects=views(), gpu_types=[], choices=choices)
+    assert request.project == "vision"
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"project": "eval"}, "project"),
+        ({"project": ["vision"]}, "project"),
+        ({"gpus": 8}, "too_many_gpus"),
+        ({"gpus": 3}, "gpus"),
+        ({"gpus": 0}, "gpus"),
+        ({"gpus": True}, "gpus"),
+        ({"gpu_type": "b200"}, "gpu_type"),
+        ({"protected": "3h"}, "protected"),
+        ({"protected": "soon"}, "protected"),
+    ],
+)
+def test_options_the_user_may_not_have_are_refused(options, reason):
+    with pytest.raises(OptionsError) as raised:
+        resolve_request(options, projects=views(), gpu_types=gpu_type_views(NODES), choices=CHOICES)
+    assert raised.value.reason == reason
+    assert raised.value.message.endswith(".")
+
+
+def test_no_project_means_no_session_at_all():
+    with pytest.raises(OptionsError) as raised:
+        resolve_request({"protected": "0"}, projects=[], gpu_types=[], choices=CHOICES)
+    assert raised.value.reason == "no_project"
+
+
+def test_form_fields_become_options():
+    form = {"project": ["vision"], "gpus": ["2"], "gpu_type": [""], "protected": ["1h"], "x": ["y"]}
+    assert options_from_form(form) == {
+        "project": "vision",
+        "gpus": "2",
+        "gpu_type": "",
+        "protected": "1h",
+    }
+
+
+class _Fields(HTMLParser):
+    """Select names with their options (value, selected), from a rendered form."""
+
+    def __init__(self):
+        super().__init__()
+        self.fields: dict[str, list[tuple[str, bool]]] = {}
+        self._select = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "select":
+            self._select = attrs["name"]
+            self.fields[self._select] = []
+        elif tag == "option":
+            self.fields[self._select].append((attrs["value"], "selected" in attrs))
+
+
+def test_the_form_offers_the_users_projects_counts_types_and_protected_lengths():
+    html = render_form(
+        projects=views(),
+        gpu_types=gpu_type_views(NODES),
+        choices=CHOICES,
+        previous={"project": "vision", "gpus": "2", "protected": "1h"},
+        queue_total=2,
+    )
+    parser = _Fields()
+    parser.feed(html)
+
+    assert parser.fields["project"] == [("systems", False), ("vision", True)]
+    assert parser.fields["gpus"] == [("1", False), ("2", True), ("4", False)]
+    assert parser.fields["gpu_type"] == [("", True), ("h100", False)]
+    assert parser.fields["protected"] == [
+        ("15m", False),
+        ("1h", True),
+        ("2h", False),
+        ("4h", False),
+        ("8h", False),
+        ("0s", False),
+    ]
+    assert "15 min — debug: gets a GPU fastest" in html
+    assert "0 — free: not charged" in html
+    assert "h100 (3 of 16 free now)" in html
+    assert "2 requests waiting in the whole queue." in html
+    assert "80% ▲" in html  # vision is over its share
+
+
+def test_the_form_escapes_names_and_says_when_there_is_no_project():
+    row = dict(ROWS[1], name="<b>x</b>", users=["alice"])
+    html = render_form(
+        projects=project_views([ROWS[0], row], "alice", []), gpu_types=[], choices=CHOICES
+    )
+    assert "<b>x</b>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
+    assert 'id="sb-no-project"' in render_form(projects=[], gpu_types=[], choices=CHOICES)
+
+
+# ---- notices --------------------------------------------------------------------------------
+
+SLICE = {
+    "id": 12,
+    "project": "vision",
+    "gpus": 2,
+    "state": "preempting",
+    "preempt_reason": "fair_share",
+    "preempt_deadline": 1_700_000_060.0,
+    "end_reason": None,
+    "ended_at": None,
+    "protected_until": 1_700_000_000.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "title", "words"),
+    [
+        ({}, "Your GPU session is being preempted", "save your work before then"),
+        (
+            {"state": "ended", "end_reason": "preempted", "ended_at": 1_700_000_061.0},
+            "Your GPU session was preempted",
+            "ranks higher in fair share",
+        ),
+        ({"preempt_reason": "debug_lane"}, "being preempted", "short debugging session"),
+        ({"preempt_reason": "unallocated"}, "being preempted", "protected length 0"),
+        ({"preempt_reason": "drain"}, "being preempted", "drained for maintenance"),
+        (
+            {"state": "ended", "preempt_reason": None, "end_reason": "expired", "ended_at": 1.0},
+            "Your GPU session ended",
+            "maximum runtime",
+        ),
+        (
+            {"state": "ended", "preempt_reason": None, "end_reason": "node_down", "ended_at": 1.0},
+            "Your GPU session ended",
+            "node went down",
+        ),
+    ],
+)
+def test_notices_say_what_happened_when_and_what_to_do(changes, title, words):
+    notice = notice_from_slice({**SLICE, **changes})
+    text = describe(notice)
+
+    assert title in text["title"]
+    assert words in text["text"]
+    assert "2 GPUs, project vision" in text["text"]
+    assert "UTC" in text["text"]
+    assert text["what_to_do"]
+    assert "(slice 12)" in text["html"]
+
+
+def test_only_slices_the_broker_ended_or_preempts_make_notices():
+    assert notice_from_slice({**SLICE, "state": "granted"}) is None
+    assert notice_from_slice({**SLICE, "state": "pending"}) is None
+
+
+def test_the_pages_read_notices_from_the_stored_state():
+    class OrmSpawner:
+        def __init__(self, state):
+            self.state = state
+
+    user = type("U", (), {})()
+    user.orm_spawners = {
+        "": OrmSpawner({"slicebroker": {"notice": notice_from_slice(SLICE)}}),
+        "other": OrmSpawner({"pid": 3}),
+    }
+    found = notices_for(user)
+    assert list(found) == [""] and found[""]["title"] == "Your GPU session is being preempted"
+    assert notices_for(None) == {}
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(1, "1st"), (2, "2nd"), (3, "3rd"), (4, "4th"), (11, "11th"), (22, "22nd"), (113, "113th")],
+)
+def test_ordinals(n, text):
+    assert ordinal(n) == text
+
+
+def test_the_queue_event_shows_position_value_and_wait():
+    now = time.time()
+    event = queue_event(
+        {
+            "gpus": 1,
+            "gpu_type": "h100",
+            "project": "nlp",
+            "queue_position": 2,
+            "fairshare_value": 0.4215,
+            "estimated_start": now + 1500,
+        },
+        now,
+    )
+    assert event["message"] == (
+        "Waiting for 1 h100 GPU for project nlp: 2nd in the queue; fair-share value 0.421 "
+        "(usage ÷ entitlement, lower goes first); estimated start: in about 25 min."
+    )
+    assert wait_text(None, now) == "no estimate yet"
+    assert wait_text(now + 30, now) == "within a minute"
+    assert wait_text(now + 5400, now) == "in about 1.5 h"
