@@ -187,6 +187,30 @@ class Broker:
                 row.in_config = False
                 _set_node(row, NodeState.DOWN, "removed from the configuration", now)
 
+    def sync_inventory(self, nodes: Iterable[Node]) -> None:
+        """Make the database's nodes those of a live inventory (e.g. Kubernetes).
+
+        New nodes are added, missing ones go ``down``, and each node takes the
+        inventory's state — except that a ``drained`` node stays drained while
+        the inventory still says ``draining``. GPU types without a weight get 1.0.
+        """
+        nodes = list(nodes)
+        with self._write() as session:
+            now = self._clock()
+            known_types = set(_weights(session))
+            for node in nodes:
+                if node.gpu_type not in known_types:
+                    session.add(GpuTypeRow(name=node.gpu_type, weight=1.0))
+                    known_types.add(node.gpu_type)
+            self._sync_nodes(session, nodes, now)
+            rows = {row.name: row for row in session.scalars(select(NodeRow))}
+            for node in nodes:
+                row = rows[node.name]
+                current = NodeState(row.state)
+                keep = current is NodeState.DRAINED and node.state is NodeState.DRAINING
+                if current is not node.state and not keep:
+                    _set_node(row, node.state, "from the inventory", now)
+
     def _end_orphans(self, session: Session, tree: ProjectTree, now: float) -> None:
         """End live slices whose project is no longer a project in ``tree``."""
         rows = session.scalars(

@@ -20,6 +20,8 @@ from broker.model import (
     Ending,
     EndReason,
     Grant,
+    Node,
+    NodeState,
     Placement,
     Preemption,
     PreemptReason,
@@ -726,3 +728,15 @@ def test_postgres_urls_use_psycopg():
 
     url = make_url(normalize_url("postgresql://u:p%40ss@db/broker"))
     assert (url.drivername, url.password) == ("postgresql+psycopg", "p@ss")
+
+
+def test_a_live_inventory_adds_changes_and_removes_nodes(broker):
+    mig = Node("kube-0", "h100-1g.10gb", 7, NodeState.READY)
+    cordoned = Node("h0", "h100", 4, NodeState.DRAINING)
+    broker.sync_inventory([mig, cordoned])
+    states = {n["name"]: n["state"] for n in broker.nodes()}
+    assert states == {"kube-0": "ready", "h0": "draining", "b0": "down"}
+    broker.run_pass()  # nothing runs on h0: it reports drained
+    broker.sync_inventory([mig, cordoned])  # still cordoned: stays drained
+    assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "drained"
+    assert ask(broker, gpus=7, gpu_type="h100-1g.10gb")["state"] == "pending"
