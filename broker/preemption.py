@@ -135,6 +135,7 @@ class Preemptor:
                     self.candidates.setdefault(placement.node, []).append(
                         (slice_, len(placement.gpu_indices))
                     )
+        self._fair: dict[tuple[int, str, float], bool] = {}
         self.candidate_gpus: dict[str, int] = {}
         # Which projects have candidates, and how many of them are unallocated or
         # batch: enough to tell cheaply when a request can preempt nothing at all.
@@ -196,8 +197,15 @@ class Preemptor:
             return None
         # What moves is the request's GPUs: the requester gains them, the victim's
         # project loses as much (a larger victim's rest frees up for anyone).
-        moved = requester.gpus * weight
-        if self.view.may_take(requester.project, victim.project, moved, moved):
+        # Fair share is a matter of the two projects only: decide it once per find.
+        key = (requester.id, victim.project, weight)
+        fair = self._fair.get(key)
+        if fair is None:
+            moved = requester.gpus * weight
+            fair = self._fair[key] = self.view.may_take(
+                requester.project, victim.project, moved, moved
+            )
+        if fair:
             return PreemptReason.FAIR_SHARE
         if (
             victim.kind is SliceKind.BATCH
@@ -218,7 +226,7 @@ class Preemptor:
         if self.hopeless(requester):
             return None
         best: tuple | None = None
-        reasons: dict[tuple, PreemptReason | None] = {}
+        self._fair = {}
         for node_name, entries in self.candidates.items():
             node = self.nodes.get(node_name)
             if node is None or node.gpu_count < requester.gpus:
@@ -232,17 +240,7 @@ class Preemptor:
             chosen: list[tuple[Slice, PreemptReason, int]] = []
             freed = 0
             for slice_, gpus in entries:
-                # The reason depends only on these traits: decide each kind of victim once.
-                traits = (
-                    slice_.project,
-                    slice_.contract.min_runtime > 0,
-                    slice_.kind,
-                    slice_.priority,
-                    weight,
-                )
-                if traits not in reasons:
-                    reasons[traits] = self.reason(requester, slice_, weight)
-                reason = reasons[traits]
+                reason = self.reason(requester, slice_, weight)
                 if reason is not None:
                     chosen.append((slice_, reason, gpus))
                     freed += gpus
