@@ -1,4 +1,4 @@
-"""``python -m broker.bench [pass|api|spawn] ...``: print benchmark figures as JSON."""
+"""``python -m broker.bench [pass|api|spawn|kube] ...``: print benchmark figures as JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import api, scheduling, spawn
+from . import api, kube, scheduling, spawn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         "spawn", help="what the broker adds to a notebook spawn (two real hubs, alternately)"
     )
     spawns.add_argument("--repeat", type=int, default=20, help="spawns timed per hub")
+    cluster = sub.add_parser(
+        "kube", help="inventory sync and a pass with nodes served by a Kubernetes API fake"
+    )
+    cluster.add_argument("--nodes", type=int, default=1000, help="GPU nodes in the fake")
     args = parser.parse_args(argv)
-    if args.which == "spawn":
+    if args.which == "kube":
+        report = kube.run(nodes=args.nodes)
+    elif args.which == "spawn":
         report = spawn.run(repeat=args.repeat)
     elif args.which == "api":
         report = api.run(

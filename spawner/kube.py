@@ -1,0 +1,163 @@
+"""The Kubernetes backend: notebook servers as pods on the granted node (SPEC §7, §9).
+
+:class:`KubeSliceBrokerSpawner` is KubeSpawner (as in zero-to-jupyterhub)
+behind :class:`~spawner.mixin.SliceBrokerMixin`: it gets a slice first, then
+KubeSpawner creates the pod, changed as follows (:meth:`slice_pod`):
+
+- pinned to the granted node: ``nodeSelector`` ``kubernetes.io/hostname`` (the
+  broker's node names are the Kubernetes node names; a MIG part
+  ``<node>:<profile>`` runs on ``<node>``, see :mod:`broker.kube.inventory`);
+- GPU limits (and requests) set to the grant: ``nvidia.com/gpu: <n>``, or
+  ``nvidia.com/mig-<profile>: <n>`` for a MIG part; any other GPU resource a
+  profile asked for is removed, so a pod never holds GPUs the broker did not grant;
+- labelled with the slice id and project (``slicebroker.io/slice-id``,
+  ``slicebroker.io/project``), so that an operator (and a cleanup) finds them.
+
+``profile_list`` keeps working: the options form shows the profiles above
+the slice form, and both sets of options are kept (KubeSpawner applies the
+profile's overrides in ``start()``, after the grant; the slice's GPUs win).
+
+The mixin does the rest: on preemption the server (the pod) is stopped after
+the grace period, and ``poll()`` sees a pod that vanished (evicted, deleted by
+hand) as stopped and releases its slice at once. The device plugin only counts
+GPUs; which device a pod gets is its choice, so the broker's GPU indices on a
+node are bookkeeping (their count is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubespawner import KubeSpawner
+from traitlets import Bool, Unicode, default
+
+from broker.kube.inventory import GPU_RESOURCE, MIG_PREFIX, gpu_resource, kube_node_name
+from broker.kube.reaper import SLICE_LABEL
+
+from .mixin import SliceBrokerMixin, render_options_form
+from .options import OPTION_KEYS, options_from_form
+
+PROJECT_LABEL = "slicebroker.io/project"
+
+
+def _label_value(value: Any) -> str:
+    """A string that is a valid label value (63 characters of ``[A-Za-z0-9._-]``)."""
+    text = "".join(c if c.isalnum() or c in "._-" else "-" for c in str(value))[:63]
+    return text.strip("._-")
+
+
+class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
+    """A pod on the granted node with the granted GPUs."""
+
+    node_label = Unicode(
+        "kubernetes.io/hostname",
+        help="""The node label the pod is pinned with (its value: the Kubernetes node
+        name of the grant). Set it to another label only if node names and that
+        label's values differ in your cluster.""",
+    ).tag(config=True)
+
+    set_gpu_requests = Bool(
+        True,
+        help="""Also set the GPU resource's requests (Kubernetes needs requests equal to
+        limits for extended resources; turning this off leaves requests to the
+        defaults, which then equal the limits).""",
+    ).tag(config=True)
+
+    # ---- options: profiles and the slice form together -----------------------------
+
+    @default("options_form")
+    def _options_form_default(self) -> Any:
+        return self._slice_and_profile_form
+
+    async def _slice_and_profile_form(self, spawner: Any) -> str:
+        slice_form = await render_options_form(spawner)
+        if not self.profile_list:
+            return slice_form
+        if callable(self.profile_list):
+            profiles = await self._render_options_form_dynamically(spawner)
+        else:
+            profiles = self._render_options_form(self._sorted_dict_values(self.profile_list))
+        return f"{profiles}\n{slice_form}"
+
+    @default("options_from_form")
+    def _options_from_form_default(self) -> Any:
+        return self._slice_and_profile_options
+
+    def _slice_and_profile_options(self, formdata: Mapping[str, Any]) -> dict[str, Any]:
+        options = options_from_form(formdata)
+        if self.profile_list:
+            options.update(KubeSpawner._options_from_form(self, formdata))
+        return options
+
+    async def apply_slice_options(self, user_options: Mapping[str, Any]) -> Any:
+        """The mixin's check, keeping KubeSpawner's options (``profile``,
+        ``profile-option-...``), which the mixin's resolved options would drop."""
+        others = {k: v for k, v in (user_options or {}).items() if k not in OPTION_KEYS}
+        request = await super().apply_slice_options(user_options)
+        self.user_options = {**others, **(self.user_options or {})}
+        return request
+
+    # ---- the pod ---------------------------------------------------------------------
+
+    def placement_problem(self, slice_: Mapping[str, Any]) -> str | None:
+        placements = slice_.get("placements") or []
+        if len(placements) != 1:
+            return f"a session needs its GPUs on one node; the broker placed it on {placements}"
+        return None
+
+    async def stop(self, now: bool = False) -> None:
+        """Stop the pod and release the slice; while starting, only delete the pod.
+
+        KubeSpawner calls ``stop()`` from inside its own ``start()`` to delete a
+        stale pod of the same name (a 409 on create, e.g. after a hub crash);
+        that must not release the slice being launched on.
+        """
+        if self._starting:
+            await KubeSpawner.stop(self, now=now)
+            return
+        await super().stop(now=now)
+
+    async def get_pod_manifest(self) -> Any:
+        pod = await super().get_pod_manifest()
+        return self.slice_pod(pod)
+
+    def slice_pod(self, pod: Any) -> Any:
+        """Pin ``pod`` (a ``V1Pod``) to the slice's node with its GPUs and labels."""
+        s = self.slice or {}
+        placements = s.get("placements") or []
+        if not placements:
+            return pod
+        node = placements[0]["node"]
+        count = len(placements[0]["gpu_indices"])
+        resource = gpu_resource(node)
+        spec = pod.spec
+        spec.node_selector = {**(spec.node_selector or {}), self.node_label: kube_node_name(node)}
+        container = spec.containers[0]
+        if container.resources is None:
+            from kubernetes_asyncio.client.models import V1ResourceRequirements
+
+            container.resources = V1ResourceRequirements()
+        limits = _without_gpus(container.resources.limits)
+        limits[resource] = str(count)
+        container.resources.limits = limits
+        requests = _without_gpus(container.resources.requests)
+        if self.set_gpu_requests:
+            requests[resource] = str(count)
+        container.resources.requests = requests or None
+        labels = dict(pod.metadata.labels or {})
+        labels[SLICE_LABEL] = str(s.get("id"))
+        labels[PROJECT_LABEL] = _label_value(s.get("project") or "")
+        pod.metadata.labels = labels
+        return pod
+
+
+def _without_gpus(resources: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {
+        k: v
+        for k, v in (resources or {}).items()
+        if k != GPU_RESOURCE and not k.startswith(MIG_PREFIX)
+    }
+
+
+__all__ = ["PROJECT_LABEL", "SLICE_LABEL", "KubeSliceBrokerSpawner"]

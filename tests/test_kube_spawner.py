@@ -1,0 +1,278 @@
+"""The Kubernetes spawner's pod: pinned to the granted node, GPU limits of the grant,
+labelled with the slice (the pod manifest, without a hub)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import pytest
+from kubefake import FakeKube, gpu_node, serving
+from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api
+from kubernetes_asyncio.client.models import (
+    V1Container,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodSpec,
+    V1ResourceRequirements,
+)
+from servicefixtures import serving_in_process
+
+from broker.kube.reaper import PodReaper
+from spawner.kube import PROJECT_LABEL, SLICE_LABEL, KubeSliceBrokerSpawner
+
+
+def pod(limits=None, selector=None):
+    container = V1Container(
+        name="notebook", resources=V1ResourceRequirements(limits=limits, requests=limits)
+    )
+    return V1Pod(
+        metadata=V1ObjectMeta(name="jupyter-alice", labels={"component": "singleuser-server"}),
+        spec=V1PodSpec(containers=[container], node_selector=selector),
+    )
+
+
+def sliced(p, node="gpu-3", gpus=(0, 1), project="vision/team a"):
+    fake = SimpleNamespace(
+        slice={"id": 42, "project": project, "placements": [{"node": node, "gpu_indices": gpus}]},
+        node_label="kubernetes.io/hostname",
+        set_gpu_requests=True,
+    )
+    return KubeSliceBrokerSpawner.slice_pod(fake, p)
+
+
+CASES = [
+    ("whole GPUs: pinned, nvidia.com/gpu set", "gpu-3", None, "gpu-3", {"nvidia.com/gpu": "2"}),
+    (
+        "a MIG part runs on its node with the MIG resource",
+        "gpu-3:1g.10gb",
+        None,
+        "gpu-3",
+        {"nvidia.com/mig-1g.10gb": "2"},
+    ),
+    (
+        "a profile's own GPU limit gives way to the grant, memory stays",
+        "gpu-3",
+        {"nvidia.com/gpu": "4", "memory": "8Gi"},
+        "gpu-3",
+        {"nvidia.com/gpu": "2", "memory": "8Gi"},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("node", "limits", "host", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_pod_is_pinned_with_the_granted_gpus(node, limits, host, expected):
+    p = sliced(pod(limits, selector={"pool": "gpu"}), node=node)
+    assert p.spec.node_selector == {"pool": "gpu", "kubernetes.io/hostname": host}
+    resources = p.spec.containers[0].resources
+    assert resources.limits == expected
+    assert resources.requests == expected
+    assert p.metadata.labels[SLICE_LABEL] == "42"
+    assert p.metadata.labels[PROJECT_LABEL] == "vision-team-a"
+    assert p.metadata.labels["component"] == "singleuser-server"
+
+
+def test_only_single_node_grants_are_launched():
+    fake = SimpleNamespace()
+    problem = KubeSliceBrokerSpawner.placement_problem
+    assert problem(fake, {"placements": [{"node": "a"}, {"node": "b"}]})
+    assert problem(fake, {"placements": [{"node": "a", "gpu_indices": [0]}]}) is None
+
+
+# ---- the real KubeSpawner against the API fake, with a real broker -------------------
+
+
+@contextlib.asynccontextmanager
+async def kube_session(tmp_path, monkeypatch, kube: FakeKube, lease: float = 60.0):
+    """A broker in process, the API fake, and a spawner factory wired to both."""
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner import clients
+
+    kube.add_node(gpu_node("n0", 4))
+    kube.add_node(gpu_node("n1", 4))
+    async with (
+        serving(kube) as url,
+        serving_in_process(f"sqlite:///{tmp_path}/b.sqlite", lease=lease) as api,
+    ):
+        config = tmp_path / "kubeconfig"
+        config.write_text(KUBECONFIG.format(url=url))
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        clients.load_config.cache_clear()
+        agent = api.token("hub", agent=True)
+        made: list[KubeSliceBrokerSpawner] = []
+
+        def make(name="alice", traits=None, **options):
+            user = SimpleNamespace(name=name, id=len(made) + 1, url=f"/user/{name}/", groups=[])
+            spawner = KubeSliceBrokerSpawner(
+                **(traits or {}),
+                _mock=True,
+                user=user,
+                broker_url=f"http://127.0.0.1:{api.port}/",
+                broker_token=agent,
+                namespace="jhub",
+                events_enabled=False,
+                heartbeat_interval=5.0,
+                user_options={"project": "vision", "gpus": "2", "protected": "15m", **options},
+            )
+            made.append(spawner)
+            return spawner
+
+        try:
+            yield api, make
+        finally:
+            for spawner in made:
+                spawner._cancel_watch()
+                if spawner._broker is not None:
+                    spawner._broker.close()
+            for reflector in list(KubeSliceBrokerSpawner.reflectors.values()):
+                await reflector.stop()
+            KubeSliceBrokerSpawner.reflectors.clear()
+
+
+KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{url}"}}}}]
+users: [{{name: fake, user: {{token: fake}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]
+current-context: fake
+"""
+
+
+async def _until(predicate, timeout=10.0):
+    """Wait for the reflector (a watch of its own) to see a change."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_pod_runs_on_the_granted_node_and_stop_releases(tmp_path, monkeypatch):
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube) as (api, make):
+        spawner = make()
+        await spawner.start()
+        (pod,) = kube.pods("jhub")
+        node = spawner.slice["placements"][0]["node"]
+        assert pod["spec"]["nodeSelector"]["kubernetes.io/hostname"] == node
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "2"
+        assert pod["metadata"]["labels"][SLICE_LABEL] == str(spawner.slice_id)
+        assert pod["metadata"]["labels"][PROJECT_LABEL] == "vision"
+        assert await spawner.poll() is None
+        slice_id = spawner.slice_id
+        await spawner.stop()
+        assert kube.pods("jhub") == []
+        final = api.broker.get_slice(slice_id, admin=True)
+        assert (final["state"], final["end_reason"]) == ("ended", "released")
+
+
+async def test_a_pod_deleted_by_hand_releases_its_slice_within_one_lease(tmp_path, monkeypatch):
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube, lease=60.0) as (api, make):
+        spawner = make()
+        await spawner.start()
+        slice_id = spawner.slice_id
+        began = time.time()
+        kube.delete("pods", spawner.pod_name, "jhub")  # kubectl delete pod
+        key = f"jhub/{spawner.pod_name}"
+        await _until(lambda: key not in spawner.pod_reflector.pods)
+        assert await spawner.poll() is not None  # the hub's next poll
+        final = api.broker.get_slice(slice_id, admin=True)
+        assert (final["state"], final["end_reason"]) == ("ended", "released")
+        assert final["ended_at"] - began < api.broker.lease
+
+
+async def test_faults_leave_no_pod_and_no_slice_behind(tmp_path, monkeypatch):
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube) as (api, make):
+        # A server error on create fails the spawn: the slice is withdrawn, no pod.
+        spawner = make()
+        kube.fail("POST", "/pods", 500)
+        with pytest.raises(Exception, match="500"):
+            await spawner.start()
+        assert kube.pods("jhub") == []
+        assert api.broker.list_slices(state="live") == []
+        # A pod of the same name left behind (a hub crash): create answers 409, KubeSpawner
+        # deletes the stale pod and creates it again; one pod, with the new slice.
+        stale = {"metadata": {"name": spawner.pod_name, "labels": {}}, "spec": {"containers": []}}
+        kube.create("pods", stale, "jhub")
+        await spawner.start()
+        (pod,) = kube.pods("jhub")
+        assert pod["metadata"]["labels"][SLICE_LABEL] == str(spawner.slice_id)
+        assert ("POST", "/api/v1/namespaces/jhub/pods") in kube.requests
+        held = spawner.slice_id
+        # A dropped watch: the reflector resumes and still sees the pod go on stop.
+        kube.drop_watches()
+        await spawner.stop()
+        assert kube.pods("jhub") == []
+        assert api.broker.get_slice(held, admin=True)["state"] == "ended"
+        assert api.broker.list_slices(state="live") == []
+
+
+async def test_a_slice_that_ends_stops_its_pod_and_stale_pods_are_reaped(tmp_path, monkeypatch):
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube) as (api, make):
+        spawner = make()
+        await spawner.start()
+        slice_id = spawner.slice_id
+        node = spawner.slice["placements"][0]["node"]
+        kube.patch("pods", spawner.pod_name, {"metadata": {"labels": {"keep": "1"}}}, "jhub")
+        # The node goes down: the broker ends the slice at once; the mixin stops the pod.
+        api.broker.set_node_state(node, "down")
+        await api.runner.run_pass()
+        await _until(lambda: not kube.pods("jhub"))
+        assert api.broker.get_slice(slice_id, admin=True)["end_reason"] == "node_down"
+
+        # A pod whose slice ended while nobody watched it (hub state lost): reaped.
+        orphan = {
+            "metadata": {"name": "jupyter-old", "labels": {SLICE_LABEL: str(slice_id)}},
+            "spec": {"containers": [{"name": "notebook"}]},
+        }
+        kube.create("pods", orphan, "jhub")
+        kube.create("pods", {**orphan, "metadata": {"name": "other"}}, "jhub")  # not ours
+
+        async def live():
+            return {s["id"] for s in api.broker.list_slices(state="live")}
+
+        client = ApiClient(Configuration(host=spawner.api.api_client.configuration.host))
+        async with client:
+            reaper = PodReaper(CoreV1Api(client), "jhub", live, min_age=0)
+            kube.fail("DELETE", "/pods/jupyter-old", 500)
+            assert await reaper.reap_once() == []  # retried next round
+            assert await reaper.reap_once() == ["jupyter-old"]
+        assert [p["metadata"]["name"] for p in kube.pods("jhub")] == ["other"]
+
+
+PROFILES = [
+    {"display_name": "Small", "slug": "small", "default": True},
+    {
+        "display_name": "Big GPU box",
+        "slug": "big",
+        "kubespawner_override": {
+            "image": "example.org/pytorch:1",
+            "extra_resource_limits": {"nvidia.com/gpu": "8"},
+        },
+    },
+]
+
+
+async def test_profile_list_keeps_working_and_the_grant_wins(tmp_path, monkeypatch):
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube) as (_, make):
+        spawner = make(traits={"profile_list": PROFILES}, profile="big")
+        form = await spawner.options_form(spawner)
+        assert 'value="big"' in form and 'name="project"' in form
+        options = spawner.options_from_form({"profile": ["big"], "project": ["vision"]})
+        assert options["profile"] == "big" and options["project"] == "vision"
+        await spawner.start()
+        (pod,) = kube.pods("jhub")
+        container = pod["spec"]["containers"][0]
+        assert container["image"] == "example.org/pytorch:1"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        await spawner.stop()
+        assert kube.pods("jhub") == []
