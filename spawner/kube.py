@@ -36,7 +36,7 @@ from broker.kube.inventory import GPU_RESOURCE, MIG_PREFIX, gpu_resource, kube_n
 from broker.kube.reaper import SLICE_LABEL
 
 from .mixin import SliceBrokerMixin, render_options_form
-from .options import OPTION_KEYS, options_from_form
+from .options import options_from_form
 
 PROJECT_LABEL = "slicebroker.io/project"
 
@@ -89,14 +89,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         if self.profile_list:
             options.update(KubeSpawner._options_from_form(self, formdata))
         return options
-
-    async def apply_slice_options(self, user_options: Mapping[str, Any]) -> Any:
-        """The mixin's check, keeping KubeSpawner's options (``profile``,
-        ``profile-option-...``), which the mixin's resolved options would drop."""
-        others = {k: v for k, v in (user_options or {}).items() if k not in OPTION_KEYS}
-        request = await super().apply_slice_options(user_options)
-        self.user_options = {**others, **(self.user_options or {})}
-        return request
 
     # ---- the pod ---------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from broker.config import format_duration, parse_duration
 
 from . import notices
 from .options import (
+    OPTION_KEYS,
     Choices,
     OptionsError,
     SliceRequest,
@@ -356,7 +357,9 @@ class SliceBrokerMixin(Configurable):
         except OptionsError as err:
             raise spawn_error(err.reason, err.message, html=err.html) from None
         self.slice_request = request
-        self.user_options = request.as_user_options()
+        # Options of the backend (e.g. KubeSpawner's ``profile``) are kept as given.
+        others = {k: v for k, v in (user_options or {}).items() if k not in OPTION_KEYS}
+        self.user_options = {**others, **request.as_user_options()}
         self._options_seconds = time.perf_counter() - began
         return request
 
