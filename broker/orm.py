@@ -43,6 +43,11 @@ WRITE_LOCK_KEY = 0x5B_B0_0C  # "slicebroker"; any constant shared by all process
 
 #: Execution option marking a connection whose transactions only read.
 READ_ONLY_OPTION = "slicebroker_read_only"
+#: Execution option marking a connection whose write transactions need not survive a
+#: power loss or an operating-system crash (they stay atomic): SQLite commits them
+#: without an ``fsync`` (``synchronous=NORMAL`` in WAL mode), PostgreSQL with
+#: ``synchronous_commit off``. The next durable commit makes them durable too.
+NOT_DURABLE_OPTION = "slicebroker_not_durable"
 
 
 # ---- errors ---------------------------------------------------------------------
@@ -268,8 +273,18 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
-        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        options = connection.get_execution_options()
+        if options.get(READ_ONLY_OPTION, False):
+            connection.exec_driver_sql("BEGIN")
+            return
+        # The safety level cannot change inside a transaction: set it before
+        # BEGIN, and only when it differs from the connection's last one.
+        synchronous = "NORMAL" if options.get(NOT_DURABLE_OPTION, False) else "FULL"
+        info = connection.connection.info
+        if info.get("synchronous") != synchronous:
+            connection.exec_driver_sql(f"PRAGMA synchronous={synchronous}")
+            info["synchronous"] = synchronous
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 
@@ -281,6 +296,8 @@ def take_write_lock(connection: Any) -> None:
     """
     if connection.dialect.name == "postgresql":
         connection.execute(select(func.pg_advisory_xact_lock(WRITE_LOCK_KEY)))
+        if connection.get_execution_options().get(NOT_DURABLE_OPTION, False):
+            connection.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
 
 
 # ---- migrations -----------------------------------------------------------------

@@ -3,7 +3,10 @@
 :class:`BrokerRunner` owns the :class:`~broker.store.Broker` and one worker
 thread. Every call into the Broker — requests, passes, token look-ups — runs on
 that thread, one after another, so the event loop never blocks on the
-database and database work in this process is serialised.
+database and database work in this process is serialised. Reads go through
+:meth:`BrokerRunner.read`, which today uses the same thread: reads on threads
+of their own (they take no write lock) were measured slower under load, as
+they and the event loop then fight for the GIL (docs/benchmarks-api.md).
 
 The scheduling loop (:meth:`BrokerRunner.run_forever`) runs a pass
 
@@ -46,6 +49,11 @@ SliceKey = tuple[str, int | None]
 
 #: A pass aimed at a deadline runs this long after it, so that "now >= deadline" holds.
 DEADLINE_SLACK_S = 0.01
+#: Shortest time between the starts of two passes, in seconds. Under load a pass
+#: would otherwise follow every change back to back and take half the write
+#: thread; waiting this long lets a burst of changes share one pass, at the cost of
+#: at most this much more time to a grant.
+PASS_GAP_S = 0.05
 #: Keys of a slice that are deadlines at which a pass may have something to do.
 DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
@@ -131,7 +139,8 @@ class SliceWatchers:
 class BrokerRunner:
     """Runs ``broker`` on one worker thread and keeps the schedule going.
 
-    ``pass_interval`` (seconds) is the longest time between passes.
+    ``pass_interval`` (seconds) is the longest time between passes; ``pass_gap``
+    (seconds) the shortest between the starts of two passes.
     """
 
     def __init__(
@@ -139,10 +148,12 @@ class BrokerRunner:
         broker: Broker,
         *,
         pass_interval: float = 5.0,
+        pass_gap: float = PASS_GAP_S,
         metrics: BrokerMetrics | None = None,
     ):
         self.broker = broker
         self.pass_interval = pass_interval
+        self.pass_gap = pass_gap
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
@@ -158,6 +169,14 @@ class BrokerRunner:
         """``fn(*args, **kwargs)`` on the database thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, which must only read, off the event loop.
+
+        The one place that decides where reads run: now the database thread
+        (see the module's docstring), so a read sees every write queued before it.
+        """
+        return await self.run(fn, *args, **kwargs)
 
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         """A request that may change the schedule: run it, tell waiters, ask for a pass."""
@@ -199,12 +218,16 @@ class BrokerRunner:
             await self._extend_leases()
         except Exception:
             log.exception("could not extend the leases of live slices after the restart")
+        loop = asyncio.get_running_loop()
         while True:
             self._wanted.clear()
+            started = loop.time()
             await self.run_pass()
             self._first_pass.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wanted.wait(), self._delay())
+            # Coalesce bursts: changes arriving within the gap share the next pass.
+            await asyncio.sleep(max(0.0, started + self.pass_gap - loop.time()))
 
     def _delay(self) -> float:
         delay = self.pass_interval
@@ -247,9 +270,8 @@ class BrokerRunner:
         return decisions
 
     def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
-        # One job on the database thread: no request slips between the two.
-        decisions = self.broker.run_pass()
-        return decisions, self.broker.list_slices(state="live")
+        # One transaction: no request slips between the pass and the list.
+        return self.broker.run_pass_and_list()
 
     async def _extend_leases(self) -> None:
         """After a (re)start, give every leased slice a full lease.

@@ -34,7 +34,7 @@ class MetricsHandler(APIHandler):
         def read():
             return broker.nodes(), broker.projects(), broker.list_slices(state="pending")
 
-        nodes, projects, pending = await self.runner.run(read)
+        nodes, projects, pending = await self.runner.read(read)
         metrics = self.runner.metrics
         metrics.set_state(nodes, projects, pending)
         metrics.long_polls.set(len(self.runner.watchers))

@@ -17,7 +17,7 @@ class NodeListHandler(APIHandler):
     }
 
     async def get(self) -> None:
-        self.write_json({"nodes": await self.runner.run(self.broker.nodes)})
+        self.write_json({"nodes": await self.runner.read(self.broker.nodes)})
 
 
 def _node_operation(summary: str, description: str) -> dict:

@@ -24,7 +24,7 @@ class ProjectListHandler(APIHandler):
     }
 
     async def get(self) -> None:
-        self.write_json({"projects": await self.runner.run(self.broker.projects)})
+        self.write_json({"projects": await self.runner.read(self.broker.projects)})
 
 
 class ProjectHandler(APIHandler):
@@ -103,7 +103,7 @@ class ProjectUsageHandler(APIHandler):
         by = params.get("by", "user")
         if not self.identity.acts_for_others:
             await self._check_member(name)
-        rows = await self.runner.run(self.broker.usage_report, name, since, until, by=by)
+        rows = await self.runner.read(self.broker.usage_report, name, since, until, by=by)
         if params.get("format", "json") == "csv":
             self.set_header("Content-Type", "text/csv; charset=UTF-8")
             self.finish(_csv(rows, by))
@@ -111,7 +111,7 @@ class ProjectUsageHandler(APIHandler):
         self.write_json({"project": name, "by": by, "usage": rows})
 
     async def _check_member(self, name: str) -> None:
-        projects = {p["name"]: p for p in await self.runner.run(self.broker.projects)}
+        projects = {p["name"]: p for p in await self.runner.read(self.broker.projects)}
         project = projects.get(name)
         if project is None:
             raise NotFound(f"no project {name!r}")

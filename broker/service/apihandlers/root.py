@@ -54,7 +54,7 @@ class WhoAmIHandler(APIHandler):
     async def get(self) -> None:
         params = self.params()
         identity = acting_identity(self.identity, params.get("user"), params.get("group"))
-        projects = await self.runner.run(self.broker.projects)
+        projects = await self.runner.read(self.broker.projects)
         self.write_json(describe(identity, projects))
 
 

@@ -60,7 +60,7 @@ class SliceListHandler(APIHandler):
             if user is not None and user != self.identity.name:
                 raise Forbidden("users list only their own slices")
             user = self.identity.name
-        slices = await self.runner.run(
+        slices = await self.runner.read(
             self.broker.list_slices,
             state=params.get("state"),
             project=params.get("project"),
@@ -102,8 +102,12 @@ def _duration(body: dict[str, Any], key: str) -> float | None:
 class _OwnedSliceHandler(APIHandler):
     """A handler of one slice: the caller's own, unless an agent or admin."""
 
-    async def owned(self, method, slice_id: int, *, change: bool = False) -> Any:
-        call = self.runner.change if change else self.runner.run
+    async def owned(
+        self, method, slice_id: int, *, change: bool = False, write: bool = False
+    ) -> Any:
+        """``method(slice_id, ...)`` for the caller: on a read thread, unless it may
+        ``change`` the schedule (then a pass follows) or otherwise ``write``."""
+        call = self.runner.change if change else self.runner.run if write else self.runner.read
         try:
             return await call(method, slice_id, **owner_filter(self.identity))
         except Forbidden:
@@ -212,7 +216,8 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        self.write_json(await self.owned(self.broker.heartbeat, self.slice_id(id)))
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
+        self.write_json(slice_)
 
 
 class SliceEventsHandler(_OwnedSliceHandler):
