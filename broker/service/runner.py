@@ -162,6 +162,7 @@ class BrokerRunner:
         self._wanted = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._first_pass = asyncio.Event()
+        self._between_passes: dict[Callable[[], Any], Any] = {}
 
     # ---- database work ------------------------------------------------------------
 
@@ -178,9 +179,22 @@ class BrokerRunner:
         """
         return await self.run(fn, *args, **kwargs)
 
+    async def read_between_passes(self, fn: Callable[[], T]) -> T:
+        """``fn()``'s answer, computed once until the next pass or change.
+
+        For reads that are costly and only move with the schedule, such as the
+        project tree with its window usage: between two passes (at most
+        ``pass_interval`` apart) it changes only by the usage running slices
+        accrue, so many readers share one computation.
+        """
+        if fn not in self._between_passes:
+            self._between_passes[fn] = await self.read(fn)
+        return self._between_passes[fn]
+
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         """A request that may change the schedule: run it, tell waiters, ask for a pass."""
         slice_ = await self.run(fn, *args, **kwargs)
+        self._between_passes.clear()
         self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
             self.watchers.publish({slice_["id"]: slice_key(slice_)}, complete=False)
@@ -253,6 +267,7 @@ class BrokerRunner:
                 log.exception("scheduling pass failed; next try in %g s", self.pass_interval)
             return None
         self.passes += 1
+        self._between_passes.clear()
         seconds = time.perf_counter() - started
         by_id = {s["id"]: s for s in live}
         self.metrics.record_pass(decisions, by_id, seconds)

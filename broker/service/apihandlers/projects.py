@@ -24,7 +24,8 @@ class ProjectListHandler(APIHandler):
     }
 
     async def get(self) -> None:
-        self.write_json({"projects": await self.runner.read(self.broker.projects)})
+        projects = await self.runner.read_between_passes(self.broker.projects)
+        self.write_json({"projects": projects})
 
 
 class ProjectHandler(APIHandler):
