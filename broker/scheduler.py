@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from . import backfill
 from .fairshare import ProjectTree
@@ -103,7 +104,18 @@ class _Pass:
             and slice_.kind is SliceKind.BATCH
         )
         self.endings.append(Ending(slice_.id, reason, requeue))
-        self.ended.add(slice_.id)
+        if requeue:
+            # Back in the queue at once, so this very pass may grant it again.
+            self.live[slice_.id] = replace(
+                slice_,
+                state=SliceState.PENDING,
+                placements=(),
+                granted_at=None,
+                preempt_deadline=None,
+                promised=(),
+            )
+        else:
+            self.ended.add(slice_.id)
 
     def end_finished(self) -> None:
         now = self.now
@@ -116,7 +128,8 @@ class _Pass:
                     self._end(slice_, EndReason.NODE_DOWN)
                     continue
                 max_runtime = slice_.contract.max_runtime
-                if max_runtime is not None and now >= (slice_.granted_at or now) + max_runtime:
+                granted_at = slice_.granted_at if slice_.granted_at is not None else now
+                if max_runtime is not None and now >= granted_at + max_runtime:
                     self._end(slice_, EndReason.EXPIRED)
                     continue
                 if slice_.preempt_deadline is not None and now >= slice_.preempt_deadline:
@@ -315,7 +328,9 @@ class _Pass:
             return self.now + self.policy.grace_period
         if not holder.allocated:
             return self.now + self.policy.grace_period
-        protected_until = holder.protected_until or self.now
+        protected_until = holder.protected_until
+        if protected_until is None:
+            protected_until = self.now
         could_preempt = (
             holder.project == requester.project
             and within_project_key(holder) > within_project_key(requester)

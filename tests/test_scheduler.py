@@ -456,3 +456,17 @@ def test_a_share_whose_entitlement_underflows_is_rejected():
     accounts += [Account("b2", 1e300, "b")]
     with pytest.raises(InvalidConfig, match="entitlement rounds to 0"):
         ProjectTree(accounts)
+
+
+def test_a_requeued_slice_is_granted_again_in_the_same_pass_when_gpus_are_free():
+    leaving = running("a", "n0", (0,), resumable=True)
+    leaving = replace(leaving, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [leaving]))
+    assert [(e.slice_id, e.requeue) for e in d.endings] == [(leaving.id, True)]
+    assert granted_ids(d) == {leaving.id}
+
+
+def test_a_slice_granted_at_time_zero_still_expires():
+    capped = replace(running("a", "n0", (0,), max_runtime=HOUR), granted_at=0.0)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [capped], now=HOUR))
+    assert [e.reason for e in d.endings] == [EndReason.EXPIRED]
