@@ -64,6 +64,7 @@ class _Pass:
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
         self._lendable: list[list[Placement]] = []  # per backfill reservation
+        self._gang_claimed = False
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -311,6 +312,8 @@ class _Pass:
                     release_at=lambda s, r=slice_: self._release_at(s, r),
                     now=self.now,
                 )
+                if reservation is not None and self._claim_due_gang(slice_, reservation, position):
+                    continue
                 if reservation is not None:
                     backfill_reserved.append((reservation, slice_))
                     self._lendable.append(list(reservation.placements))
@@ -320,6 +323,60 @@ class _Pass:
             self.queue.append(QueueEntry(slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
+
+    def _claim_due_gang(self, slice_: Slice, reservation: Reservation, position: int) -> bool:
+        """Honour a multi-node reservation that has fallen due.
+
+        Gang requests do not preempt to fit (that thrashes); they reserve the
+        nodes that free up first. When every holder left on those nodes is one
+        the request may preempt now, the reservation is due: they are
+        preempted together and the nodes promised to it. At most one per pass.
+        """
+        if self._gang_claimed or slice_.gpus <= self.free.largest.get(
+            self.free.nodes[reservation.placements[0].node].gpu_type, 0
+        ):
+            return False
+        if reservation.due_at is None or reservation.due_at > self.now + self.policy.grace_period:
+            return False
+        names = [p.node for p in reservation.placements]
+        promised = {
+            (p.node, i)
+            for r in self.reservations
+            if r.promised
+            for p in r.placements
+            for i in p.gpu_indices
+        }
+        victims: list[tuple[Slice, PreemptReason]] = []
+        for name in names:
+            weight = self.snap.weight(self.free.nodes[name].gpu_type)
+            for holder in self.holders.get(name, ()):
+                if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
+                    continue  # already leaving
+                reason = self.preemptor.reason(slice_, holder, weight)
+                if reason is None:
+                    return False
+                victims.append((holder, reason))
+        placements: list[Placement] = []
+        remaining = slice_.gpus
+        for name in names:
+            take = min(remaining, self.free.nodes[name].gpu_count)
+            placements.append(Placement(name, tuple(range(take))))
+            remaining -= take
+        if remaining or any((p.node, i) in promised for p in placements for i in p.gpu_indices):
+            return False
+        self._gang_claimed = True
+        for victim, reason in victims:
+            if victim.id not in self.leaving:
+                self._preempt(victim, reason, slice_.id)
+                self.preemptor.remove(victim)
+        deadline = self.now + self.policy.grace_period
+        promise = Reservation(slice_.id, tuple(placements), True, deadline)
+        self.reservations.append(promise)
+        self.free.take(promise.placements)
+        self._count(slice_, promise.placements)
+        value = self.view.values[slice_.project]
+        self.queue.append(QueueEntry(slice_.id, position, value, deadline))
+        return True
 
     def _release_at(self, holder: Slice, requester: Slice) -> float | None:
         """When ``holder`` is expected to give back its GPUs to ``requester``."""

@@ -470,3 +470,32 @@ def test_a_slice_granted_at_time_zero_still_expires():
     capped = replace(running("a", "n0", (0,), max_runtime=HOUR), granted_at=0.0)
     d = schedule(snapshot(nodes(1), flat_tree("a"), [capped], now=HOUR))
     assert [e.reason for e in d.endings] == [EndReason.EXPIRED]
+
+
+def test_a_gang_reservation_that_falls_due_preempts_the_holders_of_its_nodes():
+    # Gangs do not preempt to fit, but once every holder of the nodes reserved
+    # for one may be preempted, the reservation is honoured.
+    first = running("heavy", "n0", tuple(range(8)), granted_ago=3 * HOUR)
+    second = running("heavy", "n1", tuple(range(8)), granted_ago=3 * HOUR)
+    gang = pending("light", 16)
+    d = schedule(
+        snapshot(nodes(2), flat_tree("heavy", "light"), [first, second, gang], usage={"heavy": 1e7})
+    )
+    assert set(preempted(d)) == {first.id, second.id}
+    (promise,) = [r for r in d.reservations if r.promised]
+    assert promise.slice_id == gang.id
+    assert [(p.node, len(p.gpu_indices)) for p in promise.placements] == [("n0", 8), ("n1", 8)]
+
+
+def test_a_gang_waits_without_preempting_while_a_holder_is_protected():
+    first = running("heavy", "n0", tuple(range(8)), granted_ago=3 * HOUR)
+    protected = running("heavy", "n1", tuple(range(8)), granted_ago=MIN)
+    gang = pending("light", 16)
+    d = schedule(
+        snapshot(
+            nodes(2), flat_tree("heavy", "light"), [first, protected, gang], usage={"heavy": 1e7}
+        )
+    )
+    assert d.preemptions == ()
+    (reservation,) = d.reservations
+    assert not reservation.promised and reservation.due_at == protected.protected_until + 60
