@@ -248,6 +248,44 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    kubernetes_inventory = Bool(
+        False,
+        help="""Take the nodes from the Kubernetes API instead of the configuration
+        file, and keep them current with a watch (default: no). GPU nodes,
+        cordons, taints and NotReady map to node states as docs/kubernetes.md
+        says. Needs the `kubernetes` extra and RBAC to list and watch nodes.
+        """,
+    ).tag(config=True)
+
+    kubernetes_api_url = Unicode(
+        "",
+        help="""The Kubernetes API server's URL, used without credentials (e.g. a
+        `kubectl proxy`). Default: empty, the pod's service account inside a
+        cluster, else the local kubeconfig.
+        """,
+    ).tag(config=True)
+
+    kubernetes_node_selector = Unicode(
+        "",
+        help="""A label selector limiting the nodes taken from Kubernetes, e.g.
+        `nvidia.com/gpu.present=true` (default: empty, every node; nodes
+        without GPUs are left out anyway).
+        """,
+    ).tag(config=True)
+
+    kubernetes_drained_label = Unicode(
+        "slicebroker.io/drained",
+        help="""The label (value `true`) put on a Kubernetes node once the broker
+        has drained it, so repair automation can proceed; removed when the node
+        is back. Empty: no label is written (and no `patch` on nodes is needed).
+        """,
+    ).tag(config=True)
+
+    kubernetes_report_interval = Float(
+        30.0,
+        help="""Seconds between two checks for drained nodes to label (default 30).""",
+    ).tag(config=True)
+
     @validate("pass_interval", "lease")
     def _check_positive(self, proposal):
         if not proposal.value > 0:
@@ -259,6 +297,23 @@ class BrokerApp(Application):
         if not proposal.value >= 0:
             raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
         return proposal.value
+
+    async def _kubernetes(self, runner: BrokerRunner):
+        """The Kubernetes inventory and drain reports, started, when asked for."""
+        if not self.kubernetes_inventory:
+            return None
+        from ..kube.service import KubernetesTasks, core_api
+
+        tasks = KubernetesTasks(
+            runner,
+            await core_api(self.kubernetes_api_url),
+            node_selector=self.kubernetes_node_selector,
+            drained_label=self.kubernetes_drained_label,
+            report_interval=self.kubernetes_report_interval,
+        )
+        tasks.start()
+        log.info("nodes from Kubernetes (selector %r)", self.kubernetes_node_selector)
+        return tasks
 
     @property
     def hub_managed(self) -> bool:
@@ -306,6 +361,7 @@ class BrokerApp(Application):
             authenticator.close()
             return 1
         runner.start()
+        kubernetes = await self._kubernetes(runner)
         log.info(
             "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, database %s, auth %s)",
             __version__,
@@ -327,6 +383,8 @@ class BrokerApp(Application):
         with contextlib.suppress(TimeoutError):  # requests in flight finish
             await asyncio.wait_for(app.settings["in_flight"].idle(), STOP_TIMEOUT_S)
         await server.close_all_connections()
+        if kubernetes is not None:
+            await kubernetes.stop()
         await runner.stop()
         authenticator.close()
         return 0

@@ -1,0 +1,83 @@
+"""The Kubernetes tasks of the broker service: the node inventory and drain reports.
+
+The service starts them when ``BrokerApp.kubernetes_inventory`` is set: nodes
+come from the cluster (watched), and drained nodes are labelled for repair
+automation. Broker calls go through the service's runner, so they share its
+database thread and wake a pass like any other change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from ..model import Node
+from .drain import DrainReporter
+from .inventory import InventoryRules, InventoryWatcher
+
+log = logging.getLogger("slicebroker.kube")
+
+
+async def core_api(api_url: str = "") -> Any:
+    """A ``CoreV1Api``: for ``api_url`` as given (tests, a local proxy), else the
+    pod's service account in a cluster, else the local kubeconfig."""
+    from kubernetes_asyncio import client, config
+
+    if api_url:
+        return client.CoreV1Api(client.ApiClient(client.Configuration(host=api_url)))
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        await config.load_kube_config()
+    return client.CoreV1Api(client.ApiClient())
+
+
+class KubernetesTasks:
+    """Runs the inventory watcher (and the drain reporter) against ``runner``'s broker."""
+
+    def __init__(
+        self,
+        runner: Any,
+        api: Any,
+        *,
+        node_selector: str = "",
+        drained_label: str = "",
+        report_interval: float = 30.0,
+        rules: InventoryRules | None = None,
+    ):
+        self.runner = runner
+        self.watcher = InventoryWatcher(api, self._sync, rules, label_selector=node_selector)
+        self.reporter = (
+            DrainReporter(api, self._broker_nodes, label=drained_label, interval=report_interval)
+            if drained_label
+            else None
+        )
+        self.tasks: list[asyncio.Task] = []
+
+    async def _sync(self, nodes: list[Node]) -> None:
+        await self.runner.run(self.runner.broker.sync_inventory, nodes)
+        self.runner.request_pass()  # nodes came, went or changed state
+        if self.reporter is not None:
+            self.reporter.wake()
+
+    async def _broker_nodes(self) -> list[dict[str, Any]]:
+        return await self.runner.read(self.runner.broker.nodes)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.tasks.append(loop.create_task(self.watcher.run()))
+        if self.reporter is not None:
+            self.tasks.append(loop.create_task(self.reporter.run()))
+
+    async def stop(self) -> None:
+        self.watcher.stop()
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        api_client = getattr(self.watcher.api, "api_client", None)
+        if api_client is not None:
+            await api_client.close()
