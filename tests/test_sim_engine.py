@@ -118,3 +118,11 @@ def test_warmup_leaves_the_first_hours_out(tiny):
         v["count"] for v in cold["waits"].values()
     )
     assert warm["occupancy"] > cold["occupancy"]  # the cluster starts empty
+
+
+def test_the_bench_extrapolates_a_short_sample_to_the_month():
+    from broker.sim.bench import measure
+
+    row = measure("fifo", slices=6_000, days=30, sample_days=0.5)
+    assert row["sample_slices"] >= 100 and row["passes"] > 0  # squatters come on top
+    assert row["extrapolated_month_cpu_seconds"] == pytest.approx(row["cpu_seconds"] * 60)

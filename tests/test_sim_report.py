@@ -9,7 +9,7 @@ import pytest
 from broker.sim.cli import main
 from broker.sim.engine import simulate
 from broker.sim.policies import POLICIES
-from broker.sim.report import comparison, fmt_duration, goals, table, write_report
+from broker.sim.report import comparison, fmt_duration, goals, render, table, write_report
 from broker.sim.workloads import GeneratorConfig, generate
 
 SMALL = GeneratorConfig(days=1, slices=150, users=12, projects=3, programs=1, load=2.0)
@@ -66,6 +66,10 @@ def test_write_report_writes_json_markdown_and_plots(runs, tmp_path):
     ]
     assert all(p.stat().st_size > 0 for p in written)
     assert "![generated-waits.png](generated-waits.png)" in (tmp_path / "generated.md").read_text()
+    # the Markdown and plots can be made again from the JSON alone
+    (tmp_path / "generated.md").unlink()
+    again = render(tmp_path / "generated.json")
+    assert sorted(p.name for p in again) == [n for n in names if not n.endswith(".json")]
 
 
 def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):

@@ -123,6 +123,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--report", metavar="DIR", help="write JSON, Markdown and PNG plots here")
     out.add_argument("--json", metavar="FILE", help="write the figures as JSON here")
     out.add_argument("--no-plots", action="store_true", help="with --report: no PNG files")
+    out.add_argument(
+        "--name", help="name of the report files (default: the workload's, e.g. helios)"
+    )
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -180,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_ERROR
     warmup = args.warmup * HOUR if args.warmup is not None else min(24 * HOUR, workload.end / 10)
+    if args.name:
+        workload = replace(workload, name=args.name)
     config = SimConfig(
         warmup=warmup,
         quantum=args.quantum,

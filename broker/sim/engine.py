@@ -57,7 +57,6 @@ from .usage import UsageTracker
 from .workloads import Job, NodeEvent, Workload
 
 MIN = 60.0
-EARLIEST_PASS = 1.0
 
 # Event kinds (same-time events are handled in the order they were pushed).
 _NODE, _REPAIR, _FINISH, _INTERVENE, _WAKE, _CHECK, _TICK = range(7)
@@ -187,9 +186,7 @@ class Simulation:
             if first > self.until or first == math.inf:
                 break
             at = min(math.ceil(first / quantum) * quantum, self.until) if quantum > 0 else first
-            # No pass at t = 0: the pass reads a grant time of 0.0 as "not granted"
-            # when it checks max_runtime (scheduler.py, `granted_at or now`).
-            at = max(at, first, EARLIEST_PASS)
+            at = max(at, first)
             changed = False
             while True:
                 arrival = jobs[next_job].submit if next_job < len(jobs) else math.inf
@@ -405,9 +402,6 @@ class Simulation:
             self._ended(now, slice_, reason)
         for slice_ in applied.requeued:
             self._requeued(now, before[slice_.id], reasons[slice_.id])
-        if applied.requeued:
-            # A pass does not grant what it requeues itself: look again at once.
-            self._push(now, _WAKE)
         for preemption in decisions.preemptions:
             self.recorder.preemptions[preemption.reason.value] += 1
             self._note(

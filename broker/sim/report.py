@@ -121,6 +121,10 @@ def _size_label(cls: str) -> str:
     return labels.get(size, f"{size} GPUs")
 
 
+def _daily(hourly: Sequence[float]) -> list[float]:
+    return [sum(hourly[i : i + 24]) for i in range(0, len(hourly), 24)]
+
+
 def _h(hours: float | None) -> float | None:
     return None if hours is None else hours * 3600
 
@@ -201,6 +205,16 @@ def write_report(
     return [*written, md, *figures]
 
 
+def render(path: str | Path, *, plots: bool = True) -> list[Path]:
+    """Write the Markdown and plots of a report again from its JSON (``NAME.json``)."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    figures = write_plots(path.parent, data) if plots else []
+    md = path.with_suffix(".md")
+    md.write_text(markdown(data, [f.name for f in figures]))
+    return [md, *figures]
+
+
 def markdown(data: Mapping[str, Any], figures: Sequence[str] = ()) -> str:
     w = data["workload"]
     lines = [
@@ -257,15 +271,18 @@ def write_plots(directory: Path, data: Mapping[str, Any]) -> list[Path]:
     for i, p in enumerate(policies):
         s = data["policies"][p]["summary"]
         values = [max((_wait(s, c, "p90") or 0) / 3600, 1e-3) for c in classes]
-        right.bar(
-            [x + i * width for x in range(len(classes))], values, width, label=LABELS.get(p, p)
-        )
+        xs = [x + i * width for x in range(len(classes))]
+        right.bar(xs, values, width, label=LABELS.get(p, p))
+        for x, value, c in zip(xs, values, classes, strict=True):
+            entry = s["waits"].get(c)
+            if entry and entry["not_started"]:
+                share = 100 * entry["not_started"] / entry["count"]
+                right.annotate(f"{share:.0f}%", (x, value), ha="center", va="bottom", fontsize=6)
     right.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(classes))])
-    right.set_xticklabels([_size_label(c) for c in classes])
-    right.legend(fontsize=8)
+    right.set_xticklabels([_size_label(c) for c in classes])  # colours as on the left
     right.set_yscale("log")
     right.set_ylabel("p90 wait (hours, log)")
-    right.set_title("Batch jobs: p90 wait by size")
+    right.set_title("Batch jobs: p90 wait by size (above a bar: share never started)")
     fig.tight_layout()
     path = directory / f"{name}-waits.png"
     fig.savefig(path, dpi=110)
@@ -296,32 +313,33 @@ def write_plots(directory: Path, data: Mapping[str, Any]) -> list[Path]:
     plt.close(fig)
     written.append(path)
 
-    # 3. occupancy over time
+    # 3. occupancy over time, by day
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
     for p in policies:
         hourly = data["policies"][p]["summary"]["hourly"]
-        hours = range(len(hourly["held_gpus"]))
-        occ = [
-            100 * h / c if c else 0
-            for h, c in zip(hourly["held_gpus"], hourly["capacity_gpus"], strict=True)
-        ]
-        top.plot([h / 24 for h in hours], occ, linewidth=0.8, label=LABELS.get(p, p))
-        bottom.plot(
-            [h / 24 for h in hours], hourly["pending_gpus"], linewidth=0.8, label=LABELS.get(p, p)
+        held, cap, idle = (_daily(hourly[k]) for k in ("held_gpus", "capacity_gpus", "idle_gpus"))
+        days = [d + 0.5 for d in range(len(held))]
+        (line,) = top.plot(
+            days,
+            [100 * h / c if c else 0 for h, c in zip(held, cap, strict=True)],
+            linewidth=1.2,
+            marker=".",
+            label=LABELS.get(p, p),
         )
-        if any(hourly["idle_gpus"]):
-            top.fill_between(
-                [h / 24 for h in hours],
-                [
-                    100 * i / c if c else 0
-                    for i, c in zip(hourly["idle_gpus"], hourly["capacity_gpus"], strict=True)
-                ],
-                alpha=0.15,
+        if any(idle):
+            top.plot(
+                days,
+                [100 * i / c if c else 0 for i, c in zip(idle, cap, strict=True)],
+                linewidth=0.8,
+                linestyle="--",
+                color=line.get_color(),
             )
-    top.set_ylabel("occupancy (%)\n(shaded: held idle)")
+        hours = range(len(hourly["pending_gpus"]))
+        bottom.plot([h / 24 for h in hours], hourly["pending_gpus"], linewidth=0.8)
+    top.set_ylabel("occupancy (%)\n(dashed: held idle)")
     top.set_ylim(0, 102)
-    top.legend(fontsize=8, loc="lower right")
-    top.set_title("GPUs held over usable GPUs, hourly")
+    top.legend(fontsize=8, loc="center right")
+    top.set_title("GPUs held over usable GPUs, day by day")
     bottom.set_ylabel("GPUs asked by\npending requests")
     bottom.set_yscale("symlog", linthresh=10)
     bottom.set_ylim(bottom=0)
@@ -332,3 +350,11 @@ def write_plots(directory: Path, data: Mapping[str, Any]) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:]:
+        for written in render(name):
+            print(f"wrote {written}")

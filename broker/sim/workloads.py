@@ -435,8 +435,12 @@ class GeneratorConfig:
     cluster's GPU-time (the cluster is sized from it unless ``nodes`` is set).
     Job mix (fractions of the non-squatter jobs): debug sessions
     (interactive, 1–2 GPUs, 15-min contract), notebooks (interactive, 1–4 GPUs,
-    1–4 h contract), batch (1–64 GPUs, heavy-tailed runtimes, of which
-    ``unallocated`` run free with ``min_runtime = 0``). ``squatters``: the
+    1–4 h contract), batch (1–128 GPUs, lognormal runtimes of median
+    ``batch_median`` up to 7 days, of which ``unallocated`` run free with
+    ``min_runtime = 0``; of the others, 80% of those longer than an hour
+    checkpoint (resumable, 1–4 h contracts) and the rest are protected for
+    their whole run — every job longer than the 8-hour cap checkpoints, as
+    users of contracts must). ``squatters``: the
     fraction of users who keep an idle 1-GPU session parked (8 h contract,
     held 1–3 days, parked again a few hours after it ends). ``inflation``:
     the fraction of batch jobs submitted at the top priority.
@@ -453,13 +457,15 @@ class GeneratorConfig:
     debug: float = 0.50
     notebooks: float = 0.10
     unallocated: float = 0.15
+    batch_median: float = 3 * HOUR
     squatters: float = 0.10
     inflation: float = 0.8
     drains_per_day: float = 1.0
     breaks: int = 1
 
 
-BATCH_SIZES = ((1, 0.35), (2, 0.10), (4, 0.15), (8, 0.25), (16, 0.08), (32, 0.045), (64, 0.025))
+BATCH_SIZES = ((1, 0.35), (2, 0.10), (4, 0.15), (8, 0.25), (16, 0.08), (32, 0.045), (64, 0.02))
+BATCH_SIZES += ((128, 0.005),)  # large: 16 nodes, two fifths of the default cluster
 TOP_PRIORITY = 2
 
 
@@ -520,11 +526,11 @@ def generate(config: GeneratorConfig = GeneratorConfig(), seed: int = 1) -> Work
                       priority=TOP_PRIORITY)  # fmt: skip
         else:
             gpus = _weighted(sizes, BATCH_SIZES)
-            duration = _lognormal(runtimes, 90 * MIN, 1.5, MIN, 7 * DAY)
+            duration = _lognormal(runtimes, config.batch_median, 1.5, MIN, 7 * DAY)
             priority = TOP_PRIORITY if kinds.random() < config.inflation else 1
             if kinds.random() < config.unallocated:
                 contract, resumable = 0.0, True
-            elif duration > HOUR and kinds.random() < 0.8:
+            elif duration > 8 * HOUR or (duration > HOUR and kinds.random() < 0.8):
                 contract, resumable = kinds.choice((HOUR, 2 * HOUR, 4 * HOUR)), True
             else:
                 contract, resumable = _round_up_contract(duration), False
