@@ -565,10 +565,12 @@ async def test_an_admin_drains_undrains_and_downs_nodes(api, alice):
     node = held["placements"][0]["node"]
     down = ok(await api.call("POST", f"/nodes/{node}/down", token=admin, body=b""))
     assert down["state"] == "down"
-    reply = await api.call(
-        "GET", f"/slices/{held['id']}", token=alice, params={"wait": 5, "state": "granted"}
-    )
-    assert ok(reply)["state"] == "pending"  # resumable batch work is requeued
+    await settled(api)
+    # Resumable batch work is requeued, and granted again at once on the other node.
+    again = ok(await api.call("GET", f"/slices/{held['id']}", token=alice))
+    assert again["state"] == "granted" and again["placements"][0]["node"] != node
+    events = ok(await api.call("GET", f"/slices/{held['id']}/events", token=alice))["events"]
+    assert any("requeued" in e["reason"] for e in events)
     assert error_code(await api.call("POST", "/nodes/n9/drain", token=admin), 404)
     assert error_code(await api.call("POST", "/nodes/n0/drain", token=alice), 403)
     bad = await api.call("POST", "/nodes/n0/drain", token=admin, json={"reason": 5})
