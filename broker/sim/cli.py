@@ -127,6 +127,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--name", help="name of the report files (default: the workload's, e.g. helios)"
     )
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    out.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log node events, drains and interventions on stderr, stamped with simulated time",
+    )
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -159,8 +164,11 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return generate(config, seed=args.seed)
 
 
-def _simulate(workload: Workload, name: str, config: SimConfig, policy: Policy) -> Result:
-    return Simulation(workload, POLICIES[name](workload.accounts, policy), config).run()
+def _simulate(
+    workload: Workload, name: str, config: SimConfig, policy: Policy, verbose: bool = False
+) -> Result:
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else None
+    return Simulation(workload, POLICIES[name](workload.accounts, policy), config, log=log).run()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,14 +209,16 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     if args.jobs > 1 and len(names) > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [pool.submit(_simulate, workload, n, config, policy) for n in names]
+            futures = [
+                pool.submit(_simulate, workload, n, config, policy, args.verbose) for n in names
+            ]
             for future in futures:
                 results.append(future.result())
                 say(_progress(results[-1]))
     else:
         for name in names:
             started = time.perf_counter()
-            results.append(_simulate(workload, name, config, policy))
+            results.append(_simulate(workload, name, config, policy, args.verbose))
             say(_progress(results[-1]) + f" [{time.perf_counter() - started:.1f} s]")
     data = comparison(workload, results)
     print(table(data))

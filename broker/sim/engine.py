@@ -230,6 +230,13 @@ class Simulation:
             self.scheduler.name, self.workload.name, summary, dict(self.stats), self.history or []
         )
 
+    def _say(self, t: float, message: str) -> None:
+        """A log line stamped with the simulated time (day and time of day)."""
+        if self.log is not None:
+            day, rest = divmod(t, 24 * HOUR)
+            clock = time.strftime("%H:%M:%S", time.gmtime(rest))
+            self.log(f"[{self.workload.name} {self.scheduler.name} d{int(day)} {clock}] {message}")
+
     def _note(self, t: float, what: str, job: Job) -> None:
         if self.history is not None:
             self.history.append((t, what, job.id))
@@ -319,6 +326,7 @@ class Simulation:
                 drain.interrupted = True
             self._set_node(t, event.node, NodeState.DOWN)
             self._push(t + event.repair, _REPAIR, event.node)
+            self._say(t, f"node {event.node} is down")
             return True
         if event.state is NodeState.DRAINING:
             if state is not NodeState.READY:
@@ -329,6 +337,7 @@ class Simulation:
             self.repair_after[event.node] = event.repair
             self._set_node(t, event.node, NodeState.DRAINING)
             self._push(t + self.config.drain_deadline, _INTERVENE, event.node, drain)
+            self._say(t, f"node {event.node} is draining")
             return True
         raise ValueError(f"node events are 'down' or 'draining', not {event.state}")
 
@@ -336,6 +345,7 @@ class Simulation:
         if self.nodes[name].state not in (NodeState.DOWN, NodeState.DRAINED):
             return False
         self._set_node(t, name, NodeState.READY)
+        self._say(t, f"node {name} is repaired and ready")
         return True
 
     def _intervene(self, t: float, name: str, drain: Drain) -> bool:
@@ -350,6 +360,7 @@ class Simulation:
         if not holders:
             return False
         drain.intervened = True
+        self._say(t, f"drain of {name} overdue: an operator ends {len(holders)} slice(s)")
         self.recorder.interventions += 1
         self.recorder.killed_by_operator += len(holders)
         endings = tuple(
@@ -418,6 +429,9 @@ class Simulation:
                     drain = self.drains.pop(change.node, None)
                     if drain is not None:
                         drain.emptied = now
+                        self._say(
+                            now, f"node {change.node} drained after {now - drain.started:.0f} s"
+                        )
                     repair = self.repair_after.pop(change.node, 4 * HOUR)
                     self._push(now + repair, _REPAIR, change.node)
             self.recorder.set_capacity(now, self._capacity())
