@@ -45,23 +45,19 @@ class FreeGpus:
 
     def take(self, placements: Iterable[Placement]) -> None:
         """Mark GPUs as used; GPUs already taken or on other nodes are ignored."""
-        for placement in placements:
-            free = self.free.get(placement.node)
-            if free is None:
-                continue
-            before = len(free)
-            free.difference_update(placement.gpu_indices)
-            if len(free) != before:
-                self._move(placement.node, before)
+        self._change(placements, set.difference_update)
 
     def give(self, placements: Iterable[Placement]) -> None:
         """Mark GPUs as free again."""
+        self._change(placements, set.update)
+
+    def _change(self, placements: Iterable[Placement], how) -> None:
         for placement in placements:
             free = self.free.get(placement.node)
             if free is None:
                 continue
             before = len(free)
-            free.update(placement.gpu_indices)
+            how(free, placement.gpu_indices)
             if len(free) != before:
                 self._move(placement.node, before)
 
