@@ -41,6 +41,13 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 #: Key of the PostgreSQL advisory lock serialising the broker's writers.
 WRITE_LOCK_KEY = 0x5B_B0_0C  # "slicebroker"; any constant shared by all processes works
 
+#: Who drained a node (``NodeRow.drained_by``): an admin, whose drain holds until an
+#: admin puts the node back in service, or the live inventory (a Kubernetes cordon),
+#: whose drain the inventory undoes.
+DRAINED_BY_ADMIN = "admin"
+DRAINED_BY_INVENTORY = "inventory"
+DRAIN_ORIGINS = (DRAINED_BY_ADMIN, DRAINED_BY_INVENTORY)
+
 #: Execution option marking a connection whose transactions only read.
 READ_ONLY_OPTION = "slicebroker_read_only"
 #: Execution option marking a connection whose write transactions need not survive a
@@ -136,9 +143,12 @@ class NodeRow(Base):
 
     ``in_config`` is false for a node that left the configuration file: it is
     kept (down) so that history and running slices still resolve.
+    ``drained_by`` says who took the node out of service (one of
+    :data:`DRAIN_ORIGINS`), ``None`` when nobody did.
     """
 
     __tablename__ = "nodes"
+    __table_args__ = (CheckConstraint("drained_by IN ('admin', 'inventory')", name="drained_by"),)
 
     name: Mapped[str] = mapped_column(primary_key=True)
     gpu_type: Mapped[str]
@@ -147,6 +157,7 @@ class NodeRow(Base):
     state_changed_at: Mapped[float | None]
     state_reason: Mapped[str] = mapped_column(String(1024), default="")
     in_config: Mapped[bool] = mapped_column(default=True)
+    drained_by: Mapped[str | None] = mapped_column(String(16))
 
 
 class SliceRow(Base):

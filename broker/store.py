@@ -39,6 +39,8 @@ from .model import (
     Snapshot,
 )
 from .orm import (
+    DRAINED_BY_ADMIN,
+    DRAINED_BY_INVENTORY,
     NOT_DURABLE_OPTION,
     READ_ONLY_OPTION,
     AccountRow,
@@ -64,6 +66,7 @@ LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
 HELD_STATES = (SliceState.GRANTED, SliceState.PREEMPTING)
 #: Node states an admin may set; ``drained`` is the scheduler's to declare.
 ADMIN_NODE_STATES = (NodeState.READY, NodeState.DRAINING, NodeState.DOWN)
+OUT_OF_SERVICE = (NodeState.DRAINING, NodeState.DRAINED)
 
 Schedule = Callable[[Snapshot], Decisions]
 
@@ -189,20 +192,22 @@ class Broker:
                 continue
             row.gpu_type, row.gpu_count = node.gpu_type, node.gpu_count
             if not row.in_config:
-                # Back in the file: it was down only because it had left it.
-                _set_node(row, node.state, "back in the configuration", now)
+                # Back in the file (or inventory): down only because it had left it.
+                _take_reported_state(row, node.state, "back in the configuration", now)
                 row.in_config = True
         for name, row in rows.items():
             if name not in listed and row.in_config:
                 row.in_config = False
-                _set_node(row, NodeState.DOWN, "removed from the configuration", now)
+                _take_reported_state(row, NodeState.DOWN, "removed from the configuration", now)
 
     def sync_inventory(self, nodes: Iterable[Node]) -> None:
         """Make the database's nodes those of a live inventory (e.g. Kubernetes).
 
         New nodes are added, missing ones go ``down``, and each node takes the
-        inventory's state — except that a ``drained`` node stays drained while
-        the inventory still says ``draining``. GPU types without a weight get 1.0.
+        inventory's state, except that an admin's drain holds until an admin
+        undrains the node (the inventory's ``down`` still wins), and a
+        ``drained`` node stays drained while the inventory still says
+        ``draining``. GPU types without a weight get 1.0.
         """
         nodes = list(nodes)
         with self._write() as session:
@@ -215,11 +220,7 @@ class Broker:
             self._sync_nodes(session, nodes, now)
             rows = {row.name: row for row in session.scalars(select(NodeRow))}
             for node in nodes:
-                row = rows[node.name]
-                current = NodeState(row.state)
-                keep = current is NodeState.DRAINED and node.state is NodeState.DRAINING
-                if current is not node.state and not keep:
-                    _set_node(row, node.state, "from the inventory", now)
+                _take_reported_state(rows[node.name], node.state, "from the inventory", now)
 
     def _end_orphans(self, session: Session, tree: ProjectTree, now: float) -> None:
         """End live slices whose project is no longer a project in ``tree``."""
@@ -371,6 +372,11 @@ class Broker:
             now, costs = self._clock(), _Costs.load(session)
             return [_slice_dict(row, now, costs) for row in session.scalars(query)]
 
+    def live_slice_ids(self) -> set[int]:
+        """The ids of the slices not ended (pending, granted, preempting)."""
+        with self._read() as session:
+            return set(session.scalars(select(SliceRow.id).where(SliceRow.state.in_(LIVE_STATES))))
+
     def events(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> list[dict]:
         """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``."""
         with self._read() as session:
@@ -389,7 +395,7 @@ class Broker:
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node: ``name, gpu_type, gpu_count, weight, state, state_reason,
-        state_changed_at, in_config, gpus_held``."""
+        state_changed_at, in_config, drained_by, gpus_held``."""
         with self._read() as session:
             held: dict[str, int] = {}
             for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
@@ -404,8 +410,10 @@ class Broker:
     def set_node_state(self, name: str, state: str, reason: str = "") -> dict[str, Any]:
         """An admin's drain (``draining``), undrain (``ready``) or ``down``; returns the node.
 
-        Draining an already drained node keeps it drained. A node that left the
-        configuration cannot be changed (:class:`Conflict`).
+        Draining an already drained node keeps it drained. A drain or a ``down``
+        holds until an admin sets the node ``ready``, whatever a live inventory
+        says, except its ``down``. A node that left the configuration cannot be
+        changed (:class:`Conflict`).
         """
         try:
             target = NodeState(state)
@@ -423,6 +431,7 @@ class Broker:
             now = self._clock()
             if not (target is NodeState.DRAINING and row.state == NodeState.DRAINED):
                 _set_node(row, target, reason or f"set {target.value} by an admin", now)
+            row.drained_by = None if target is NodeState.READY else DRAINED_BY_ADMIN
             session.flush()
         return next(node for node in self.nodes() if node["name"] == name)
 
@@ -859,6 +868,7 @@ def _node_dict(row: NodeRow, weights: Mapping[str, float], held: int) -> dict[st
         "state_reason": row.state_reason,
         "state_changed_at": row.state_changed_at,
         "in_config": row.in_config,
+        "drained_by": row.drained_by,
         "gpus_held": held,
     }
 
@@ -973,6 +983,32 @@ def _set_node(row: NodeRow, state: NodeState, reason: str, now: float) -> None:
             log.warning("node %s is drained: repair may proceed", row.name)
         row.state, row.state_changed_at = state.value, now
     row.state_reason = reason
+
+
+def _take_reported_state(row: NodeRow, reported: NodeState, reason: str, now: float) -> None:
+    """Give a node the state its source (the file, a live inventory) reports, as far
+    as the rules allow (SPEC §6).
+
+    The source's ``down`` always wins: the node is gone or not ready. Otherwise an
+    admin's drain holds (``draining``, ``drained`` once empty) until an admin
+    undrains the node. The source's own drain (a cordon) is the source's to undo,
+    and a drained node stays drained while the source still says ``draining``.
+    """
+    current = NodeState(row.state)
+    held_by_admin = row.drained_by == DRAINED_BY_ADMIN
+    if reported is NodeState.DOWN:
+        target = NodeState.DOWN
+    elif held_by_admin:
+        target = current if current in OUT_OF_SERVICE else NodeState.DRAINING
+        reason = f"{reason}; still drained by an admin"
+    elif current is NodeState.DRAINED and reported is NodeState.DRAINING:
+        target = current
+    else:
+        target = reported
+    if not held_by_admin:
+        row.drained_by = DRAINED_BY_INVENTORY if target in OUT_OF_SERVICE else None
+    if target is not current:
+        _set_node(row, target, reason, now)
 
 
 def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:

@@ -558,8 +558,13 @@ async def test_an_admin_drains_undrains_and_downs_nodes(api, alice):
     ]
     admin = api.admin_token
     drained = ok(await api.call("POST", "/nodes/n0/drain", token=admin, json={"reason": "fan"}))
-    assert (drained["state"], drained["state_reason"]) == ("draining", "fan")
-    ok(await api.call("POST", "/nodes/n0/undrain", token=admin))
+    assert (drained["state"], drained["state_reason"], drained["drained_by"]) == (
+        "draining",
+        "fan",
+        "admin",
+    )
+    undrained = ok(await api.call("POST", "/nodes/n0/undrain", token=admin))
+    assert (undrained["state"], undrained["drained_by"]) == ("ready", None)
     held = await submit(api, alice, gpus=4, kind="batch", min_runtime=60)
     held = await granted(api, alice, held["id"])
     node = held["placements"][0]["node"]

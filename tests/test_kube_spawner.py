@@ -22,6 +22,7 @@ from servicefixtures import serving_in_process
 
 from broker.kube.reaper import PodReaper
 from spawner.kube import PROJECT_LABEL, SLICE_LABEL, KubeSliceBrokerSpawner
+from spawner.notices import describe
 
 
 def pod(limits=None, selector=None):
@@ -246,6 +247,63 @@ async def test_a_slice_that_ends_stops_its_pod_and_stale_pods_are_reaped(tmp_pat
             assert await reaper.reap_once() == []  # retried next round
             assert await reaper.reap_once() == ["jupyter-old"]
         assert [p["metadata"]["name"] for p in kube.pods("jhub")] == ["other"]
+
+
+async def test_a_preempted_pod_runs_until_the_grace_period_ends_then_goes_with_a_notice(
+    tmp_path, monkeypatch
+):
+    kube = FakeKube()
+    deleted_at: dict[str, float] = {}
+    delete = kube.delete
+
+    def recording_delete(resource, name, namespace=""):
+        deleted_at.setdefault(name, time.time())
+        return delete(resource, name, namespace)
+
+    monkeypatch.setattr(kube, "delete", recording_delete)
+    async with kube_session(tmp_path, monkeypatch, kube) as (api, make):
+        # Protected for 1 s, then preempted by a drain with the broker's grace of 2 s.
+        spawner = make(
+            traits={"protected_choices": ["1s"], "protected_default": "1s"}, protected="1s"
+        )
+        spawner.orm_spawner = SimpleNamespace(name="", state=None, user_options=None, server=None)
+        stopped = []  # the hub hears of the stop through its poll callbacks
+        spawner.add_poll_callback(lambda: stopped.append(True))
+        await spawner.start()
+        slice_id, node = spawner.slice_id, spawner.slice["placements"][0]["node"]
+        drain = await api.call("POST", f"/nodes/{node}/drain", token=api.admin_token)
+        assert drain.status == 200, drain.text
+
+        await _until(lambda: spawner.notice is not None)
+        notice = spawner.notice
+        assert (notice["state"], notice["reason"]) == ("preempting", "drain")
+        deadline = notice["at"]
+        assert deadline == api.broker.get_slice(slice_id, admin=True)["preempt_deadline"]
+        assert spawner.orm_spawner.state["slicebroker"]["notice"]["state"] == "preempting"
+        assert "It stops at" in describe(notice)["text"]
+        assert [p["metadata"]["name"] for p in kube.pods("jhub")] == [spawner.pod_name]
+
+        await _until(lambda: stopped, timeout=20)
+        assert kube.pods("jhub") == []
+        assert deleted_at[spawner.pod_name] >= deadline  # not a moment before the grace ended
+        final = api.broker.get_slice(slice_id, admin=True)
+        assert (final["state"], final["end_reason"], final["preempt_reason"]) == (
+            "ended",
+            "preempted",
+            "drain",
+        )
+        notice = spawner.notice
+        assert (notice["state"], notice["end_reason"], notice["reason"]) == (
+            "ended",
+            "preempted",
+            "drain",
+        )
+        assert spawner.orm_spawner.state["slicebroker"]["notice"] == notice
+        told = describe(notice)
+        assert told["title"] == "Your GPU session was preempted"
+        assert "its node is being drained for maintenance" in told["text"]
+        assert await spawner.poll() is not None
+        assert api.broker.list_slices(state="live") == []
 
 
 PROFILES = [

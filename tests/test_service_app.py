@@ -77,6 +77,26 @@ def test_options_from_the_command_line_are_checked(clean_env):
         BrokerApp(port=70000)
 
 
+def test_kubernetes_options_default_to_no_cleanup_and_are_checked(clean_env):
+    app = BrokerApp()
+    assert (app.kubernetes_pod_namespace, app.kubernetes_reap_interval) == ("", 60.0)
+    assert app.kubernetes_reap_min_age == 120.0
+    app.parse_command_line(
+        ["--BrokerApp.kubernetes_pod_namespace=jhub-2", "--BrokerApp.kubernetes_reap_min_age=0"]
+    )
+    assert (app.kubernetes_pod_namespace, app.kubernetes_reap_min_age) == ("jhub-2", 0.0)
+    for bad, message in [
+        ({"kubernetes_pod_namespace": "JHub"}, "namespace name"),
+        ({"kubernetes_pod_namespace": "jhub-"}, "namespace name"),
+        ({"kubernetes_pod_namespace": "j" * 64}, "namespace name"),
+        ({"kubernetes_reap_interval": 0}, "must be > 0"),
+        ({"kubernetes_report_interval": -1}, "must be > 0"),
+        ({"kubernetes_reap_min_age": -1}, "must be >= 0"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            BrokerApp(**bad)
+
+
 def test_help_exits_zero_and_names_every_option(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out

@@ -33,9 +33,12 @@ from broker.orm import (
     UPGRADE_COMMAND,
     Base,
     DatabaseNotInitialized,
+    DatabaseOutOfDate,
     DatabaseTooNew,
     check_schema,
+    head_revision,
     make_engine,
+    migrate,
     upgrade_db,
 )
 from broker.store import Broker
@@ -623,6 +626,40 @@ def test_a_database_from_a_newer_broker_is_refused(db_url):
         engine.dispose()
 
 
+def test_a_database_at_revision_0001_is_refused_then_upgraded_keeping_its_drains(db_url):
+    engine = make_engine(db_url)
+    try:
+        migrate(engine, "0001")
+        with engine.begin() as connection:
+            connection.execute(
+                text(
+                    "INSERT INTO nodes (name, gpu_type, gpu_count, state, state_reason, in_config)"
+                    " VALUES (:name, 'h100', 4, :state, '', :in_config)"
+                ),
+                [
+                    {"name": "h0", "state": "ready", "in_config": True},
+                    {"name": "b0", "state": "drained", "in_config": True},
+                ],
+            )
+        with pytest.raises(DatabaseOutOfDate, match=UPGRADE_COMMAND) as raised:
+            check_schema(engine)
+        assert (raised.value.current, raised.value.expected) == ("0001", head_revision())
+        with pytest.raises(DatabaseOutOfDate):
+            Broker(db_url, parse_config(cluster()))
+        broker = Broker(db_url, parse_config(cluster()), upgrade=True)
+        try:
+            check_schema(engine)
+            nodes = {n["name"]: (n["state"], n["drained_by"]) for n in broker.nodes()}
+            # Nobody recorded who drained b0: it stays drained until an admin says otherwise.
+            assert nodes == {"h0": ("ready", None), "b0": ("drained", "admin")}
+            broker.sync_inventory([Node("h0", "h100", 4), Node("b0", "b200", 4)])
+            assert {n["name"]: n["state"] for n in broker.nodes()}["b0"] == "drained"
+        finally:
+            broker.close()
+    finally:
+        engine.dispose()
+
+
 def test_the_migrations_build_exactly_the_models(db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
@@ -728,6 +765,81 @@ def test_postgres_urls_use_psycopg():
 
     url = make_url(normalize_url("postgresql://u:p%40ss@db/broker"))
     assert (url.drivername, url.password) == ("postgresql+psycopg", "p@ss")
+
+
+#: Steps on node h0 as (who, what, h0's state after, its drained_by after): "inventory"
+#: reports h0 in state ``what`` (b0 stays ready), "gone" leaves h0 out of the inventory,
+#: "admin" sets ``what``, "pass" runs a scheduling pass (h0 is empty: a drain completes).
+DRAIN_STORIES = {
+    "an admin's drain holds while the inventory says ready or draining": [
+        ("inventory", "ready", "ready", None),
+        ("admin", "draining", "draining", "admin"),
+        ("inventory", "ready", "draining", "admin"),
+        ("pass", "", "drained", "admin"),
+        ("inventory", "ready", "drained", "admin"),
+        ("inventory", "draining", "drained", "admin"),  # cordoned as well
+        ("inventory", "ready", "drained", "admin"),  # uncordoned: still the admin's
+        ("admin", "ready", "ready", None),
+        ("inventory", "draining", "draining", "inventory"),  # the inventory rules again
+    ],
+    "the inventory's down wins, and an admin's drain is back with the node": [
+        ("admin", "draining", "draining", "admin"),
+        ("inventory", "down", "down", "admin"),
+        ("inventory", "ready", "draining", "admin"),
+        ("gone", "", "down", "admin"),
+        ("inventory", "ready", "draining", "admin"),
+        ("pass", "", "drained", "admin"),
+    ],
+    "the inventory's own drain goes with the cordon": [
+        ("inventory", "draining", "draining", "inventory"),
+        ("pass", "", "drained", "inventory"),
+        ("inventory", "draining", "drained", "inventory"),
+        ("inventory", "ready", "ready", None),
+        ("inventory", "draining", "draining", "inventory"),
+        ("inventory", "down", "down", None),
+        ("inventory", "ready", "ready", None),
+    ],
+    "an admin's drain of a cordoned node outlives the cordon": [
+        ("inventory", "draining", "draining", "inventory"),
+        ("admin", "draining", "draining", "admin"),
+        ("inventory", "ready", "draining", "admin"),
+    ],
+    "an admin's undrain of a cordoned node lasts until the next inventory change": [
+        ("inventory", "draining", "draining", "inventory"),
+        ("admin", "ready", "ready", None),
+        ("inventory", "draining", "draining", "inventory"),
+    ],
+    "an admin's down keeps the node out of service until an admin undrains it": [
+        ("admin", "down", "down", "admin"),
+        ("inventory", "ready", "draining", "admin"),
+        ("pass", "", "drained", "admin"),
+        ("admin", "ready", "ready", None),
+        ("inventory", "ready", "ready", None),
+    ],
+}
+
+
+@pytest.mark.parametrize("steps", list(DRAIN_STORIES.values()), ids=list(DRAIN_STORIES))
+def test_drains_by_an_admin_and_by_the_inventory(broker, steps):
+    for number, (who, what, state, drained_by) in enumerate(steps, 1):
+        if who == "inventory":
+            broker.sync_inventory([Node("h0", "h100", 4, NodeState(what)), Node("b0", "b200", 4)])
+        elif who == "gone":
+            broker.sync_inventory([Node("b0", "b200", 4)])
+        elif who == "admin":
+            broker.set_node_state("h0", what)
+        else:
+            broker.run_pass()
+        h0 = next(n for n in broker.nodes() if n["name"] == "h0")
+        assert (h0["state"], h0["drained_by"]) == (state, drained_by), f"after step {number}"
+
+
+def test_an_admins_drain_and_its_origin_survive_a_restart(open_broker):
+    open_broker().set_node_state("h0", "draining", "firmware")
+    again = open_broker()
+    again.sync_inventory([Node("h0", "h100", 4), Node("b0", "b200", 4)])
+    h0 = next(n for n in again.nodes() if n["name"] == "h0")
+    assert (h0["state"], h0["drained_by"], h0["state_reason"]) == ("draining", "admin", "firmware")
 
 
 def test_a_live_inventory_adds_changes_and_removes_nodes(broker):

@@ -19,9 +19,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from sqlalchemy.engine import make_url
@@ -42,6 +44,9 @@ from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStor
 from .openapi import path_regex
 from .runner import BrokerRunner
 
+if TYPE_CHECKING:
+    from ..kube.service import KubernetesTasks
+
 log = logging.getLogger("slicebroker.service")
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
@@ -50,6 +55,8 @@ LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 MAX_BODY_BYTES = 1024 * 1024
 #: How long requests in flight may take to finish when the service stops.
 STOP_TIMEOUT_S = 5.0
+#: A Kubernetes namespace name (an RFC 1123 label).
+NAMESPACE_PATTERN = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
 
 
 def make_app(
@@ -286,34 +293,83 @@ class BrokerApp(Application):
         help="""Seconds between two checks for drained nodes to label (default 30).""",
     ).tag(config=True)
 
-    @validate("pass_interval", "lease")
+    kubernetes_pod_namespace = Unicode(
+        "",
+        help="""The Kubernetes namespace of the notebook pods (zero-to-jupyterhub: the
+        hub's). Pods there labelled `slicebroker.io/slice-id` whose slice has ended
+        are deleted: the safety net for a pod the spawner could not stop (hub down,
+        state lost, a failed stop). Default: empty, no pod is ever deleted. Works
+        with or without `kubernetes_inventory`; needs the `kubernetes` extra and RBAC
+        to list and delete pods in the namespace.
+        """,
+    ).tag(config=True)
+
+    @validate("kubernetes_pod_namespace")
+    def _check_namespace(self, proposal):
+        if proposal.value and not re.fullmatch(NAMESPACE_PATTERN, proposal.value):
+            raise ValueError(
+                f"kubernetes_pod_namespace must be a Kubernetes namespace name (lower-case "
+                f"letters, digits and '-', at most 63), got {proposal.value!r}"
+            )
+        return proposal.value
+
+    kubernetes_reap_interval = Float(
+        60.0,
+        help="""Seconds between two rounds of deleting pods of ended slices (default 60).""",
+    ).tag(config=True)
+
+    kubernetes_reap_min_age = Float(
+        120.0,
+        help="""Seconds a pod must have existed before it may be deleted as the pod of an
+        ended slice (default 120), so that a pod being created is never raced.
+        """,
+    ).tag(config=True)
+
+    @validate("pass_interval", "lease", "kubernetes_report_interval", "kubernetes_reap_interval")
     def _check_positive(self, proposal):
         if not proposal.value > 0:
             raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
-    @validate("max_wait", "token_cache_max_age")
+    @validate("max_wait", "token_cache_max_age", "kubernetes_reap_min_age")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
             raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
         return proposal.value
 
-    async def _kubernetes(self, runner: BrokerRunner):
-        """The Kubernetes inventory and drain reports, started, when asked for."""
-        if not self.kubernetes_inventory:
+    async def _kubernetes(self, runner: BrokerRunner) -> KubernetesTasks | None:
+        """The Kubernetes tasks asked for (inventory and drain reports, pod cleanup), not
+        started yet; ``None`` when none is.
+
+        Made before the server listens: importing the Kubernetes client takes about a
+        second, during which a listening server would leave requests unanswered.
+        """
+        if not (self.kubernetes_inventory or self.kubernetes_pod_namespace):
             return None
         from ..kube.service import KubernetesTasks, core_api
 
-        tasks = KubernetesTasks(
+        return KubernetesTasks(
             runner,
             await core_api(self.kubernetes_api_url),
+            inventory=self.kubernetes_inventory,
             node_selector=self.kubernetes_node_selector,
             drained_label=self.kubernetes_drained_label,
             report_interval=self.kubernetes_report_interval,
+            pod_namespace=self.kubernetes_pod_namespace,
+            reap_interval=self.kubernetes_reap_interval,
+            reap_min_age=self.kubernetes_reap_min_age,
         )
-        tasks.start()
-        log.info("nodes from Kubernetes (selector %r)", self.kubernetes_node_selector)
-        return tasks
+
+    def _log_kubernetes(self) -> None:
+        """Say which Kubernetes tasks run."""
+        if self.kubernetes_inventory:
+            log.info("nodes from Kubernetes (selector %r)", self.kubernetes_node_selector)
+        if self.kubernetes_pod_namespace:
+            log.info(
+                "deleting pods of ended slices in namespace %s every %g s",
+                self.kubernetes_pod_namespace,
+                self.kubernetes_reap_interval,
+            )
 
     @property
     def hub_managed(self) -> bool:
@@ -344,6 +400,12 @@ class BrokerApp(Application):
             log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
             return 1
         runner = BrokerRunner(broker, pass_interval=self.pass_interval)
+        try:
+            kubernetes = await self._kubernetes(runner)
+        except Exception as err:  # the extra not installed, no kubeconfig nor service account
+            log.error("cannot set up the Kubernetes client: %s", err)
+            await runner.stop()
+            return 2
         authenticator = self._authenticator(runner, config.admins)
         app = make_app(
             runner,
@@ -357,11 +419,15 @@ class BrokerApp(Application):
             server.listen(self.port, address=self.ip)
         except OSError as err:
             log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
+            if kubernetes is not None:
+                await kubernetes.stop()
             await runner.stop()
             authenticator.close()
             return 1
         runner.start()
-        kubernetes = await self._kubernetes(runner)
+        if kubernetes is not None:
+            kubernetes.start()
+            self._log_kubernetes()
         log.info(
             "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, database %s, auth %s)",
             __version__,

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..model import EndReason, NodeState, PreemptReason, SliceKind, SliceState
+from ..orm import DRAIN_ORIGINS
 from ..validation import PRIORITY_MAX, PRIORITY_MIN
 
 REF_PREFIX = "#/components/schemas/"
@@ -357,6 +358,13 @@ COMPONENTS: dict[str, dict[str, Any]] = {
             "state_reason": {"type": "string"},
             "state_changed_at": EPOCH_OR_NULL,
             "in_config": {"type": "boolean"},
+            "drained_by": _enum(
+                list(DRAIN_ORIGINS),
+                nullable=True,
+                description="who took the node out of service: an admin (it stays out until "
+                "an admin undrains it) or the live inventory (a Kubernetes cordon, undone by "
+                "an uncordon); null when nobody did",
+            ),
             "gpus_held": {"type": "integer"},
         },
         [
@@ -368,6 +376,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
             "state_reason",
             "state_changed_at",
             "in_config",
+            "drained_by",
             "gpus_held",
         ],
     ),

@@ -51,20 +51,28 @@ class NodeDrainHandler(_NodeStateHandler):
     operations = _node_operation(
         "Drain a node",
         "No new grants; each slice on it is preempted as its protection ends; once "
-        "empty the node reports `drained`.",
+        "empty the node reports `drained`. The drain holds until an admin undrains the "
+        "node, whatever a live inventory (Kubernetes) says, except that the node is gone "
+        "or not ready (`down`).",
     )
 
 
 class NodeUndrainHandler(_NodeStateHandler):
     target = NodeState.READY
-    operations = _node_operation("Put a node back in service", "The node becomes `ready`.")
+    operations = _node_operation(
+        "Put a node back in service",
+        "The node becomes `ready`, and a live inventory (Kubernetes) rules its state again: "
+        "a node still cordoned goes back to `draining` at the next inventory change.",
+    )
 
 
 class NodeDownHandler(_NodeStateHandler):
     target = NodeState.DOWN
     operations = _node_operation(
         "Mark a node down",
-        "Its slices end at once (reason `node_down`; resumable batch slices requeue).",
+        "Its slices end at once (reason `node_down`; resumable batch slices requeue). It "
+        "stays out of service until an admin undrains it: when a live inventory "
+        "(Kubernetes) shows it up, it becomes `draining`, then `drained`.",
     )
 
 
