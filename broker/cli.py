@@ -8,8 +8,8 @@ broker (or the database) answered or a broker that cannot be reached.
 
 Most commands talk to a broker over its HTTP API (SPEC §8), so they work from
 anywhere: ``--url`` and ``--token`` default to the ``SLICEBROKER_URL`` and
-``SLICEBROKER_TOKEN`` environment variables. ``upgrade-db`` and ``token
-create`` work on the database directly; ``serve`` runs the broker.
+``SLICEBROKER_TOKEN`` environment variables. ``upgrade-db`` and ``token``
+(``create``, ``revoke``) work on the database directly; ``serve`` runs the broker.
 ``docs/admin.md`` is the reference, with examples.
 """
 
@@ -25,6 +25,7 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from .batch import BatchError, BatchRequest, run_batch
@@ -856,20 +857,60 @@ def add_token(commands: argparse._SubParsersAction) -> None:
         help="an agent token (a service acting for users, such as the spawner)",
     )
     _db_option(create)
-    create.set_defaults(handler=token_create)
+    create.set_defaults(handler=_token_action("create a token", token_create))
+    revoke = actions.add_parser(
+        "revoke",
+        help="revoke a token, or every token of a user",
+        description="Revoke one API token, or with --user every token of a user. A running "
+        "broker stops accepting it within its token cache time (5 s by default). Exits 1 "
+        "if TOKEN is not a token of the database.",
+        usage=f"{PROG} token revoke (TOKEN | --user USER) [--db URL]",
+    )
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("token", nargs="?", metavar="TOKEN", help="the token, as created")
+    which.add_argument("--user", help="revoke every token of this user instead")
+    _db_option(revoke)
+    revoke.set_defaults(handler=_token_action("revoke tokens", token_revoke))
 
 
-def token_create(args: argparse.Namespace) -> int:
-    url = _need_db(args)
-    try:
-        from .service.auth import create_token
-    except ImportError as err:
-        return _fail(f"the broker service is not installed: {err}", API_ERROR)
-    try:
-        token = create_token(url, args.user, admin=args.admin, agent=args.agent)
-    except Exception as err:  # a wrong URL, an unmigrated database
-        return _fail(f"cannot create a token in {_safe_url(url)}: {_first_line(err)}", API_ERROR)
-    print(token)
+TokenWork = Callable[[ModuleType, argparse.Namespace, str], int]
+
+
+def _token_action(doing: str, work: TokenWork) -> Callable[[argparse.Namespace], int]:
+    """A handler running ``work(auth, args, url)`` on ``--db``; a failure is one line, status 1.
+
+    ``auth`` is :mod:`broker.service.auth`; ``doing`` words the failure: ``cannot DOING in URL``.
+    """
+
+    def handler(args: argparse.Namespace) -> int:
+        url = _need_db(args)
+        try:
+            from .service import auth
+        except ImportError as err:
+            return _fail(f"the broker service is not installed: {err}", API_ERROR)
+        try:
+            return work(auth, args, url)
+        except Exception as err:  # a wrong URL, an unmigrated database
+            return _fail(f"cannot {doing} in {_safe_url(url)}: {_first_line(err)}", API_ERROR)
+
+    return handler
+
+
+def token_create(auth: ModuleType, args: argparse.Namespace, url: str) -> int:
+    """Print a new token for ``--user``."""
+    print(auth.create_token(url, args.user, admin=args.admin, agent=args.agent))
+    return 0
+
+
+def token_revoke(auth: ModuleType, args: argparse.Namespace, url: str) -> int:
+    """Revoke TOKEN (status 1 if there is none such) or every token of ``--user``."""
+    if args.user is not None:
+        count = auth.revoke_user_tokens(url, args.user)
+        print(f"revoked {count} token{'s' * (count != 1)} of {args.user}")
+        return 0
+    if not auth.revoke_token(url, args.token):
+        return _fail(f"no such token in {_safe_url(url)}", API_ERROR)
+    print("revoked 1 token")
     return 0
 
 

@@ -418,6 +418,35 @@ def test_upgrade_db_on_a_bad_url_is_one_line_status_1(tmp_path, capsys):
     assert "no database" in one_error_line(err)
 
 
+def test_token_revoke_revokes_one_token_or_every_token_of_a_user(tmp_path, capsys):
+    uncached = ["--BrokerApp.token_cache_max_age=0"]  # revocations show at once
+    with running_service(tmp_path / "svc", extra_args=uncached) as service:
+        url = service.db_url
+        first, second, bob = service.token("alice"), service.token("alice"), service.token("bob")
+
+        def whoami(token: str) -> int:
+            return service.get("/whoami", token=token).status_code
+
+        status, out, err = run_cli(capsys, "token", "revoke", first, "--db", url)
+        assert (status, out, err) == (0, "revoked 1 token\n", "")
+        assert (whoami(first), whoami(second), whoami(bob)) == (401, 200, 200)
+
+        status, _, err = run_cli(capsys, "token", "revoke", first, "--db", url)
+        assert status == 1
+        assert one_error_line(err) == f"error: no such token in {url}"
+
+        status, out, err = run_cli(capsys, "token", "revoke", "--user", "alice", "--db", url)
+        assert (status, out, err) == (0, "revoked 1 token of alice\n", "")
+        assert (whoami(second), whoami(bob)) == (401, 200)
+        status, out, _ = run_cli(capsys, "token", "revoke", "--user", "alice", "--db", url)
+        assert (status, out) == (0, "revoked 0 tokens of alice\n")
+
+    for argv in ([], [bob, "--user", "bob"]):
+        status, _, err = run_cli(capsys, "token", "revoke", *argv, "--db", url)
+        assert status == 2
+        assert "see 'slicebroker token revoke --help'" in one_error_line(err)
+
+
 def test_serve_passes_every_option_to_the_service(tmp_path):
     config = tmp_path / "cluster.toml"
     config.write_text(TEST_CONFIG)
