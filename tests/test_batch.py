@@ -60,6 +60,14 @@ def service(tmp_path: Path) -> Iterator[BrokerService]:
         yield service
 
 
+@pytest.fixture
+def long_lease_service(tmp_path: Path) -> Iterator[BrokerService]:
+    """For tests whose blocking slices have no heartbeat: they must not be lost
+    (lease over) while a loaded machine starts the runner."""
+    with running_service(tmp_path / "broker", config=CONFIG, lease=60, pass_interval=1) as service:
+        yield service
+
+
 class Runner:
     """A ``slicebroker run`` process; its stderr goes to a file."""
 
@@ -161,7 +169,8 @@ def test_command_runs_on_the_granted_gpus_and_its_status_is_the_runners(service,
     assert f"slice {slice_['id']} granted: {placement['node']} GPUs" in runner.stderr
 
 
-def test_a_waiting_runner_shows_its_place_then_runs_when_gpus_free(service, tmp_path):
+def test_a_waiting_runner_shows_its_place_then_runs_when_gpus_free(long_lease_service, tmp_path):
+    service = long_lease_service
     blockers = fill_cluster(service)
     runner = start_runner(service, tmp_path, "exit-0", gpus=4)
     wait_until(lambda: "position 1 in the queue" in runner.stderr, "a queue position", runner)
@@ -285,7 +294,8 @@ def test_sigterm_to_the_runner_is_passed_on_and_the_slice_released(service, tmp_
     assert (slice_["state"], slice_["end_reason"]) == ("ended", "released")
 
 
-def test_ctrl_c_while_waiting_withdraws_the_request(service, tmp_path):
+def test_ctrl_c_while_waiting_withdraws_the_request(long_lease_service, tmp_path):
+    service = long_lease_service
     fill_cluster(service)
     runner = start_runner(service, tmp_path, "exit-0", gpus=4)
     wait_until(lambda: "waiting" in runner.stderr, "the runner to wait", runner)
