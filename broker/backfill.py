@@ -7,9 +7,12 @@ will be gone before the reservation is due.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from .model import Node, Placement, Reservation, Slice
+
+#: A node's expected releases for one requester: (time, GPUs freed) pairs, earliest first.
+Releases = Callable[[str], Sequence[tuple[float, int]]]
 
 
 def plan(
@@ -17,8 +20,7 @@ def plan(
     *,
     nodes: Mapping[str, Node],
     free: Mapping[str, set[int]],
-    holders: Mapping[str, list[Slice]],
-    release_at: Callable[[Slice], float | None],
+    releases: Releases,
     now: float,
 ) -> Reservation | None:
     """A reservation of the GPUs that free up soonest for ``requester``, or None
@@ -26,7 +28,8 @@ def plan(
 
     A single-node request waits for the node on which enough GPUs free up
     first; a request larger than any node waits for whole nodes, earliest
-    first. Ties go to the node name.
+    first. Ties go to the node name. ``releases`` tells, per node, when its
+    holders are expected to give back how many GPUs to this requester.
     """
     eligible = [
         n for n in nodes.values() if requester.gpu_type is None or n.gpu_type == requester.gpu_type
@@ -39,7 +42,7 @@ def plan(
         for node in eligible:
             if node.gpu_count < requester.gpus:
                 continue
-            due = _time_to_free(node, requester.gpus, free, holders, release_at, now)
+            due = _time_to_free(node, requester.gpus, free, releases, now)
             if due is not None and (best is None or (due, node.name) < best):
                 best = (due, node.name)
         if best is None:
@@ -50,7 +53,7 @@ def plan(
         )
     by_type: dict[str, list[tuple[float, str]]] = {}
     for node in eligible:
-        due = _time_to_free(node, node.gpu_count, free, holders, release_at, now)
+        due = _time_to_free(node, node.gpu_count, free, releases, now)
         if due is not None:
             by_type.setdefault(node.gpu_type, []).append((due, node.name))
     best_gang: tuple[float, str, list[str]] | None = None
@@ -76,22 +79,14 @@ def _time_to_free(
     node: Node,
     gpus: int,
     free: Mapping[str, set[int]],
-    holders: Mapping[str, list[Slice]],
-    release_at: Callable[[Slice], float | None],
+    releases: Releases,
     now: float,
 ) -> float | None:
     """When ``gpus`` GPUs of ``node`` will be free, if the holders' ends are known."""
     available = len(free.get(node.name, ()))
     if available >= gpus:
         return now
-    releases: list[tuple[float, int]] = []
-    for slice_ in holders.get(node.name, ()):
-        at = release_at(slice_)
-        if at is not None:
-            held = sum(len(p.gpu_indices) for p in slice_.placements if p.node == node.name)
-            releases.append((at, held))
-    releases.sort()
-    for at, held in releases:
+    for at, held in releases(node.name):
         available += held
         if available >= gpus:
             return max(at, now)

@@ -16,16 +16,28 @@ from .ordering import placement_key
 class FreeGpus:
     """The free GPU indices of every ``ready`` node, changed as the pass decides."""
 
-    def __init__(self, nodes: Iterable[Node], weights: Mapping[str, float]):
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        weights: Mapping[str, float],
+        taken: Iterable[Placement] = (),
+    ):
+        """``taken``: GPUs already in use (same as :meth:`take` after, but cheaper)."""
         self.nodes: dict[str, Node] = {n.name: n for n in nodes}
         self.weights = weights
         self.free: dict[str, set[int]] = {
             name: set(range(node.gpu_count)) for name, node in self.nodes.items()
         }
+        for placement in taken:
+            free = self.free.get(placement.node)
+            if free is not None:
+                free.difference_update(placement.gpu_indices)
         # gpu_type -> free count -> node names, sorted
         self._buckets: dict[str, list[list[str]]] = {}
         for node in sorted(self.nodes.values(), key=lambda n: n.name):
-            self._bucket(node.gpu_type, node.gpu_count).append(node.name)
+            self._bucket(node.gpu_type, len(self.free[node.name])).append(node.name)
+        # Any type, cheapest first; the set of types is fixed once built.
+        self._cheapest_first = sorted(self._buckets, key=lambda t: (weights.get(t, 1.0), t))
         self.largest: dict[str, int] = {}
         self.total: dict[str, int] = {}
         for node in self.nodes.values():
@@ -65,7 +77,7 @@ class FreeGpus:
         """GPU types a request may use, cheapest first."""
         if gpu_type is not None:
             return [gpu_type] if gpu_type in self._buckets else []
-        return sorted(self._buckets, key=lambda t: (self.weights.get(t, 1.0), t))
+        return self._cheapest_first
 
     def free_count(self, gpu_type: str | None) -> int:
         return sum(

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 
 from . import backfill
 from .fairshare import ProjectTree
@@ -59,12 +60,16 @@ class _Pass:
         self.queue: list[QueueEntry] = []
         self.timings: dict[str, float] = {}
         self.live: dict[int, Slice] = {s.id: s for s in snapshot.slices}
+        self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
         self.leaving: set[int] = set()  # preempted in this pass
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
+        self._spans_memo: dict[tuple, tuple[str, ...]] = {}
         self._lendable: list[list[Placement]] = []  # per backfill reservation
         self._gang_claimed = False
+        # (node, requester class) -> expected releases; see _releases_for
+        self._releases: dict[tuple, list[tuple[float, int]]] = {}
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -120,7 +125,7 @@ class _Pass:
 
     def end_finished(self) -> None:
         now = self.now
-        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
+        for slice_ in map(self.live.__getitem__, self.ids):
             if slice_.holds_gpus:
                 if any(
                     self.nodes.get(p.node) is None or self.nodes[p.node].state is NodeState.DOWN
@@ -143,8 +148,10 @@ class _Pass:
     # -- phase 2 -----------------------------------------------------------
 
     def drain_nodes(self) -> None:
+        if not any(node.state is NodeState.DRAINING for node in self.nodes.values()):
+            return
         busy: set[str] = set()
-        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
+        for slice_ in map(self.live.__getitem__, self.ids):
             if not slice_.holds_gpus or slice_.id in self.ended:
                 continue
             draining = [
@@ -167,18 +174,24 @@ class _Pass:
         deadline = self.now + self.policy.grace_period
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
         self.leaving.add(slice_.id)
+        self._releases.clear()  # a leaving slice frees its GPUs sooner
 
     # -- phase 3 -----------------------------------------------------------
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        self.free = FreeGpus(ready, self.snap.gpu_type_weights)
         self.holding = [s for s in self.live.values() if s.holds_gpus and s.id not in self.ended]
-        self.holders: dict[str, list[Slice]] = {}
+        self.free = FreeGpus(
+            ready, self.snap.gpu_type_weights, (p for s in self.holding for p in s.placements)
+        )
+        self.largest_node = max(self.free.largest.values(), default=0)
+        # node -> (slice, GPUs it holds there)
+        self.holders: dict[str, list[tuple[Slice, int]]] = {}
         for slice_ in self.holding:
-            self.free.take(slice_.placements)
             for placement in slice_.placements:
-                self.holders.setdefault(placement.node, []).append(slice_)
+                self.holders.setdefault(placement.node, []).append(
+                    (slice_, len(placement.gpu_indices))
+                )
         usage = self.tree.subtree_usage(self.snap.usage)
         values = {name: usage[name] / self.tree.entitlements[name] for name in usage}
         self.view = FairShareView(self.tree, usage, values, self.policy.fairshare_horizon)
@@ -213,15 +226,18 @@ class _Pass:
     # -- phase 4 -----------------------------------------------------------
 
     def keep_promises(self) -> None:
+        self.promised: set[int] = set()
+        promised = [
+            s
+            for s in map(self.live.__getitem__, self.ids)
+            if s.state is SliceState.PENDING and s.promised and s.id not in self.ended
+        ]
+        if not promised:
+            return
         held = {(p.node, i) for s in self.holding for p in s.placements for i in p.gpu_indices}
         leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
         leaving |= self.leaving
-        self.promised: set[int] = set()
-        for slice_ in sorted(self.live.values(), key=lambda s: s.id):
-            if slice_.state is not SliceState.PENDING or not slice_.promised:
-                continue
-            if slice_.id in self.ended:
-                continue
+        for slice_ in promised:
             nodes_ok = all(p.node in self.free.nodes for p in slice_.promised)
             gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
             blockers = [s for s in self.holding if _holds_any(s, gpus)]
@@ -245,11 +261,11 @@ class _Pass:
             s
             for s in self.live.values()
             if s.state is SliceState.PENDING
+            and s.allocated is allocated
             and s.id not in self.ended
             and s.id not in self.promised
-            and s.allocated is allocated
         ]
-        pending.sort(key=lambda s: queue_key(s, self.project_rank))
+        pending.sort(key=partial(queue_key, project_rank=self.project_rank))
         return pending
 
     def _under_cap(self, slice_: Slice) -> bool:
@@ -277,9 +293,7 @@ class _Pass:
                 self._grant(slice_, placements)
                 continue
             estimated: float | None = None
-            if slice_.project not in tried_preemption and slice_.gpus <= max(
-                self.free.largest.values(), default=0
-            ):
+            if slice_.project not in tried_preemption and slice_.gpus <= self.largest_node:
                 # One preemption attempt per project and pass, for its first
                 # blocked slice (as Kueue nominates one head per queue).
                 tried_preemption.add(slice_.project)
@@ -308,8 +322,7 @@ class _Pass:
                     slice_,
                     nodes=self.free.nodes,
                     free=self.free.free,
-                    holders=self.holders,
-                    release_at=lambda s, r=slice_: self._release_at(s, r),
+                    releases=self._releases_for(slice_),
                     now=self.now,
                 )
                 if reservation is not None and self._claim_due_gang(slice_, reservation, position):
@@ -349,7 +362,7 @@ class _Pass:
         victims: list[tuple[Slice, PreemptReason]] = []
         for name in names:
             weight = self.snap.weight(self.free.nodes[name].gpu_type)
-            for holder in self.holders.get(name, ()):
+            for holder, _ in self.holders.get(name, ()):
                 if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
                     continue  # already leaving
                 reason = self.preemptor.reason(slice_, holder, weight)
@@ -377,6 +390,31 @@ class _Pass:
         value = self.view.values[slice_.project]
         self.queue.append(QueueEntry(slice_.id, position, value, deadline))
         return True
+
+    def _releases_for(self, requester: Slice) -> backfill.Releases:
+        """Expected releases per node for ``requester``, earliest first.
+
+        :meth:`_release_at` depends on the requester only through its project
+        and :func:`within_project_key`, so the lists are kept per node and that
+        class for the rest of the pass (until someone is preempted): the blocked
+        requests a pass plans for mostly share a few classes.
+        """
+        requester_class = (requester.project, within_project_key(requester))
+
+        def releases(node: str) -> list[tuple[float, int]]:
+            key = (node, requester_class)
+            found = self._releases.get(key)
+            if found is None:
+                found = []
+                for holder, gpus in self.holders.get(node, ()):
+                    at = self._release_at(holder, requester)
+                    if at is not None:
+                        found.append((at, gpus))
+                found.sort()
+                self._releases[key] = found
+            return found
+
+        return releases
 
     def _release_at(self, holder: Slice, requester: Slice) -> float | None:
         """When ``holder`` is expected to give back its GPUs to ``requester``."""
@@ -424,9 +462,9 @@ class _Pass:
         ``_smallest_misfit`` memo skips them, which keeps a long blocked queue cheap.
         """
         gang = slice_.kind is SliceKind.BATCH
-        spans = tuple(
-            t for t in self.free.types(slice_.gpu_type) if slice_.gpus > self.free.largest[t]
-        )
+        spans = self._spans_memo.get((slice_.gpu_type, slice_.gpus))
+        if spans is None:
+            spans = self._spans(slice_)
         key = (slice_.gpu_type, gang, spans, ())
         if slice_.gpus < self._smallest_misfit.get(key, _NEVER):
             placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
@@ -463,6 +501,16 @@ class _Pass:
                 for p in self._lendable[i]
             ]
         return placements
+
+    def _spans(self, slice_: Slice) -> tuple[str, ...]:
+        """The GPU types on which ``slice_`` needs several nodes (fixed for the pass)."""
+        key = (slice_.gpu_type, slice_.gpus)
+        spans = self._spans_memo.get(key)
+        if spans is None:
+            largest = self.free.largest
+            spans = tuple(t for t in self.free.types(slice_.gpu_type) if slice_.gpus > largest[t])
+            self._spans_memo[key] = spans
+        return spans
 
     # -- phase 6 -----------------------------------------------------------
 
