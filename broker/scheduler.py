@@ -281,10 +281,26 @@ class _Pass:
         tried_preemption: set[str] = set()
         backfill_reserved: list[tuple[Reservation, Slice]] = []
         planned = 0  # blocked slices a reservation was sought for
+        # Once no more reservations are made, free GPUs (lent ones included) only
+        # shrink and caps only fill, so a request shaped like one that stayed
+        # blocked, and with no preemption attempt to make, stays blocked too:
+        # the long tail of a backlog is walked cheaply.
+        blocked_shapes: set[tuple] = set()
         position = len(self.queue)
         for slice_ in self._pending(allocated=True):
             position += 1
             value = self.view.values[slice_.project]
+            # One preemption attempt per project and pass, for its first blocked
+            # slice that fits a node (as Kueue nominates one head per queue).
+            tries_preemption = (
+                slice_.project not in tried_preemption and slice_.gpus <= self.largest_node
+            )
+            settled = planned >= self.policy.max_reservations and not tries_preemption
+            if settled:
+                shape = _shape(slice_)
+                if shape in blocked_shapes:
+                    self.queue.append(QueueEntry(slice_.id, position, value))
+                    continue
             if not self._under_cap(slice_):
                 self.queue.append(QueueEntry(slice_.id, position, value))
                 continue
@@ -293,9 +309,7 @@ class _Pass:
                 self._grant(slice_, placements)
                 continue
             estimated: float | None = None
-            if slice_.project not in tried_preemption and slice_.gpus <= self.largest_node:
-                # One preemption attempt per project and pass, for its first
-                # blocked slice (as Kueue nominates one head per queue).
+            if tries_preemption:
                 tried_preemption.add(slice_.project)
                 found = self.preemptor.find(slice_, self.free.free)
                 if found is not None:
@@ -333,6 +347,8 @@ class _Pass:
                     self.reservations.append(reservation)
                     self.free.take(reservation.placements)
                     estimated = reservation.due_at
+            elif settled:
+                blocked_shapes.add(shape)
             self.queue.append(QueueEntry(slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
@@ -527,6 +543,19 @@ class _Pass:
 
 
 _NEVER = 1 << 62
+
+
+def _shape(slice_: Slice) -> tuple:
+    """What decides whether a pending slice can be placed or is under its cap."""
+    contract = slice_.contract
+    return (
+        slice_.project,
+        slice_.gpus,
+        slice_.gpu_type,
+        slice_.kind,
+        contract.min_runtime,
+        contract.max_runtime,
+    )
 
 
 def _holds_any(slice_: Slice, gpus: list[tuple[str, int]]) -> bool:
