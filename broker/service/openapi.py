@@ -89,9 +89,13 @@ c.JupyterHub.services = [
     {{
         "name": "slicebroker",
         "url": "http://127.0.0.1:8765",
-        "command": [sys.executable, "-m", "broker.service",
-                    "--config-file=/etc/slicebroker/cluster.toml",
-                    "--db-url=sqlite:////var/lib/slicebroker/slicebroker.sqlite"],
+        "command": [
+            sys.executable,
+            "-m",
+            "broker.service",
+            "--config-file=/etc/slicebroker/cluster.toml",
+            "--db-url=sqlite:////var/lib/slicebroker/slicebroker.sqlite",
+        ],
     }},
     # the spawner's identity towards the broker (its token goes in the spawner's config)
     {{"name": "slicebroker-spawner", "api_token": "<a long random secret>"}},
@@ -103,10 +107,16 @@ c.JupyterHub.custom_scopes = {{
 c.JupyterHub.load_roles = [
     # every user may use the broker (and charge the projects they are members of)
     {{"name": "user", "scopes": ["self", "access:services!service=slicebroker"]}},
-    {{"name": "slicebroker-admin", "users": ["ada"],
-      "scopes": ["access:services!service=slicebroker", "{ADMIN_SCOPE}"]}},
-    {{"name": "slicebroker-agent", "services": ["slicebroker-spawner"],
-      "scopes": ["access:services!service=slicebroker", "{AGENT_SCOPE}"]}},
+    {{
+        "name": "slicebroker-admin",
+        "users": ["ada"],
+        "scopes": ["access:services!service=slicebroker", "{ADMIN_SCOPE}"],
+    }},
+    {{
+        "name": "slicebroker-agent",
+        "services": ["slicebroker-spawner"],
+        "scopes": ["access:services!service=slicebroker", "{AGENT_SCOPE}"],
+    }},
 ]
 ```
 """
