@@ -485,12 +485,13 @@ async def nodes(client: BrokerClient, args: argparse.Namespace) -> int:
             node["gpus_held"],
             f"{node['weight']:g}",
             node["state"],
+            node.get("drained_by") or "-",  # who must put it back: an admin or the inventory
             _clock(node.get("state_changed_at"), now),
             node.get("state_reason") or "",
         ]
         for node in rows
     ]
-    header = ["NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "SINCE", "REASON"]
+    header = ["NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "BY", "SINCE", "REASON"]
     _print(table(header, cells, "llrrrl"))
     return 0
 
@@ -498,7 +499,7 @@ async def nodes(client: BrokerClient, args: argparse.Namespace) -> int:
 def add_node_actions(commands: argparse._SubParsersAction) -> None:
     for name, work, what in (
         ("drain", drain, "stop new grants on a node; it empties as contracts end (admin)"),
-        ("undrain", undrain, "put a drained or draining node back in service (admin)"),
+        ("undrain", undrain, "put a drained, draining or down node back in service (admin)"),
         ("down", down, "mark a node down: its slices end at once (admin)"),
     ):
         parser = _api_command(

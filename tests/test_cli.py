@@ -188,12 +188,12 @@ def test_nodes_drain_and_undrain(service, capsys):
     assert status == 0
     rows = rows_of(out)
     assert out.splitlines()[0].split() == [
-        "NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "SINCE", "REASON"
+        "NODE", "TYPE", "GPUS", "HELD", "WEIGHT", "STATE", "BY", "SINCE", "REASON"
     ]  # fmt: skip
-    assert rows[node][1:6] == ["h100", "4", "3", "1000", "draining"]
+    assert rows[node][1:7] == ["h100", "4", "3", "1000", "draining", "admin"]
     assert rows[node][-1] == "fan failure"
     other = ({"n0", "n1"} - {node}).pop()
-    assert rows[other][1:6] == ["h100", "4", "0", "1000", "ready"]
+    assert rows[other][1:7] == ["h100", "4", "0", "1000", "ready", "-"]
 
     status, out, _ = run_cli(capsys, "undrain", node)
     assert status == 0
