@@ -519,13 +519,11 @@ class _Pass:
         return placements
 
     def _spans(self, slice_: Slice) -> tuple[str, ...]:
-        """The GPU types on which ``slice_`` needs several nodes (fixed for the pass)."""
-        key = (slice_.gpu_type, slice_.gpus)
-        spans = self._spans_memo.get(key)
-        if spans is None:
-            largest = self.free.largest
-            spans = tuple(t for t in self.free.types(slice_.gpu_type) if slice_.gpus > largest[t])
-            self._spans_memo[key] = spans
+        """The GPU types on which ``slice_`` needs several nodes; kept for the pass
+        (``_spans_memo``, read by :meth:`_place` on its hot path)."""
+        largest = self.free.largest
+        spans = tuple(t for t in self.free.types(slice_.gpu_type) if slice_.gpus > largest[t])
+        self._spans_memo[slice_.gpu_type, slice_.gpus] = spans
         return spans
 
     # -- phase 6 -----------------------------------------------------------

@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,21 +181,13 @@ class BrokerService:
         return self
 
     def wait_until_up(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the service exited with status {self.process.returncode}:\n"
-                    + self.log_text()[-3000:]
-                )
-            try:
-                if requests.get(self.api_url + "/", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the service did not answer in {timeout} s:\n{self.log_text()}")
-            time.sleep(0.05)
+        wait_until_answering(
+            self.api_url + "/",
+            self.process,
+            lambda: self.log_text()[-3000:],
+            timeout,
+            what="the service",
+        )
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout``; the exit status."""
@@ -455,3 +447,27 @@ async def serving_in_process(
         await server.close_all_connections()
         await runner.stop()
         store.close()
+
+
+def wait_until_answering(
+    url: str,
+    process: subprocess.Popen | None,
+    log_tail: Callable[[], str],
+    timeout: float,
+    *,
+    what: str,
+) -> None:
+    """Poll ``url`` until it answers 200; fail with ``log_tail()`` if ``process``
+    exits first or ``timeout`` seconds pass (a slow answer is just polled again)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode}:\n{log_tail()}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not answer in {timeout} s:\n{log_tail()}")
+        time.sleep(0.05)

@@ -15,14 +15,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
-from servicefixtures import TEST_CONFIG, free_port, service_env
+from servicefixtures import TEST_CONFIG, free_port, service_env, wait_until_answering
 
 pytestmark = pytest.mark.skipif(
     shutil.which("configurable-http-proxy") is None or shutil.which("jupyterhub") is None,
@@ -120,7 +119,13 @@ def hub(tmp_path_factory) -> Iterator[Hub]:
         )
     hub = Hub(f"http://127.0.0.1:{hub_port}/services/slicebroker/api/v1", tokens, log_path)
     try:
-        _wait_for(hub, process)
+        wait_until_answering(
+            hub.url + "/",
+            process,
+            lambda: log_path.read_text()[-4000:],
+            90.0,
+            what="jupyterhub with the broker",
+        )
         yield hub
     finally:
         process.send_signal(signal.SIGTERM)
@@ -129,21 +134,6 @@ def hub(tmp_path_factory) -> Iterator[Hub]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _wait_for(hub: Hub, process: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"jupyterhub exited:\n{hub.log_path.read_text()[-4000:]}")
-        try:
-            if requests.get(hub.url + "/", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the broker did not come up:\n{hub.log_path.read_text()[-4000:]}")
-        time.sleep(0.2)
 
 
 def test_a_user_token_is_identified_with_the_users_groups(hub):
