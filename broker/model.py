@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -237,9 +238,12 @@ class NodeChange:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class QueueEntry:
-    """Where a pending slice stands, as shown to its user (SPEC §4)."""
+class QueueEntry(NamedTuple):
+    """Where a pending slice stands, as shown to its user (SPEC §4).
+
+    A named tuple, not a dataclass: a pass makes one per pending slice, and a
+    tuple is made several times faster.
+    """
 
     slice_id: int
     position: int  # 1-based in the whole queue

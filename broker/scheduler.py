@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from bisect import bisect_left
 from dataclasses import replace
-from functools import partial
+from operator import attrgetter
 
 from . import backfill
 from .fairshare import ProjectTree
@@ -33,7 +34,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import queue_key, within_project_key
+from .ordering import queue_order, within_project_key
 from .placement import FreeGpus
 from .preemption import DebugLane, FairShareView, Preemptor, is_debug
 
@@ -180,7 +181,12 @@ class _Pass:
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        self.holding = [s for s in self.live.values() if s.holds_gpus and s.id not in self.ended]
+        # One walk over the live slices sorts them out for the phases that follow.
+        self.holding: list[Slice] = []
+        self.pending: list[Slice] = []
+        for slice_ in self.live.values():
+            if slice_.id not in self.ended:
+                (self.holding if slice_.holds_gpus else self.pending).append(slice_)
         self.free = FreeGpus(
             ready, self.snap.gpu_type_weights, (p for s in self.holding for p in s.placements)
         )
@@ -227,11 +233,7 @@ class _Pass:
 
     def keep_promises(self) -> None:
         self.promised: set[int] = set()
-        promised = [
-            s
-            for s in map(self.live.__getitem__, self.ids)
-            if s.state is SliceState.PENDING and s.promised and s.id not in self.ended
-        ]
+        promised = sorted((s for s in self.pending if s.promised), key=attrgetter("id"))
         if not promised:
             return
         held = {(p.node, i) for s in self.holding for p in s.placements for i in p.gpu_indices}
@@ -256,17 +258,16 @@ class _Pass:
 
     # -- phase 5 -----------------------------------------------------------
 
-    def _pending(self, allocated: bool) -> list[Slice]:
-        pending = [
-            s
-            for s in self.live.values()
-            if s.state is SliceState.PENDING
-            and s.allocated is allocated
-            and s.id not in self.ended
-            and s.id not in self.promised
-        ]
-        pending.sort(key=partial(queue_key, project_rank=self.project_rank))
-        return pending
+    def _sort_backlog(self) -> None:
+        """The queue, less kept promises: allocated slices for :meth:`allocate`,
+        unallocated ones after them for :meth:`backfill_unallocated`."""
+        pending = self.pending
+        if self.promised:
+            pending = [s for s in pending if s.id not in self.promised]
+        ordered = queue_order(pending, self.project_rank)
+        cut = bisect_left(ordered, True, key=lambda s: not s.allocated)
+        self.allocated_backlog = ordered[:cut]
+        self.unallocated_backlog = ordered[cut:]
 
     def _under_cap(self, slice_: Slice) -> bool:
         cap = self.policy.project_gpu_caps.get(slice_.project)
@@ -287,19 +288,23 @@ class _Pass:
         # the long tail of a backlog is walked cheaply.
         blocked_shapes: set[tuple] = set()
         position = len(self.queue)
-        for slice_ in self._pending(allocated=True):
+        self._sort_backlog()
+        # Read once: the loop below runs for every pending slice of every pass.
+        values, largest_node = self.view.values, self.largest_node
+        max_reservations, enqueue = self.policy.max_reservations, self.queue.append
+        for slice_ in self.allocated_backlog:
             position += 1
-            value = self.view.values[slice_.project]
+            value = values[slice_.project]
             # One preemption attempt per project and pass, for its first blocked
             # slice that fits a node (as Kueue nominates one head per queue).
             tries_preemption = (
-                slice_.project not in tried_preemption and slice_.gpus <= self.largest_node
+                slice_.project not in tried_preemption and slice_.gpus <= largest_node
             )
-            settled = planned >= self.policy.max_reservations and not tries_preemption
+            settled = planned >= max_reservations and not tries_preemption
             if settled:
                 shape = _shape(slice_)
                 if shape in blocked_shapes:
-                    self.queue.append(QueueEntry(slice_.id, position, value))
+                    enqueue(QueueEntry(slice_.id, position, value))
                     continue
             if not self._under_cap(slice_):
                 self.queue.append(QueueEntry(slice_.id, position, value))
@@ -530,7 +535,7 @@ class _Pass:
 
     def backfill_unallocated(self) -> None:
         position = self._position
-        for slice_ in self._pending(allocated=False):
+        for slice_ in self.unallocated_backlog:
             position += 1
             placements = self._place(slice_, self._backfill_reserved)
             if placements is not None and self._under_cap(slice_):

@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.fairshare import ProjectTree
 from broker.model import (
@@ -19,6 +21,7 @@ from broker.model import (
     SliceKind,
     SliceState,
 )
+from broker.ordering import queue_order
 from broker.scheduler import schedule
 
 
@@ -92,6 +95,40 @@ def test_within_a_project_higher_priority_then_interactive_then_submit_time():
     d = schedule(snapshot(nodes(1), flat_tree("a"), [batch, interactive, first]))
     assert granted_ids(d) == {first.id}
     assert [q.slice_id for q in d.queue] == [interactive.id, batch.id]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.sampled_from([0.0, HOUR]),  # min_runtime: unallocated or allocated
+            st.integers(-2, 2),  # priority
+            st.sampled_from(list(SliceKind)),
+            st.sampled_from([NOW - 30, NOW - 20, NOW - 10]),
+        ),
+        max_size=30,
+    ),
+    st.permutations(["a", "b", "c"]),
+)
+def test_queue_order_sorts_by_its_five_criteria(traits, ranked):
+    backlog = [
+        pending(p, min_runtime=m, priority=pr, kind=k, submitted_at=t, id=i)
+        for i, (p, m, pr, k, t) in enumerate(traits, start=1)
+    ]
+    rank = {name: r for r, name in enumerate(ranked)}
+    ordered = queue_order(reversed(backlog), rank)
+    assert ordered == sorted(
+        backlog,
+        key=lambda s: (
+            not s.allocated,
+            rank[s.project],
+            -s.priority,
+            s.kind is SliceKind.BATCH,
+            s.submitted_at,
+            s.id,
+        ),
+    )
 
 
 # ---- placement -----------------------------------------------------------
