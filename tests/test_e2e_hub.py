@@ -189,7 +189,7 @@ def test_a_notebook_past_protection_is_preempted_for_a_higher_ranked_request_and
     assert page.status_code == 424
     assert "Your GPU session was preempted" in page.text
     assert "ranks higher in fair share" in page.text
-    assert time.strftime("%H:%M:%S UTC", time.gmtime(ended["preempt_deadline"])) in page.text
+    assert time.strftime("%H:%M:%S UTC", time.gmtime(ended["ended_at"])) in page.text
     assert "Start a new session" in page.text
     # ... on the home page, and above the options form.
     assert "Your GPU session was preempted" in home.text
