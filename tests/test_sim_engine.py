@@ -7,11 +7,11 @@ import random
 import pytest
 
 from broker.accounting import LedgerEntry, usage_by_project
-from broker.model import DAY, HOUR, Account, Node, SliceState
-from broker.sim.engine import MIN, SimConfig, Simulation, simulate
+from broker.model import DAY, HOUR, SliceState
+from broker.sim.engine import SimConfig, Simulation, simulate
 from broker.sim.policies import POLICIES, FairShare
 from broker.sim.usage import UsageTracker
-from broker.sim.workloads import GeneratorConfig, Job, Workload, generate
+from broker.sim.workloads import GeneratorConfig, generate
 
 SMALL = GeneratorConfig(days=2, slices=400, users=20, projects=4, programs=2, load=2.0)
 TINY = GeneratorConfig(days=1, slices=120, users=10, projects=3, programs=1, load=2.0)
@@ -108,23 +108,6 @@ def test_coalescing_events_runs_fewer_passes(tiny):
     exact = simulate(tiny, FairShare(tiny.accounts), SimConfig(quantum=1)).stats["passes"]
     coarse = simulate(tiny, FairShare(tiny.accounts), SimConfig(quantum=60)).stats["passes"]
     assert coarse < exact
-
-
-def test_a_contract_milestone_of_a_slice_already_gone_runs_no_pass():
-    # a: 10 minutes of work under a 1-hour contract capped at 2 hours; b takes
-    # its GPUs when it leaves, c waits behind b. a's protection end (1 h) and
-    # max runtime (2 h) come when a is long gone: nothing for the policy to see.
-    jobs = (
-        Job(1, 0.0, "u1", "p", 8, 10 * MIN, max_runtime=2 * HOUR),
-        Job(2, 60.0, "u2", "p", 8, 3 * HOUR),
-        Job(3, 700.0, "u3", "p", 8, HOUR),
-    )
-    workload = Workload("milestones", jobs, (Node("n0", "h100", 8),), (Account("p", 1.0),))
-    result = simulate(workload, FairShare(workload.accounts), SimConfig(tick=0, until=3 * HOUR))
-    changes = result.stats["changes_by_event"]
-    assert changes["protection end"] == 1  # b's, with c waiting
-    assert "deadline" not in changes
-    assert changes == {"arrival": 3, "release": 1, "protection end": 1}
 
 
 def test_warmup_leaves_the_first_hours_out(tiny):

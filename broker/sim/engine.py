@@ -248,10 +248,10 @@ class Simulation:
         """Handle one event at ``t``; whether the policy should look again."""
         if kind == _FINISH:
             return self._release(t, a, b)
-        if kind == _WAKE:  # a grace period or a max runtime is over
-            return self._still_held(a, b)
+        if kind == _WAKE:
+            return True
         if kind == _CHECK:  # a contract's protected period ended
-            return self._still_held(a, b) and (self.waiting > 0 or bool(self.drains))
+            return self.waiting > 0 or bool(self.drains)
         if kind == _TICK:
             self._tick_due = None
             return self.waiting > 0
@@ -285,17 +285,11 @@ class Simulation:
         self.recorder.want(t, job.project, job.gpus)
         self.recorder.queue(t, job.gpus)
 
-    def _still_held(self, slice_id: int, granted_at: float) -> bool:
-        """Whether the grant an event was set for still holds its GPUs: a contract's
-        milestone passing is news to the policy only while the slice still runs."""
-        slice_ = self.slices.get(slice_id)
-        return slice_ is not None and slice_.granted_at == granted_at and slice_.holds_gpus
-
     def _release(self, t: float, slice_id: int, granted_at: float) -> bool:
         """The job is done (or the squatter leaves): its holder lets the slice go."""
-        if not self._still_held(slice_id, granted_at):
+        slice_ = self.slices.get(slice_id)
+        if slice_ is None or slice_.granted_at != granted_at or not slice_.holds_gpus:
             return False  # ended or requeued meanwhile
-        slice_ = self.slices[slice_id]
         entry = end_slice(slice_, t, self.node_types, self.weights)
         if entry is not None:
             self.usage.close(entry)
@@ -424,8 +418,7 @@ class Simulation:
             self._note(
                 now, f"preempted ({preemption.reason.value})", self.runs[preemption.slice_id].job
             )
-            victim = self.slices[preemption.slice_id]
-            self._push(preemption.deadline, _WAKE, victim.id, victim.granted_at)
+            self._push(preemption.deadline, _WAKE)
         for grant in decisions.grants:
             self._granted(now, self.slices[grant.slice_id])
         if decisions.node_changes:
@@ -458,9 +451,9 @@ class Simulation:
             self.usage.open(slice_.project, rate, now)
         self._push(now + run.remaining, _FINISH, slice_.id, now)
         if slice_.contract.min_runtime > 0:
-            self._push(now + slice_.contract.min_runtime, _CHECK, slice_.id, now)
+            self._push(now + slice_.contract.min_runtime, _CHECK)
         if slice_.contract.max_runtime is not None:
-            self._push(now + slice_.contract.max_runtime, _WAKE, slice_.id, now)
+            self._push(now + slice_.contract.max_runtime, _WAKE)
 
     def _ended(self, now: float, slice_: Slice, reason: EndReason) -> None:
         """A slice the policy (or an operator) ended without requeueing it."""
