@@ -9,10 +9,9 @@ same decisions.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from contextlib import contextmanager
-from bisect import bisect_left
-from dataclasses import replace
 from operator import attrgetter
 
 from . import backfill
@@ -37,6 +36,7 @@ from .model import (
 from .ordering import queue_order, within_project_key
 from .placement import FreeGpus
 from .preemption import DebugLane, FairShareView, Preemptor, is_debug
+from .transitions import requeued
 
 
 def schedule(snapshot: Snapshot, tree: ProjectTree | None = None) -> Decisions:
@@ -113,14 +113,7 @@ class _Pass:
         self.endings.append(Ending(slice_.id, reason, requeue))
         if requeue:
             # Back in the queue at once, so this very pass may grant it again.
-            self.live[slice_.id] = replace(
-                slice_,
-                state=SliceState.PENDING,
-                placements=(),
-                granted_at=None,
-                preempt_deadline=None,
-                promised=(),
-            )
+            self.live[slice_.id] = requeued(slice_)
         else:
             self.ended.add(slice_.id)
 

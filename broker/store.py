@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import accounting
+from . import accounting, transitions
 from .config import ClusterConfig
 from .errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
 from .fairshare import ProjectTree
@@ -677,8 +677,7 @@ class Broker:
             row = _live(rows, preemption.slice_id, (SliceState.GRANTED,), "preempt")
             if row is None:
                 continue
-            row.state = SliceState.PREEMPTING.value
-            row.preempt_deadline = preemption.deadline
+            _write_state(row, transitions.preempting(_to_slice(row), preemption.deadline))
             row.preempt_reason = preemption.reason.value
             why = preemption.reason.value
             if preemption.for_slice is not None:
@@ -696,11 +695,9 @@ class Broker:
                 log.error("the pass granted slice %s %s; grant refused", row.id, problem)
                 continue
             held.update({gpu: row.id for gpu in _gpus(grant.placements)})
-            row.state = SliceState.GRANTED.value
-            row.placements = _placement_json(grant.placements)
-            row.granted_at = now
+            _write_state(row, transitions.granted(_to_slice(row), grant.placements, now))
             row.lease_expires_at = now + self.lease
-            row.preempt_deadline = row.preempt_reason = None
+            row.preempt_reason = None
             where = ", ".join(f"{p.node}{list(p.gpu_indices)}" for p in grant.placements)
             _event(session, row, SliceState.PENDING, f"granted on {where}", now)
         promised = {r.slice_id: r for r in decisions.reservations if r.promised}
@@ -756,11 +753,8 @@ class Broker:
         row.promised = []
         row.queue_position = row.fairshare_value = row.estimated_start = None
         if requeue and before in HELD_STATES:
-            # Back in the queue with its place in it (submitted_at) kept.
-            row.state = SliceState.PENDING.value
-            row.placements = []
-            row.granted_at = row.preempt_deadline = row.preempt_reason = None
-            row.lease_expires_at = None
+            _write_state(row, transitions.requeued(_to_slice(row)))
+            row.preempt_reason = None
             why += ", requeued"
         else:
             row.state = SliceState.ENDED.value
@@ -787,6 +781,19 @@ class _Costs:
 
     def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
         return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
+
+
+def _write_state(row: SliceRow, slice_: Slice) -> None:
+    """Store what a transition of :mod:`broker.transitions` changed in a slice."""
+    _update(
+        row,
+        state=slice_.state.value,
+        placements=_placement_json(slice_.placements),
+        granted_at=slice_.granted_at,
+        preempt_deadline=slice_.preempt_deadline,
+        promised=_placement_json(slice_.promised),
+        lease_expires_at=slice_.lease_expires_at,
+    )
 
 
 def _update(row: SliceRow, **values: Any) -> None:

@@ -1,8 +1,9 @@
-"""What a pass's decisions do to the slices: the state machine of SPEC §3–§6, in memory.
+"""What a pass's decisions do to the slices: the state machine of SPEC §3–§6, on values.
 
-The simulator and the property tests keep their cluster as plain values and
-move it forward with :func:`apply`; the store records the same transitions in
-the database.
+:func:`requeued`, :func:`preempting` and :func:`granted` say which fields each
+transition changes, for everyone: the pass (a slice it requeues may be granted
+again at once), :func:`apply` (the simulator and the property tests keep their
+cluster as plain values) and the store (which writes the result to its rows).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .accounting import LedgerEntry, ledger_entry
-from .model import Decisions, EndReason, Node, Slice, SliceState
+from .model import Decisions, EndReason, Node, Placement, Slice, SliceState
 
 
 @dataclass
@@ -23,6 +24,37 @@ class Applied:
     ended: list[tuple[Slice, EndReason]] = field(default_factory=list)
     requeued: list[Slice] = field(default_factory=list)
     charges: list[LedgerEntry] = field(default_factory=list)
+
+
+def requeued(slice_: Slice) -> Slice:
+    """``slice_`` back in the queue, holding and promised nothing, with its place in
+    it (``submitted_at``) kept; its lease starts again with its next heartbeat."""
+    return replace(
+        slice_,
+        state=SliceState.PENDING,
+        placements=(),
+        granted_at=None,
+        preempt_deadline=None,
+        promised=(),
+        lease_expires_at=None,
+    )
+
+
+def preempting(slice_: Slice, deadline: float) -> Slice:
+    """``slice_`` preempted: it keeps its GPUs until ``deadline``, the end of its grace."""
+    return replace(slice_, state=SliceState.PREEMPTING, preempt_deadline=deadline)
+
+
+def granted(slice_: Slice, placements: tuple[Placement, ...], now: float) -> Slice:
+    """``slice_`` holding ``placements`` from ``now``; what was promised to it is its own."""
+    return replace(
+        slice_,
+        state=SliceState.GRANTED,
+        placements=placements,
+        granted_at=now,
+        preempt_deadline=None,
+        promised=(),
+    )
 
 
 def end_slice(
@@ -54,35 +86,19 @@ def apply(
         if entry is not None:
             result.charges.append(entry)
         if ending.requeue:
-            live[slice_.id] = replace(
-                slice_,
-                state=SliceState.PENDING,
-                placements=(),
-                granted_at=None,
-                preempt_deadline=None,
-                promised=(),
-            )
+            live[slice_.id] = requeued(slice_)
             result.requeued.append(live[slice_.id])
         else:
             result.ended.append((slice_, ending.reason))
     for preemption in decisions.preemptions:
-        live[preemption.slice_id] = replace(
-            live[preemption.slice_id],
-            state=SliceState.PREEMPTING,
-            preempt_deadline=preemption.deadline,
-        )
+        slice_id = preemption.slice_id
+        live[slice_id] = preempting(live[slice_id], preemption.deadline)
     promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
     for slice_id, slice_ in live.items():
         if slice_.state is SliceState.PENDING and slice_.promised != promised.get(slice_id, ()):
             live[slice_id] = replace(slice_, promised=promised.get(slice_id, ()))
     for grant in decisions.grants:
-        live[grant.slice_id] = replace(
-            live[grant.slice_id],
-            state=SliceState.GRANTED,
-            placements=grant.placements,
-            granted_at=now,
-            promised=(),
-        )
+        live[grant.slice_id] = granted(live[grant.slice_id], grant.placements, now)
     for change in decisions.node_changes:
         result.nodes[change.node] = replace(result.nodes[change.node], state=change.state)
     return result
