@@ -7,6 +7,10 @@ as everywhere in the broker.
 
 from __future__ import annotations
 
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from sqlalchemy import (
     func,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -253,6 +258,43 @@ def normalize_url(url: str) -> str:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed.render_as_string(hide_password=False)
+
+
+#: Where tests and benchmarks create scratch databases: a PostgreSQL role allowed to.
+SCRATCH_POSTGRES_URL = os.environ.get(
+    "SLICEBROKER_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+class ScratchDatabaseUnavailable(Exception):
+    """No scratch database could be created (no server here, or no right to)."""
+
+
+@contextmanager
+def scratch_database(prefix: str, admin_url: str = SCRATCH_POSTGRES_URL) -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database named ``prefix_<random>``, for a
+    test or benchmark; dropped afterwards. Raises :class:`ScratchDatabaseUnavailable`."""
+    admin = create_engine(normalize_url(admin_url), isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{secrets.token_hex(6)}"
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as err:
+        admin.dispose()
+        raise ScratchDatabaseUnavailable(
+            f"PostgreSQL not available: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from None
+    try:
+        yield (
+            make_url(normalize_url(admin_url))
+            .set(database=name)
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        with admin.connect() as connection:
+            # FORCE: a failed run may leave a connection open.
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -10,16 +10,11 @@ auth); where none answers, the PostgreSQL case is skipped.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-POSTGRES_ADMIN_URL = os.environ.get(
-    "SLICEBROKER_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
+from broker.orm import ScratchDatabaseUnavailable, scratch_database
 
 
 class FakeClock:
@@ -51,20 +46,10 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
 
 
 def _postgres_database() -> Iterator[str]:
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"slicebroker_test_{secrets.token_hex(6)}"
     try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as err:  # no server here: run the SQLite case only
-        admin.dispose()
+        with scratch_database("slicebroker_test") as url:
+            yield url
+    except ScratchDatabaseUnavailable as err:  # no server here: run the SQLite case only
         if os.environ.get("CI"):  # CI starts PostgreSQL: a skip there would hide a failure
-            pytest.fail(f"PostgreSQL not available in CI: {err}")
-        pytest.skip(f"PostgreSQL not available: {err.__class__.__name__}")
-    try:
-        yield make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            # FORCE: a test that failed may leave a connection open.
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+            pytest.fail(str(err))
+        pytest.skip(str(err))

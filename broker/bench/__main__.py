@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..orm import SCRATCH_POSTGRES_URL
 from . import api, kube, scheduling, spawn
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--heartbeats", type=int, default=2, help="heartbeats per slice held")
     load.add_argument(
         "--postgres-url",
-        default=api.POSTGRES_ADMIN_URL,
+        default=SCRATCH_POSTGRES_URL,
         help="a PostgreSQL database to create the run's database from (trust auth on "
         "127.0.0.1:5432 by default; $SLICEBROKER_TEST_POSTGRES)",
     )

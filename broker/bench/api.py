@@ -24,7 +24,6 @@ import math
 import os
 import re
 import resource
-import secrets
 import signal
 import socket
 import subprocess
@@ -39,11 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ..client import BrokerAPIError, BrokerClient
+from ..orm import SCRATCH_POSTGRES_URL, ScratchDatabaseUnavailable, scratch_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-POSTGRES_ADMIN_URL = os.environ.get(
-    "SLICEBROKER_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
 PROJECTS = ("alpha", "beta", "gamma", "delta")
 USERS_PER_PROJECT = 10
 GPUS_PER_NODE = 8
@@ -56,7 +53,7 @@ def run(
     db: str = "both",
     clients: int = 200,
     seconds: float = 20.0,
-    postgres_url: str = POSTGRES_ADMIN_URL,
+    postgres_url: str = SCRATCH_POSTGRES_URL,
     heartbeats: int = 2,
 ) -> dict[str, Any]:
     """Drive a broker on each database named by ``db`` (``sqlite``, ``postgresql``, ``both``)
@@ -70,7 +67,7 @@ def run(
                 with _database(backend, Path(directory), postgres_url) as url:
                     work = _Work(clients, seconds, heartbeats)
                     results.append(_run_one(backend, url, Path(directory), work))
-            except _Unavailable as err:
+            except ScratchDatabaseUnavailable as err:
                 results.append({"db": backend, "skipped": str(err)})
     return {
         "benchmark": "api",
@@ -87,32 +84,13 @@ def run(
 # ---- the database and the broker ------------------------------------------------------
 
 
-class _Unavailable(Exception):
-    """The database for a backend cannot be had here."""
-
-
 @contextmanager
 def _database(backend: str, directory: Path, postgres_url: str) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{directory / 'broker.sqlite'}"
         return
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    name = f"slicebroker_bench_{secrets.token_hex(6)}"
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as err:
-        admin.dispose()
-        raise _Unavailable(f"PostgreSQL not available: {type(err).__name__}") from None
-    try:
-        yield make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database("slicebroker_bench", postgres_url) as url:
+        yield url
 
 
 def _config(clients: int) -> str:
