@@ -177,7 +177,11 @@ class BrokerService:
             )
         finally:
             log.close()
-        self.wait_until_up(timeout)
+        try:
+            self.wait_until_up(timeout)
+        except BaseException:
+            self.kill()  # a service that never came up must not outlive its test
+            raise
         return self
 
     def wait_until_up(self, timeout: float = 30.0) -> None:
