@@ -242,7 +242,7 @@ class QueueEntry(NamedTuple):
     """Where a pending slice stands, as shown to its user (SPEC §4).
 
     A named tuple, not a dataclass: a pass makes one per pending slice, and a
-    tuple is made several times faster.
+    named tuple is made in less than half the time of a frozen dataclass.
     """
 
     slice_id: int

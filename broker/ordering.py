@@ -31,8 +31,9 @@ def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> li
     4. submit time,
     5. slice id.
 
-    Sorted in two stable steps, the last two criteria first: every pass sorts
-    the whole backlog, and one key built in C for them halves the cost.
+    Sorted in two stable steps, the last two criteria first (their key built
+    in C): every pass sorts the whole backlog, and this takes a fifth less time
+    than one key of all five.
     """
     ordered = sorted(pending, key=attrgetter("submitted_at", "id"))
     ordered.sort(key=lambda s: (not s.allocated, project_rank[s.project], within_project_key(s)))
