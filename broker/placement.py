@@ -32,17 +32,22 @@ class FreeGpus:
             free = self.free.get(placement.node)
             if free is not None:
                 free.difference_update(placement.gpu_indices)
-        # gpu_type -> free count -> node names, sorted
-        self._buckets: dict[str, list[list[str]]] = {}
-        for node in sorted(self.nodes.values(), key=lambda n: n.name):
-            self._bucket(node.gpu_type, len(self.free[node.name])).append(node.name)
-        # Any type, cheapest first; the set of types is fixed once built.
-        self._cheapest_first = sorted(self._buckets, key=lambda t: (weights.get(t, 1.0), t))
         self.largest: dict[str, int] = {}
         self.total: dict[str, int] = {}
         for node in self.nodes.values():
-            self.largest[node.gpu_type] = max(self.largest.get(node.gpu_type, 0), node.gpu_count)
-            self.total[node.gpu_type] = self.total.get(node.gpu_type, 0) + node.gpu_count
+            gpu_type, count = node.gpu_type, node.gpu_count
+            if count > self.largest.get(gpu_type, -1):
+                self.largest[gpu_type] = count
+            self.total[gpu_type] = self.total.get(gpu_type, 0) + count
+        # gpu_type -> free count -> node names, sorted; built in one go, as every
+        # pass builds it anew for every node.
+        self._buckets: dict[str, list[list[str]]] = {
+            gpu_type: [[] for _ in range(largest + 1)] for gpu_type, largest in self.largest.items()
+        }
+        for name in sorted(self.nodes):
+            self._buckets[self.nodes[name].gpu_type][len(self.free[name])].append(name)
+        # Any type, cheapest first; the set of types is fixed once built.
+        self._cheapest_first = sorted(self._buckets, key=lambda t: (weights.get(t, 1.0), t))
 
     def _bucket(self, gpu_type: str, count: int) -> list[str]:
         buckets = self._buckets.setdefault(gpu_type, [])
