@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -859,16 +860,27 @@ def add_token(commands: argparse._SubParsersAction) -> None:
     )
     _db_option(create)
     create.set_defaults(handler=_token_action("create a token", token_create))
+    listing = actions.add_parser(
+        "list",
+        help="list the tokens (never their secrets)",
+        description="List the broker's own API tokens: number, user, kind (user or agent), "
+        "whether admin, when created. The secrets are not stored, so never shown.",
+    )
+    listing.add_argument("--user", help="only this user's tokens")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _db_option(listing)
+    listing.set_defaults(handler=_token_action("list tokens", token_list))
     revoke = actions.add_parser(
         "revoke",
         help="revoke a token, or every token of a user",
-        description="Revoke one API token, or with --user every token of a user. A running "
-        "broker stops accepting it within its token cache time (5 s by default). Exits 1 "
-        "if TOKEN is not a token of the database.",
-        usage=f"{PROG} token revoke (TOKEN | --user USER) [--db URL]",
+        description="Revoke one API token (by its text, or by the number 'token list' shows), "
+        "or with --user every token of a user. A running broker stops accepting it within "
+        "its token cache time (5 s by default). Exits 1 if there is no such token.",
+        usage=f"{PROG} token revoke (TOKEN | --id N | --user USER) [--db URL]",
     )
     which = revoke.add_mutually_exclusive_group(required=True)
     which.add_argument("token", nargs="?", metavar="TOKEN", help="the token, as created")
+    which.add_argument("--id", type=_whole(1), help="the token numbered N in 'token list'")
     which.add_argument("--user", help="revoke every token of this user instead")
     _db_option(revoke)
     revoke.set_defaults(handler=_token_action("revoke tokens", token_revoke))
@@ -903,15 +915,40 @@ def token_create(auth: ModuleType, args: argparse.Namespace, url: str) -> int:
     return 0
 
 
+def token_list(auth: ModuleType, args: argparse.Namespace, url: str) -> int:
+    """Print the tokens (of ``--user``): number, user, kind, admin, created."""
+    tokens = auth.list_tokens(url, args.user)
+    if args.json:
+        _print_json([dataclasses.asdict(t) for t in tokens])
+        return 0
+    rows = (
+        (
+            t.id,
+            t.user,
+            "agent" if t.agent else "user",
+            "yes" if t.admin else "no",
+            _clock(t.created_at),
+        )
+        for t in tokens
+    )
+    _print(table(("ID", "USER", "KIND", "ADMIN", "CREATED"), rows, "r"))
+    return 0
+
+
 def token_revoke(auth: ModuleType, args: argparse.Namespace, url: str) -> int:
-    """Revoke TOKEN (status 1 if there is none such) or every token of ``--user``."""
+    """Revoke TOKEN or token ``--id`` (status 1 if there is none such), or every
+    token of ``--user``."""
     if args.user is not None:
         count = auth.revoke_user_tokens(url, args.user)
         print(f"revoked {count} token{'s' * (count != 1)} of {args.user}")
-        return 0
-    if not auth.revoke_token(url, args.token):
+    elif args.id is not None:
+        if not auth.revoke_token_id(url, args.id):
+            return _fail(f"no token {args.id} in {_safe_url(url)}", API_ERROR)
+        print(f"revoked token {args.id}")
+    elif auth.revoke_token(url, args.token):
+        print("revoked 1 token")
+    else:
         return _fail(f"no such token in {_safe_url(url)}", API_ERROR)
-    print("revoked 1 token")
     return 0
 
 

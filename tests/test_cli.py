@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import subprocess
 import sys
@@ -441,10 +442,46 @@ def test_token_revoke_revokes_one_token_or_every_token_of_a_user(tmp_path, capsy
         status, out, _ = run_cli(capsys, "token", "revoke", "--user", "alice", "--db", url)
         assert (status, out) == (0, "revoked 0 tokens of alice\n")
 
-    for argv in ([], [bob, "--user", "bob"]):
+    for argv in ([], [bob, "--user", "bob"], ["--id", "1", "--user", "bob"], ["--id", "x"]):
         status, _, err = run_cli(capsys, "token", "revoke", *argv, "--db", url)
         assert status == 2
         assert "see 'slicebroker token revoke --help'" in one_error_line(err)
+
+
+def test_token_list_shows_every_token_without_its_secret_and_revoke_takes_its_number(
+    tmp_path, capsys
+):
+    uncached = ["--BrokerApp.token_cache_max_age=0"]
+    with running_service(tmp_path / "svc", extra_args=uncached) as service:
+        url = service.db_url
+        alice = service.token("alice")
+        _, spawner, _ = run_cli(capsys, "token", "create", "--user", "hub", "--agent", "--db", url)
+        spawner = spawner.strip()
+
+        status, out, err = run_cli(capsys, "token", "list", "--json", "--db", url)
+        assert status == 0, err
+        tokens = json.loads(out)
+        assert [(t["user"], t["agent"], t["admin"]) for t in tokens][-2:] == [
+            ("alice", False, False),
+            ("hub", True, False),
+        ]
+        number = {t["user"]: t["id"] for t in tokens}
+        assert spawner.startswith(f"sb_{number['hub']}_")
+        status, out, _ = run_cli(capsys, "token", "list", "--user", "hub", "--db", url)
+        header, row = out.splitlines()
+        assert header.split() == ["ID", "USER", "KIND", "ADMIN", "CREATED"]
+        assert row.split()[:4] == [str(number["hub"]), "hub", "agent", "no"]
+        assert spawner.split("_")[-1] not in out and alice.split("_")[-1] not in out
+
+        status, out, err = run_cli(
+            capsys, "token", "revoke", "--id", str(number["hub"]), "--db", url
+        )
+        assert (status, out, err) == (0, f"revoked token {number['hub']}\n", "")
+        assert service.get("/whoami", token=spawner).status_code == 401
+        assert service.get("/whoami", token=alice).status_code == 200
+        status, _, err = run_cli(capsys, "token", "revoke", "--id", str(number["hub"]), "--db", url)
+        assert status == 1
+        assert one_error_line(err) == f"error: no token {number['hub']} in {url}"
 
 
 def test_serve_passes_every_option_to_the_service(tmp_path):

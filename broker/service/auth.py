@@ -196,6 +196,12 @@ class TokenStore:
             connection.execute(delete(ApiTokenRow).where(ApiTokenRow.id == info.id))
         return True
 
+    def revoke_id(self, token_id: int) -> bool:
+        """Delete the token numbered ``token_id`` (its ``sb_<id>_`` part); whether it existed."""
+        with self._engine.begin() as connection:
+            result = connection.execute(delete(ApiTokenRow).where(ApiTokenRow.id == token_id))
+        return bool(result.rowcount)
+
     def revoke_user(self, user: str) -> int:
         """Delete every token of ``user``; how many there were."""
         with self._engine.begin() as connection:
@@ -234,6 +240,11 @@ def create_token(db_url: str, user: str, admin: bool = False, agent: bool = Fals
 def revoke_token(db_url: str, token: str) -> bool:
     """Revoke one token; whether it existed. Takes effect within the cache time."""
     return _with_store(db_url, lambda store: store.revoke(token))
+
+
+def revoke_token_id(db_url: str, token_id: int) -> bool:
+    """Revoke the token numbered ``token_id`` (as :func:`list_tokens` shows); whether it existed."""
+    return _with_store(db_url, lambda store: store.revoke_id(token_id))
 
 
 def revoke_user_tokens(db_url: str, user: str) -> int:
