@@ -300,7 +300,7 @@ class _Pass:
                     enqueue(QueueEntry(slice_.id, position, value))
                     continue
             if not self._under_cap(slice_):
-                self.queue.append(QueueEntry(slice_.id, position, value))
+                enqueue(QueueEntry(slice_.id, position, value))
                 continue
             placements = self._place(slice_, backfill_reserved)
             if placements is not None:
@@ -326,7 +326,7 @@ class _Pass:
                     self.reservations.append(promise)
                     self.free.take(promise.placements)
                     self._count(slice_, promise.placements)
-                    self.queue.append(QueueEntry(slice_.id, position, value, deadline))
+                    enqueue(QueueEntry(slice_.id, position, value, deadline))
                     continue
             if planned < self.policy.max_reservations:
                 planned += 1
@@ -347,7 +347,7 @@ class _Pass:
                     estimated = reservation.due_at
             elif settled:
                 blocked_shapes.add(shape)
-            self.queue.append(QueueEntry(slice_.id, position, value, estimated))
+            enqueue(QueueEntry(slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
 
