@@ -155,6 +155,7 @@ _POLICY_KEYS = (
     "debug_max_gpus",
     "debug_max_min_runtime",
     "debug_lane_fraction",
+    "debug_headroom",
     "fairshare_horizon",
     "max_reservations",
     "project_gpu_caps",
@@ -343,7 +344,7 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
     for key, zero_ok in _POLICY_DURATIONS.items():
         if key in table:
             settings[key] = _duration(table[key], _at(where, key), zero_ok=zero_ok)
-    for key in ("debug_max_gpus", "max_reservations"):
+    for key in ("debug_max_gpus", "debug_headroom", "max_reservations"):
         if key in table:
             settings[key] = _whole(table[key], _at(where, key), minimum=0)
     if "debug_lane_fraction" in table:

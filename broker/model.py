@@ -169,6 +169,9 @@ class Policy:
     # Blocked slices, highest ranked first, for which a backfill reservation is sought.
     max_reservations: int = 8
     project_gpu_caps: Mapping[str, int] = field(default_factory=dict)
+    # Free GPUs kept for debug sessions: other work is not placed on free GPUs
+    # when that would leave fewer free (SPEC §1: a debug GPU in seconds).
+    debug_headroom: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ class FreeGpus:
             free = self.free.get(placement.node)
             if free is not None:
                 free.difference_update(placement.gpu_indices)
+        self.free_total = sum(map(len, self.free.values()))  # free GPUs of every node
         self.largest: dict[str, int] = {}
         self.total: dict[str, int] = {}
         for node in self.nodes.values():
@@ -76,6 +77,7 @@ class FreeGpus:
             before = len(free)
             how(free, placement.gpu_indices)
             if len(free) != before:
+                self.free_total += len(free) - before
                 self._move(placement.node, before)
 
     def types(self, gpu_type: str | None) -> list[str]:

@@ -306,9 +306,17 @@ class _Pass:
             if placements is not None:
                 self._grant(slice_, placements)
                 continue
-            estimated: float | None = None
             if tries_preemption:
                 tried_preemption.add(slice_.project)
+            if self._held_back(slice_):
+                # It fits, but only on GPUs kept for debug sessions: it waits for
+                # more to free up, and neither preempts nor reserves meanwhile.
+                if settled:
+                    blocked_shapes.add(shape)
+                enqueue(QueueEntry(slice_.id, position, value))
+                continue
+            estimated: float | None = None
+            if tries_preemption:
                 found = self.preemptor.find(slice_, self.free.free)
                 if found is not None:
                     for victim, reason in found.victims:
@@ -474,13 +482,18 @@ class _Pass:
         Free GPUs only shrink while the queue is walked, so once a request of
         ``g`` GPUs fails, larger ones of the same class fail too: the
         ``_smallest_misfit`` memo skips them, which keeps a long blocked queue cheap.
+        Neither way may it take the free GPUs kept for debug sessions (``debug_headroom``).
         """
+        headroom = self._headroom_for(slice_)
         gang = slice_.kind is SliceKind.BATCH
         spans = self._spans_memo.get((slice_.gpu_type, slice_.gpus))
         if spans is None:
             spans = self._spans(slice_)
         key = (slice_.gpu_type, gang, spans, ())
-        if slice_.gpus < self._smallest_misfit.get(key, _NEVER):
+        if (
+            slice_.gpus <= self.free.free_total - headroom
+            and slice_.gpus < self._smallest_misfit.get(key, _NEVER)
+        ):
             placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
             if placements is not None:
                 return placements
@@ -507,14 +520,36 @@ class _Pass:
         if placements is None:
             self._smallest_misfit[key] = slice_.gpus
             return None
-        # GPUs lent out are no longer free to lend to the next request.
         taken = {(p.node, i) for p in placements for i in p.gpu_indices}
+        if headroom:
+            lent = {(p.node, i) for p in borrowed for i in p.gpu_indices}
+            if len(taken - lent) > self.free.free_total - headroom:
+                return None
+        # GPUs lent out are no longer free to lend to the next request.
         for i in usable:
             self._lendable[i] = [
                 Placement(p.node, tuple(g for g in p.gpu_indices if (p.node, g) not in taken))
                 for p in self._lendable[i]
             ]
         return placements
+
+    def _held_back(self, slice_: Slice) -> bool:
+        """Whether ``slice_`` would fit on free GPUs now but for ``debug_headroom``."""
+        headroom = self._headroom_for(slice_)
+        return (
+            headroom > 0
+            and slice_.gpus > self.free.free_total - headroom
+            and self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+            is not None
+        )
+
+    def _headroom_for(self, slice_: Slice) -> int:
+        """Free GPUs ``slice_`` must leave free: ``debug_headroom``, unless it is a
+        debug session within the lane's limits, for which they are kept."""
+        headroom = self.policy.debug_headroom
+        if headroom and is_debug(slice_, self.policy) and self.lane.admits(slice_):
+            return 0
+        return headroom
 
     def _spans(self, slice_: Slice) -> tuple[str, ...]:
         """The GPU types on which ``slice_`` needs several nodes; kept for the pass

@@ -208,6 +208,7 @@ grace_period = 30
 debug_max_gpus = 1
 debug_max_min_runtime = "10m"
 debug_lane_fraction = 0.1
+debug_headroom = 2
 fairshare_horizon = "30m"
 max_reservations = 0
 [policy.project_gpu_caps]
@@ -225,6 +226,7 @@ solo = 4
         fairshare_horizon=1800.0,
         max_reservations=0,
         project_gpu_caps={"solo": 4},
+        debug_headroom=2,
     )
 
 
@@ -471,6 +473,12 @@ INVALID = [
         MINIMAL + "[policy]\ndebug_lane_fraction = 0\n",
         "policy.debug_lane_fraction",
         "(0, 1]",
+    ),
+    (
+        "a negative debug headroom is refused",
+        MINIMAL + "[policy]\ndebug_headroom = -1\n",
+        "policy.debug_headroom",
+        "whole number",
     ),
     (
         "a debug lane fraction above one is refused",

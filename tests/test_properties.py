@@ -75,7 +75,10 @@ def test_invariants_hold_after_every_pass(data, cluster):
     nodes_list, accounts, projects = cluster
     nodes = {n.name: n for n in nodes_list}
     tree = ProjectTree(accounts)
-    policy = Policy(grace_period=data.draw(st.sampled_from([0.0, 30.0, 120.0])))
+    policy = Policy(
+        grace_period=data.draw(st.sampled_from([0.0, 30.0, 120.0])),
+        debug_headroom=data.draw(st.sampled_from([0, 0, 2])),
+    )
     now = 1_000_000.0
     ids = itertools.count(1)
     live: dict[int, Slice] = {}

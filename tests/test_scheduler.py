@@ -261,6 +261,37 @@ def test_the_debug_lane_is_only_for_small_short_interactive_sessions(debug):
     assert d.preemptions == ()
 
 
+def test_debug_headroom_keeps_free_gpus_from_other_work_for_debug_sessions():
+    policy = Policy(debug_headroom=2, debug_lane_fraction=0.5)  # a lane of 4 GPUs
+    held = running("a", "n0", (0, 1, 2, 3, 4))  # 3 of 8 GPUs free
+    two = pending("a", 2, submitted_at=NOW - 30)
+    one = pending("a", 1, submitted_at=NOW - 20)
+    free = pending("a", 1, min_runtime=0, submitted_at=NOW - 10)  # unallocated
+    debug = pending("b", 2, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [held, two, one, free], policy=policy))
+    assert granted_ids(d) == {one.id}  # 2 GPUs would leave 1 free; 1 GPU leaves 2
+
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [held, two, debug], policy=policy))
+    assert granted_ids(d) == {debug.id}  # the debug session takes what is kept for it
+
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [held, two, one, free]))
+    assert granted_ids(d) == {two.id, one.id}  # without headroom every GPU goes
+
+
+def test_debug_headroom_is_for_sessions_within_the_lanes_limits():
+    # u already holds the lane's per-user limit (2 GPUs): a third debug GPU of
+    # theirs is not debug work the headroom is kept for.
+    policy = Policy(debug_headroom=2, debug_lane_fraction=0.5)  # a lane of 4 GPUs
+    session = running("b", "n0", (0, 1), kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    held = running("a", "n0", (2, 3, 4, 5))
+    again = pending("b", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    other = pending("b", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="v")
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [session, held, again], policy=policy))
+    assert granted_ids(d) == set()
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [session, held, other], policy=policy))
+    assert granted_ids(d) == {other.id}
+
+
 def test_debug_lane_is_capped_by_its_share_of_the_cluster():
     # 2 nodes x 8 GPUs at 5% -> one GPU of lane; one debug session already holds it.
     holding = running(

@@ -106,6 +106,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument("--grace", type=float, default=60.0, help="preemption grace period (s)")
     sim.add_argument(
+        "--debug-headroom",
+        type=int,
+        default=0,
+        metavar="N",
+        help="free GPUs kept for debug sessions (policy debug_headroom; 0)",
+    )
+    sim.add_argument(
         "--drain-deadline",
         type=float,
         default=12.0,
@@ -200,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
         drain_deadline=args.drain_deadline * HOUR,
         check=args.check,
     )
-    policy = Policy(grace_period=args.grace)
+    if args.debug_headroom < 0:
+        print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
+        return USAGE_ERROR
+    policy = Policy(grace_period=args.grace, debug_headroom=args.debug_headroom)
     say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(
         f"{workload.name}: {len(workload.jobs):,} jobs, {len(workload.nodes)} nodes "
