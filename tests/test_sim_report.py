@@ -95,6 +95,7 @@ def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):
         (["helios", "--trace", "no/such/trace.csv"], "Helios trace not found"),
         (["generate", "--policies", "lottery"], "unknown policy lottery"),
         (["csv"], "csv needs --trace"),
+        (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),
     ],
 )
 def test_cli_errors_are_one_line_and_status_2(argv, message, capsys):
