@@ -285,6 +285,9 @@ class _Pass:
         # Read once: the loop below runs for every pending slice of every pass.
         values, largest_node = self.view.values, self.largest_node
         max_reservations, enqueue = self.policy.max_reservations, self.queue.append
+        # With debug headroom, whether a debug session may use it depends on its
+        # user's place in the lane, which its shape does not tell: never settled.
+        headroom, policy = self.policy.debug_headroom, self.policy
         for slice_ in self.allocated_backlog:
             position += 1
             value = values[slice_.project]
@@ -293,7 +296,11 @@ class _Pass:
             tries_preemption = (
                 slice_.project not in tried_preemption and slice_.gpus <= largest_node
             )
-            settled = planned >= max_reservations and not tries_preemption
+            settled = (
+                planned >= max_reservations
+                and not tries_preemption
+                and not (headroom and is_debug(slice_, policy))
+            )
             if settled:
                 shape = _shape(slice_)
                 if shape in blocked_shapes:

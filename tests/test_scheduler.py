@@ -290,6 +290,15 @@ def test_debug_headroom_is_for_sessions_within_the_lanes_limits():
     assert granted_ids(d) == set()
     d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [session, held, other], policy=policy))
     assert granted_ids(d) == {other.id}
+    # Behind two held-back sessions of u with the same shape, v's still gets through.
+    later = pending("b", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, submitted_at=NOW)
+    busy = replace(policy, max_reservations=0)
+    queue = [session, held, again, replace(again, id=later.id + 1), later]
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), queue, policy=busy))
+    assert granted_ids(d) == set()  # later is u's too
+    queue[-1] = replace(later, user="v")
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), queue, policy=busy))
+    assert granted_ids(d) == {later.id}
 
 
 def test_debug_lane_is_capped_by_its_share_of_the_cluster():
