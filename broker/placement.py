@@ -86,15 +86,6 @@ class FreeGpus:
             return [gpu_type] if gpu_type in self._buckets else []
         return self._cheapest_first
 
-    def free_count(self, gpu_type: str | None) -> int:
-        return sum(
-            len(self.free[name])
-            for t in self.types(gpu_type)
-            for count, names in enumerate(self._buckets[t])
-            if count
-            for name in names
-        )
-
     def fit(self, gpus: int, gpu_type: str | None, gang: bool) -> tuple[Placement, ...] | None:
         """The placement for ``gpus`` GPUs, or None when they are not free now.
 

@@ -189,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return USAGE_ERROR
+    if args.debug_headroom < 0:  # before the workload is built, which can take a while
+        print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
+        return USAGE_ERROR
     try:
         workload = build_workload(args)
     except FileNotFoundError as err:
@@ -207,9 +210,6 @@ def run(args: argparse.Namespace) -> int:
         drain_deadline=args.drain_deadline * HOUR,
         check=args.check,
     )
-    if args.debug_headroom < 0:
-        print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
-        return USAGE_ERROR
     policy = Policy(grace_period=args.grace, debug_headroom=args.debug_headroom)
     say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(
