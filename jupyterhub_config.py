@@ -5,9 +5,8 @@ It starts, besides the hub and its proxy:
 - the broker as a hub-managed service on SQLite (``python -m broker.service``),
   reached by the spawner at ``http://127.0.0.1:$SLICEBROKER_PORT/services/slicebroker``
   and by people at ``<hub>/services/slicebroker/api/v1``;
-- the budget- and queue-aware idle culler as a hub-managed service
-  (``python -m spawner.culler``);
-- notebook servers as local processes, each on the GPUs of its slice.
+- notebook servers (JupyterLab) as local processes, each on the GPUs of its slice;
+  the spawner stops idle sessions by the rule in ``spawner.culler``.
 
 The cluster is this machine's GPUs (found with ``nvidia-smi``, written to
 ``slicebroker-cluster.toml`` in the working directory) with the demo's project
@@ -24,7 +23,6 @@ Environment it reads (all optional):
 Lines marked "REAL DEPLOYMENT" say what a real deployment changes; see docs/hub-admin.md.
 """
 
-import importlib.util
 import os
 import secrets
 import sys
@@ -71,19 +69,6 @@ c.JupyterHub.services = [
         "display": False,
     },
     {"name": "slicebroker-spawner", "api_token": agent_token},
-    {
-        "name": "slicebroker-culler",
-        "command": [
-            sys.executable,
-            "-m",
-            "spawner.culler",
-            "--timeout=1h",  # idle limit when nobody waits for GPUs
-            "--busy-timeout=15m",  # ... while requests wait
-            "--over-share-timeout=5m",  # ... while they wait, for projects over their share
-            "--cull-every=60",
-        ],
-        "environment": {"SLICEBROKER_URL": broker_url},
-    },
 ]
 c.JupyterHub.custom_scopes = {
     "custom:slicebroker:admin": {
@@ -107,17 +92,6 @@ c.JupyterHub.load_roles = [
         "scopes": ["custom:slicebroker:admin", BROKER_ACCESS],
         "users": sorted(cluster.admins | {"admin"}),
     },
-    {
-        "name": "slicebroker-culler",
-        "scopes": [
-            "list:users",
-            "read:users:activity",
-            "read:servers",
-            "delete:servers",
-            BROKER_ACCESS,
-        ],
-        "services": ["slicebroker-culler"],
-    },
 ]
 
 # ---- the spawner ------------------------------------------------------------------------------
@@ -131,9 +105,14 @@ c.SliceBrokerMixin.broker_token = agent_token
 c.SliceBrokerMixin.protected_choices = ["15m", "1h", "2h", "4h", "8h", "0"]
 c.SliceBrokerMixin.protected_default = "15m"
 c.SliceBrokerMixin.max_gpus = max((node.gpu_count for node in cluster.nodes), default=1)
+# Idle sessions (see docs/hub-admin.md, "Idle sessions"): past their protection, stopped
+# after 1 h idle, or 15 min while a waiting request could use their GPUs; within it, only
+# after 1 h idle and only while a waiting request could use their GPUs.
+c.SliceBrokerMixin.cull_idle_timeout = "1h"
+c.SliceBrokerMixin.cull_idle_busy = "15m"
+c.SliceBrokerMixin.cull_idle_protected = "1h"
 c.Spawner.start_timeout = 3600  # waiting in the queue is part of start
-if importlib.util.find_spec("jupyterlab") is not None:
-    c.Spawner.default_url = "/lab"
+c.Spawner.default_url = "/lab"
 if os.geteuid() == 0:
     # The servers run as the hub's user; Jupyter Server refuses root unless told.
     c.Spawner.args = ["--ServerApp.allow_root=True"]

@@ -39,6 +39,7 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping
+from datetime import UTC
 from html import escape
 from typing import Any
 
@@ -51,6 +52,7 @@ from broker.client import URL_ENV, BrokerAPIError, BrokerClient
 from broker.config import format_duration, parse_duration
 
 from . import notices
+from .culler import CullLimits, Verdict, verdict, waiter_for
 from .options import (
     OPTION_KEYS,
     Choices,
@@ -71,6 +73,10 @@ END_WAIT_S = 5.0
 RETRY_PAUSE_S = 2.0
 
 _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
+
+#: The queue and the nodes as last read for the idle rule, per broker URL: one read per
+#: ``cull_interval / 2`` serves every session of the hub.
+_QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -238,6 +244,37 @@ class SliceBrokerMixin(Configurable):
         help="Seconds between refreshes of the queue position shown while a spawn waits.",
     ).tag(config=True)
 
+    cull_idle_timeout = Union(
+        [Unicode(), Float()],
+        default_value="1h",
+        help="""Stop a session past its protected period (or free) after this long idle
+        when no waiting request could use its GPUs (seconds or a duration; 0: never).
+        Idle is the hub's ``last_activity`` of the server (no kernel, terminal or
+        browser activity).""",
+    ).tag(config=True)
+
+    cull_idle_busy = Union(
+        [Unicode(), Float()],
+        default_value="15m",
+        help="""Stop a session past its protected period (or free) after this long idle
+        while a waiting request could use its GPUs now (seconds or a duration; 0: never).""",
+    ).tag(config=True)
+
+    cull_idle_protected = Union(
+        [Unicode(), Float()],
+        default_value="1h",
+        help="""Stop a session within its protected period only after this long idle, and
+        only while a waiting request could use its GPUs now (seconds or a duration; 0:
+        never). The options form states it next to the protected length.""",
+    ).tag(config=True)
+
+    cull_interval = Float(
+        30.0,
+        help="""Seconds between checks of a running session against the idle limits. The
+        queue and the nodes are read from the broker at most every half of it, for
+        all sessions of the hub together.""",
+    ).tag(config=True)
+
     @default("start_timeout")
     def _start_timeout_default(self) -> int:
         # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
@@ -274,6 +311,7 @@ class SliceBrokerMixin(Configurable):
     _progress_update: asyncio.Event | None = None
     _update: asyncio.Event | None = None
     _options_seconds = 0.0
+    _idle_task: asyncio.Task | None = None
 
     @property
     def broker(self) -> BrokerClient:
@@ -306,6 +344,16 @@ class SliceBrokerMixin(Configurable):
             gpu_types=tuple(self.gpu_types),
             default_project=self.default_project,
             debug_max=parse_duration(self.debug_protected_max),
+            idle_protected=parse_duration(self.cull_idle_protected),
+            idle_busy=parse_duration(self.cull_idle_busy),
+        )
+
+    def cull_limits(self) -> CullLimits:
+        """The idle limits, in seconds."""
+        return CullLimits(
+            idle=parse_duration(self.cull_idle_timeout),
+            busy=parse_duration(self.cull_idle_busy),
+            protected=parse_duration(self.cull_idle_protected),
         )
 
     def _user_groups(self) -> list[str]:
@@ -449,6 +497,7 @@ class SliceBrokerMixin(Configurable):
             except BaseException:
                 await asyncio.shield(self._release(self.slice_id))
                 raise
+            self._start_idle_watch()
             return url
         finally:
             self._starting = False
@@ -694,6 +743,7 @@ class SliceBrokerMixin(Configurable):
             return
         if self.slice_id == slice_id:
             self._cancel_watch()
+            self._cancel_idle_watch()
         known = self.slice if (self.slice or {}).get("id") == slice_id else None
         if known is None or known.get("state") != "ended":
             try:
@@ -726,6 +776,88 @@ class SliceBrokerMixin(Configurable):
         if self.slice_id is not None:
             self.log.info("Reconnecting %s to slice %s", self._log_name, self.slice_id)
             self._start_watch(beat_now=True)
+            self._start_idle_watch()
+
+    # ---- idle sessions ------------------------------------------------------------------------
+
+    def _start_idle_watch(self) -> None:
+        if self.slice_id is not None and (self._idle_task is None or self._idle_task.done()):
+            self._idle_task = asyncio.ensure_future(self._idle_watch(self.slice_id))
+
+    def _cancel_idle_watch(self) -> None:
+        task, self._idle_task = self._idle_task, None
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+
+    def idle_seconds(self, now: float) -> float | None:
+        """Seconds since the server's last activity as the hub saw it (``None``: unknown)."""
+        orm = self.orm_spawner
+        last = getattr(orm, "last_activity", None) or getattr(orm, "started", None)
+        if last is None:
+            return None
+        if last.tzinfo is None:  # the hub stores naive UTC
+            last = last.replace(tzinfo=UTC)
+        return max(now - last.timestamp(), 0.0)
+
+    async def _queue_view(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The broker's pending slices and nodes, shared by the hub's sessions for
+        ``cull_interval / 2``."""
+        key = f"{id(asyncio.get_running_loop())}:{self.broker_url}"
+        clock = time.monotonic()
+        cached = _QUEUE_VIEWS.get(key)
+        stale = cached is None or clock - cached[0] >= self.cull_interval / 2
+        if not stale and cached[1].done() and cached[1].exception() is not None:
+            stale = True
+        if stale:
+            read = asyncio.gather(self.broker.list_slices(state="pending"), self.broker.nodes())
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())
+            cached = _QUEUE_VIEWS[key] = (clock, read)
+        pending, nodes = await asyncio.shield(cached[1])
+        return pending, nodes
+
+    async def idle_verdict(self) -> tuple[Verdict, float | None]:
+        """What the idle rule (:mod:`spawner.culler`) says of this session now, and its
+        idle seconds."""
+        pending, nodes = await self._queue_view()
+        now = time.time()
+        session = self.slice or {}
+        rule = verdict(session, now, self.cull_limits(), waiter_for(session, pending, nodes))
+        return rule, self.idle_seconds(now)
+
+    async def _idle_watch(self, slice_id: int) -> None:
+        """Every ``cull_interval``: stop the session when the idle rule says so, with a
+        ``culled_idle`` notice."""
+        while self.slice_id == slice_id:
+            await asyncio.sleep(self.cull_interval)  # a check interval, not a synchronisation
+            if self._starting or self._stopping or (self.slice or {}).get("state") != "granted":
+                continue
+            try:
+                rule, idle = await self.idle_verdict()
+            except BrokerAPIError as err:
+                self.log.warning("Idle check of %s: %s", self._log_name, err.message)
+                continue
+            self.log.debug(
+                "Idle check of %s: idle %s s, limit %s s, waiting request %s",
+                self._log_name,
+                None if idle is None else round(idle),
+                rule.limit,
+                rule.waiter,
+            )
+            if idle is None or not rule.due(idle) or self.slice_id != slice_id:
+                continue
+            self.log.warning(
+                "Culling %s: idle %.0f s >= %.0f s (%s; waiting request %s could use its GPUs)",
+                self._log_name,
+                idle,
+                rule.limit,
+                "protected" if rule.protected else "past its protection",
+                rule.waiter,
+            )
+            self.notice = notices.cull_notice(self.slice or {}, time.time(), idle, rule)
+            if self.orm_spawner is not None:
+                self.orm_spawner.state = self.get_state()
+            await self._end_session(slice_id)
+            return
 
     # ---- poll and stop ----------------------------------------------------------------------
 
@@ -749,6 +881,7 @@ class SliceBrokerMixin(Configurable):
         try:
             if held is not None:
                 self._cancel_watch()
+                self._cancel_idle_watch()
             await super().stop(now=now)
         finally:
             self._stopping = False

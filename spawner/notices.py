@@ -4,8 +4,11 @@ A *notice* is a small JSON-able dict the spawner keeps in its state when its
 slice is preempted or ends on the broker's initiative::
 
     {"slice_id": 12, "project": "vision", "gpus": 1, "state": "preempting" | "ended",
-     "reason": "fair_share", "end_reason": "preempted" | None,
+     "reason": "fair_share", "end_reason": "preempted" | "culled_idle" | None,
      "at": 1764441600.0, "protected_until": 1764441000.0}
+
+(a ``culled_idle`` notice, made by the hub and not the broker, adds ``idle``,
+``protected`` and ``waiter``: see :func:`cull_notice`).
 
 ``at`` is when the session stops (the preemption deadline) or stopped. The
 words are made from it when a page is rendered (:func:`describe`), so that they
@@ -21,6 +24,8 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 from typing import Any
+
+from .culler import CULLED_IDLE, Verdict
 
 TEMPLATE_PATH = str(Path(__file__).with_name("templates"))
 """Add to ``c.JupyterHub.template_paths`` for pages that say why a session ended."""
@@ -69,6 +74,10 @@ _WHAT_TO_DO = {
     "lost": "Start a new session.",
     "released": "Start a new session.",
     "cancelled": "Start a new session.",
+    CULLED_IDLE: (
+        "Start a new session when you need one; stop your server when you are done, so "
+        "that your project stops paying and others get the GPUs."
+    ),
 }
 
 
@@ -115,6 +124,40 @@ def notice_from_slice(slice_: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def cull_notice(
+    slice_: Mapping[str, Any], at: float, idle_seconds: float, rule: Verdict
+) -> dict[str, Any]:
+    """The notice of a session the hub stopped because it was idle (``culled_idle``)."""
+    return {
+        "slice_id": slice_.get("id"),
+        "project": slice_.get("project"),
+        "gpus": slice_.get("gpus"),
+        "state": "ended",
+        "reason": None,
+        "end_reason": CULLED_IDLE,
+        "at": at,
+        "protected_until": slice_.get("protected_until"),
+        "idle": idle_seconds,
+        "protected": rule.protected,
+        "waiter": rule.waiter,
+    }
+
+
+def minutes(seconds: float) -> str:
+    """``42 min`` (or ``1.5 h``) for a span of time."""
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{max(round(seconds / 60), 1)} min"
+
+
+def _culled_why(notice: Mapping[str, Any]) -> str:
+    idle = minutes(float(notice.get("idle") or 0.0))
+    if notice.get("waiter") is None:
+        return f"it had been idle for {idle}, the hub's limit for an idle session"
+    protected = " (still within its protected period)" if notice.get("protected") else ""
+    return f"it had been idle for {idle}{protected} while a waiting request could use its GPUs"
+
+
 def describe(notice: Mapping[str, Any]) -> dict[str, str]:
     """``{"title", "text", "html", "what_to_do"}`` for a notice."""
     reason = notice.get("reason")
@@ -136,6 +179,10 @@ def describe(notice: Mapping[str, Any]) -> dict[str, str]:
         else:
             title = "Your GPU session was preempted"
             text = f"{what} was stopped at {when} because {why}."
+    elif end_reason == CULLED_IDLE:
+        key = CULLED_IDLE
+        title = "Your GPU session was stopped as idle"
+        text = f"{what} was stopped at {when} because {_culled_why(notice)}."
     else:
         key = end_reason if end_reason in _END_WHY else "released"
         title = "Your GPU session ended"

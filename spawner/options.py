@@ -54,6 +54,8 @@ class Choices:
     gpu_types: tuple[str, ...] = ()  # offered types; empty: every type the cluster has
     default_project: str = ""
     debug_max: float = 900.0  # protected lengths up to this are labelled "debug"
+    idle_protected: float = 3600.0  # a protected session idle this long may be stopped; 0: never
+    idle_busy: float = 900.0  # ... past its protection, while a waiting request could use it
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -488,5 +490,25 @@ def _protected_field(choices: Choices, previous: Mapping[str, Any]) -> str:
         "from you. Afterwards the session keeps running, still charged, until a request that "
         "ranks higher in fair share needs the GPUs; then you get a grace period to save your "
         "work. Your project pays for the time the GPUs are held, busy or idle: stop the server "
-        "when you are done. Short protected lengths are granted soonest.</div></div>"
+        "when you are done. Short protected lengths are granted soonest. "
+        f'<span id="sb-idle-rule">{escape(idle_rule(choices))}</span></div></div>'
     )
+
+
+def idle_rule(choices: Choices) -> str:
+    """What the form promises about idle sessions (see :mod:`spawner.culler`)."""
+    if choices.idle_protected:
+        protected = (
+            f"Even while protected, a session idle for {_human_duration(choices.idle_protected)} "
+            "is stopped if a waiting request could use its GPUs."
+        )
+    else:
+        protected = "A protected session is never stopped for being idle."
+    if choices.idle_busy:
+        after = (
+            f" After its protection, {_human_duration(choices.idle_busy)} idle is enough while "
+            "a waiting request could use its GPUs."
+        )
+    else:
+        after = ""
+    return protected + after

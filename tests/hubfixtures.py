@@ -1,5 +1,5 @@
 """A real JupyterHub for end-to-end tests: the repository's ``jupyterhub_config.py`` with
-configurable-http-proxy, the broker service, the culler, and real single-user processes.
+configurable-http-proxy, the broker service, and real single-user processes.
 
 :class:`HubProcess` writes a small config file that loads the repository's
 config (``load_subconfig``) and then changes only what a test must: free
@@ -100,17 +100,9 @@ services = []
 for service in c.JupyterHub.services:
     if service["name"] == "slicebroker":
         service["command"] = service["command"] + e2e["broker_args"]
-    if service["name"] == "slicebroker-culler":
-        if not e2e["culler_args"]:
-            continue
-        service["command"] = [sys.executable, "-m", "spawner.culler", *e2e["culler_args"]]
     services.append(service)
 services.append({"name": "e2e", "api_token": e2e["token"]})
 c.JupyterHub.services = services
-if not e2e["culler_args"]:
-    c.JupyterHub.load_roles = [
-        r for r in c.JupyterHub.load_roles if r["name"] != "slicebroker-culler"
-    ]
 c.JupyterHub.load_roles.append(
     {
         "name": "e2e",
@@ -167,7 +159,6 @@ class HubProcess:
         workdir: Path,
         *,
         cluster: str = TEST_CLUSTER,
-        culler_args: list[str] | None = None,
         broker_args: list[str] | None = None,
         extra_config: str = "",
     ):
@@ -181,7 +172,6 @@ class HubProcess:
             "hub_bind_url": f"http://127.0.0.1:{free_port()}",
             "proxy_api_url": f"http://127.0.0.1:{free_port()}",
             "token": self.token,
-            "culler_args": culler_args or [],
             "broker_args": broker_args or ["--pass-interval=1", "--lease=15", "--max-wait=5"],
         }
         (self.workdir / "cluster.toml").write_text(cluster)

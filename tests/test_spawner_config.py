@@ -13,13 +13,6 @@ from broker.config import DEMO_CONFIG, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 SCOPE_NAME = re.compile(r"^custom:[a-z0-9][a-z0-9_\-\*:]+[a-z0-9_\*]$")  # JupyterHub's rule
-CULLER_SCOPES = [
-    "list:users",
-    "read:users:activity",
-    "read:servers",
-    "delete:servers",
-    "access:services!service=slicebroker",
-]
 
 
 def load(tmp_path, monkeypatch, nvidia_smi: str | None = None, **env):
@@ -67,6 +60,9 @@ def test_without_gpus_the_hub_runs_the_demo_inventory(tmp_path, monkeypatch, cap
     assert broker["url"] == "http://127.0.0.1:10101"
     assert config.SliceBrokerMixin.broker_url == "http://127.0.0.1:10101/services/slicebroker"
     assert config.SliceBrokerMixin.max_gpus == 8
+    assert config.Spawner.default_url == "/lab"  # sessions open JupyterLab
+    # Idle sessions are stopped by the spawner: no culler service stops them unannounced.
+    assert {s["name"] for s in config.JupyterHub.services} == {"slicebroker", "slicebroker-spawner"}
     assert "no GPU found with nvidia-smi" in capsys.readouterr().out
 
 
@@ -108,8 +104,6 @@ def test_scopes_and_roles(tmp_path, monkeypatch):
         "custom:slicebroker:agent",
     }
     assert all(SCOPE_NAME.match(name) for name in config.JupyterHub.custom_scopes)
-    assert sorted(role(config, "slicebroker-culler")["scopes"]) == sorted(CULLER_SCOPES)
-    assert role(config, "slicebroker-culler")["services"] == ["slicebroker-culler"]
     assert "custom:slicebroker:admin" in role(config, "slicebroker-admin")["scopes"]
     assert role(config, "slicebroker-admin")["users"] == ["admin"]
     assert "access:services!service=slicebroker" in role(config, "user")["scopes"]
@@ -140,6 +134,4 @@ def test_the_broker_port_and_database_come_from_the_environment(tmp_path, monkey
         service(config, "slicebroker")["environment"]["SLICEBROKER_DB_URL"]
         == "postgresql://db/broker"
     )
-    assert service(config, "slicebroker-culler")["environment"]["SLICEBROKER_URL"].startswith(
-        f"http://127.0.0.1:{port}/"
-    )
+    assert config.SliceBrokerMixin.broker_url == f"http://127.0.0.1:{port}/services/slicebroker"

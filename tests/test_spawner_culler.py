@@ -1,171 +1,117 @@
-"""spawner.culler: idle limits that shrink with demand, one sweep, and the idle-culler hook."""
+"""spawner.culler: the idle rule keeps the contract, and never culls for a request that
+cannot run."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import pytest
 
-from broker.client import BrokerAPIError
-from spawner import culler
-from spawner.culler import CullArbiter, Demand, Limits, cull_idle, idle_limit
+from spawner import notices
+from spawner.culler import CULLED_IDLE, CullLimits, verdict, waiter_for
 
-LIMITS = Limits(timeout=3600, busy_timeout=900, over_share_timeout=300)
-NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
-ROWS = [
-    {"name": "org", "parent": None, "is_project": False, "usage": 100.0},
-    {
-        "name": "vision",
-        "parent": "org",
-        "is_project": True,
-        "usage": 80.0,
-        "entitlement": 0.5,
-        "pending": 0,
-    },
-    {
-        "name": "nlp",
-        "parent": "org",
-        "is_project": True,
-        "usage": 20.0,
-        "entitlement": 0.5,
-        "pending": 3,
-    },
-]
+LIMITS = CullLimits(idle=3600, busy=900, protected=1800)
+NOW = 1_800_000_000.0
 
 
-@pytest.mark.parametrize(
-    ("waiting", "over_share", "limit"),
-    [
-        (0, False, 3600),  # nobody waits: the long limit, whatever the budget
-        (0, True, 3600),
-        (1, False, 900),  # someone waits: shorter
-        (5, True, 300),  # someone waits and the project is over its share: shortest
-    ],
-)
-def test_the_idle_limit_shrinks_with_demand_and_budget(waiting, over_share, limit):
-    assert idle_limit(LIMITS, waiting=waiting, over_share=over_share) == limit
-
-
-def test_each_limit_is_capped_by_the_one_before():
-    assert idle_limit(Limits(600, 900, 1200), waiting=1, over_share=True) == 600
-
-
-def test_demand_counts_waiting_requests_and_projects_over_their_share():
-    demand = Demand.from_projects(ROWS)
-    assert demand.waiting == 3
-    assert demand.over_share == {"vision"}
-    assert Demand.from_projects([{**r, "usage": 0.0} for r in ROWS]).over_share == frozenset()
-
-
-def server(idle_minutes, project="vision", **extra):
-    last = (NOW - timedelta(minutes=idle_minutes)).isoformat().replace("+00:00", "Z")
+def node(name="n0", gpus=8, held=8, state="ready", gpu_type="h100"):
     return {
-        "ready": True,
-        "pending": None,
-        "last_activity": last,
-        "started": last,
-        "user_options": {"project": project},
-        **extra,
+        "name": name,
+        "gpu_type": gpu_type,
+        "gpu_count": gpus,
+        "gpus_held": held,
+        "state": state,
+        "in_config": True,
     }
 
 
-class FakeHub:
-    def __init__(self, users, fail_for=()):
-        self.users = users
-        self.stopped = []
-        self.fail_for = set(fail_for)
-
-    async def ready_users(self):
-        return self.users
-
-    async def stop_server(self, user, server_name):
-        if user in self.fail_for:
-            raise OSError("hub said no")
-        self.stopped.append((user, server_name))
+def session(gpus=2, node_name="n0", protected_for=600.0, min_runtime=3600.0, id=1):
+    return {
+        "id": id,
+        "gpus": gpus,
+        "placements": [{"node": node_name, "gpu_indices": list(range(gpus))}],
+        "min_runtime": min_runtime,
+        "protected_until": NOW + protected_for,
+    }
 
 
-class FakeBroker:
-    def __init__(self, rows=ROWS, error=None):
-        self.rows, self.error = rows, error
-
-    async def projects(self):
-        if self.error:
-            raise self.error
-        return self.rows
+def waiting(gpus=2, gpu_type=None, id=9, position=1):
+    return {"id": id, "gpus": gpus, "gpu_type": gpu_type, "queue_position": position}
 
 
-async def test_a_sweep_culls_by_each_sessions_limit():
-    hub = FakeHub(
-        [
-            {"name": "alice", "servers": {"": server(6, "vision"), "big": server(20, "vision")}},
-            {"name": "carol", "servers": {"": server(10, "nlp")}},
-            {"name": "dave", "servers": {"": server(16, "nlp")}},
-            {"name": "erin", "servers": {"": server(90, "nlp", pending="spawn")}},
-        ]
-    )
-    culled = await cull_idle(hub, FakeBroker(), LIMITS, now=NOW)
-
-    # vision is over its share while 3 wait: 5 min; nlp is not: 15 min; pending is never culled.
-    assert culled == ["alice", "alice/big", "dave"]
-    assert hub.stopped == [("alice", ""), ("alice", "big"), ("dave", "")]
+def test_a_protected_session_is_kept_while_nobody_could_use_its_gpus():
+    rule = verdict(session(), NOW, LIMITS, waiter=None)
+    assert rule.protected and rule.limit is None
+    assert not rule.due(10 * 3600)
 
 
-async def test_when_the_broker_cannot_be_read_every_session_gets_the_long_limit():
-    hub = FakeHub([{"name": "alice", "servers": {"": server(30), "x": server(61)}}])
-    culled = await cull_idle(
-        hub, FakeBroker(error=BrokerAPIError(0, "unreachable", "down")), LIMITS, now=NOW
-    )
-    assert culled == ["alice/x"]
-
-
-async def test_one_failure_does_not_stop_the_sweep():
-    hub = FakeHub(
-        [
-            {"name": "alice", "servers": {"": server(90)}},
-            {"name": "bob", "servers": {"": server(90)}},
-        ],
-        fail_for={"alice"},
-    )
-    assert await cull_idle(hub, None, LIMITS, now=NOW) == ["bob"]
-
-
-async def test_the_sweep_reads_the_clock_from_utcnow(monkeypatch):
-    monkeypatch.setattr(culler, "utcnow", lambda: NOW + timedelta(hours=2))
-    hub = FakeHub([{"name": "alice", "servers": {"": server(0)}}])
-    assert await cull_idle(hub, None, LIMITS) == ["alice"]
+def test_a_protected_session_is_culled_only_after_the_protected_idle_limit_with_a_waiter():
+    rule = verdict(session(), NOW, LIMITS, waiter=waiting())
+    assert rule.protected and rule.waiter == 9
+    assert not rule.due(1799) and rule.due(1800)
+    assert rule.left(1000) == 800
 
 
 @pytest.mark.parametrize(
-    ("idle_minutes", "project", "culled"),
-    [(4, "vision", False), (6, "vision", True), (14, "nlp", False), (16, "nlp", True)],
+    ("waiter", "limit"), [(None, 3600), (waiting(), 900)], ids=["nobody", "a waiter"]
 )
-async def test_the_arbiter_hook_applies_the_limits_for_jupyterhub_idle_culler(
-    idle_minutes, project, culled
-):
-    async def demand():
-        return Demand.from_projects(ROWS)
-
-    arbiter = CullArbiter(busy_timeout=900, over_share_timeout=300, demand=demand)
-    decision = await arbiter(
-        inactive=timedelta(minutes=idle_minutes), inactive_limit=3600, server=server(0, project)
-    )
-    assert decision is culled
+def test_past_its_protection_a_session_gets_the_busy_limit_only_with_a_waiter(waiter, limit):
+    rule = verdict(session(protected_for=-1), NOW, LIMITS, waiter=waiter)
+    assert not rule.protected and rule.limit == limit
 
 
-async def test_the_arbiter_reads_the_broker_at_most_once_per_cache_period():
-    reads = []
-
-    async def demand():
-        reads.append(1)
-        return Demand()
-
-    arbiter = CullArbiter(demand=demand, cache_seconds=60)
-    for _ in range(3):
-        assert not await arbiter(inactive=timedelta(minutes=30), inactive_limit=3600, server={})
-    assert len(reads) == 1
+def test_a_free_session_is_never_protected():
+    rule = verdict(session(min_runtime=0.0, protected_for=0.0), NOW, LIMITS, waiter=waiting())
+    assert not rule.protected and rule.limit == 900
 
 
-def test_the_service_reads_durations():
-    app = culler.SliceBrokerCuller()
-    app.timeout, app.busy_timeout, app.over_share_timeout = "2h", "10m", 120
-    assert app.limits() == Limits(7200, 600, 120)
+def test_a_zero_limit_turns_culling_off():
+    off = CullLimits(idle=0, busy=0, protected=0)
+    assert verdict(session(), NOW, off, waiting()).limit is None
+    assert verdict(session(protected_for=-1), NOW, off, None).limit is None
+
+
+def test_a_request_that_fits_with_the_sessions_gpus_is_a_waiter():
+    # The node is full: 2 more free GPUs (this session's) let a 2-GPU request run.
+    assert waiter_for(session(), [waiting(gpus=2)], [node()])["id"] == 9
+    # 6 GPUs held by this session and 2 free: an 8-GPU request fits once it goes.
+    assert waiter_for(session(gpus=6), [waiting(gpus=8)], [node(held=6)])["id"] == 9
+
+
+def test_requests_that_cannot_run_are_never_a_reason():
+    full = [node()]
+    # Too large even with this session's GPUs.
+    assert waiter_for(session(), [waiting(gpus=4)], full) is None
+    # Another GPU type.
+    assert waiter_for(session(), [waiting(gpu_type="b200")], full) is None
+    # The node drains (or is down): freed GPUs would go to nobody.
+    for state in ("draining", "down"):
+        assert waiter_for(session(), [waiting()], [node(state=state)]) is None
+    # It fits in GPUs free now: it waits for something else (its budget, the next pass).
+    assert waiter_for(session(), [waiting(gpus=1)], [node(held=7)]) is None
+    # The session's own request is not a waiter.
+    assert waiter_for(session(), [waiting(id=1)], full) is None
+
+
+def test_the_first_usable_request_in_queue_order_is_named():
+    queue = [waiting(gpus=4, id=7, position=1), waiting(gpus=2, id=8, position=2)]
+    assert waiter_for(session(), queue, [node()])["id"] == 8
+
+
+def test_a_request_larger_than_any_node_counts_the_free_gpus_of_its_type_everywhere():
+    nodes = [node("n0", gpus=4, held=4), node("n1", gpus=4, held=2)]
+    big = waiting(gpus=6)
+    assert waiter_for(session(gpus=4), [big], nodes)["id"] == 9
+    assert waiter_for(session(gpus=2), [big], nodes) is None  # 2 + 2 free < 6
+
+
+def test_the_notice_of_a_culled_session_says_why_and_what_to_do():
+    rule = verdict(session(), NOW, LIMITS, waiter=waiting())
+    notice = notices.cull_notice(session() | {"project": "vision"}, NOW, 1900.0, rule)
+    words = notices.describe(notice)
+    assert notice["end_reason"] == CULLED_IDLE
+    assert words["title"] == "Your GPU session was stopped as idle"
+    assert "idle for 32 min (still within its protected period)" in words["text"]
+    assert "a waiting request could use its GPUs" in words["text"]
+    assert "stop your server when you are done" in words["what_to_do"]
+
+    plain = notices.cull_notice(session(), NOW, 3700.0, verdict(session(), NOW, LIMITS, None))
+    assert "the hub's limit for an idle session" in notices.describe(plain)["text"]
