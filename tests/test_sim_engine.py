@@ -7,11 +7,11 @@ import random
 import pytest
 
 from broker.accounting import LedgerEntry, usage_by_project
-from broker.model import DAY, HOUR, SliceState
-from broker.sim.engine import SimConfig, Simulation, simulate
+from broker.model import DAY, HOUR, Account, Node, NodeState, SliceKind, SliceState
+from broker.sim.engine import SimConfig, Simulation, checkpoint_phase, simulate
 from broker.sim.policies import POLICIES, FairShare
 from broker.sim.usage import UsageTracker
-from broker.sim.workloads import GeneratorConfig, generate
+from broker.sim.workloads import GeneratorConfig, Job, NodeEvent, Workload, generate
 
 SMALL = GeneratorConfig(days=2, slices=400, users=20, projects=4, programs=2, load=2.0)
 TINY = GeneratorConfig(days=1, slices=120, users=10, projects=3, programs=1, load=2.0)
@@ -126,3 +126,100 @@ def test_the_bench_extrapolates_a_short_sample_to_the_month():
     row = measure("fifo", slices=6_000, days=30, sample_days=0.5)
     assert row["sample_slices"] >= 100 and row["passes"] > 0  # squatters come on top
     assert row["extrapolated_month_cpu_seconds"] == pytest.approx(row["cpu_seconds"] * 60)
+
+
+# ---- what a preemption costs the victim ---------------------------------------------------
+
+ACCOUNTS = (Account("a"), Account("b"))
+RESTART, CHECKPOINTS = 300.0, 1800.0
+# b's free (min_runtime 0) training job fills the node; at 4000 s a's protected job
+# takes it back (60 s grace) and runs 4060-5060; then the training job runs again.
+FREE_TRAINING = Job(0, 0.0, "ub", "b", 8, 10_000.0, SliceKind.BATCH, 0.0, resumable=True)
+PROTECTED = Job(1, 4000.0, "ua", "a", 8, 1000.0, SliceKind.BATCH, 1000.0)
+
+
+def _one_node(jobs, events=(), until=20_000.0) -> Workload:
+    return Workload("cost", tuple(jobs), (Node("n0", "h100", 8),), ACCOUNTS, events, until=until)
+
+
+def _history(result, what: str) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for t, event, job_id in result.history:
+        if event == what:
+            out.setdefault(job_id, []).append(t)
+    return out
+
+
+def _costly(**config) -> SimConfig:
+    return SimConfig(
+        tick=0, check=True, history=True, restart_cost=RESTART, checkpoint_interval=CHECKPOINTS,
+        **config,
+    )  # fmt: skip
+
+
+def test_a_single_preemption_costs_exactly_the_restart_and_the_work_since_the_checkpoint():
+    result = simulate(_one_node([FREE_TRAINING, PROTECTED]), FairShare(ACCOUNTS), _costly())
+    assert _history(result, "preempted (unallocated)") == {0: [4000.0]}
+    assert _history(result, "granted") == {0: [0.0, 5060.0], 1: [4060.0]}
+    # it worked 4060 s; checkpoints every 1800 s of work from its phase
+    phase = checkpoint_phase(1, 0, CHECKPOINTS)
+    lost = 4060.0 if phase > 4060.0 else (4060.0 - phase) % CHECKPOINTS
+    # back at 5060: the restart, then the 10,000 s less what it kept
+    assert _history(result, "released")[0] == [5060.0 + RESTART + 10_000.0 - (4060.0 - lost)]
+    s = result.summary
+    assert s["wasted_by_cause"]["preemption"] == pytest.approx(
+        {"restart": 8 * RESTART / HOUR, "since checkpoint": 8 * lost / HOUR, "rerun": 0.0}
+    )
+    assert s["preemption_lost_gpu_hours"] == pytest.approx(8 * (RESTART + lost) / HOUR)
+    assert s["lost_gpu_hours"] == pytest.approx(8 * lost / HOUR)
+    # useful work is exactly what the two jobs asked for, whatever the phase
+    assert s["useful_gpu_hours"] == pytest.approx(8 * 11_000 / HOUR)
+    assert s["goodput"] == pytest.approx(8 * 11_000 / (8 * 20_000))
+    assert s["goodput"] < s["busy_occupancy"]
+    assert s["preempted_jobs"] == 1 and s["preemptions_per_job_max"] == 1
+
+
+def test_without_a_cost_model_the_preempted_job_keeps_all_its_work():
+    config = SimConfig(tick=0, check=True, history=True)
+    result = simulate(_one_node([FREE_TRAINING, PROTECTED]), FairShare(ACCOUNTS), config)
+    assert _history(result, "released")[0] == [5060.0 + 10_000.0 - 4060.0]
+    assert result.summary["preemption_lost_gpu_hours"] == 0.0
+    assert result.summary["goodput"] == pytest.approx(result.summary["busy_occupancy"])
+
+
+def test_checkpoint_phases_are_per_job_reproducible_and_within_the_interval():
+    phases = [checkpoint_phase(1, job_id, CHECKPOINTS) for job_id in range(200)]
+    assert phases == [checkpoint_phase(1, job_id, CHECKPOINTS) for job_id in range(200)]
+    assert all(0 <= p < CHECKPOINTS for p in phases)
+    assert len(set(phases)) == 200 and phases != [checkpoint_phase(2, j, 1800) for j in range(200)]
+
+
+def test_a_restart_after_a_node_failure_is_charged_to_the_failure():
+    down = NodeEvent(4000.0, "n0", NodeState.DOWN, repair=600.0)
+    w = _one_node([FREE_TRAINING], events=(down,))
+    result = simulate(w, FairShare(ACCOUNTS), _costly())
+    lost = (4000.0 - checkpoint_phase(1, 0, CHECKPOINTS)) % CHECKPOINTS  # the phase is < 4000
+    assert _history(result, "granted") == {0: [0.0, 4600.0]}
+    assert _history(result, "released")[0] == [4600.0 + RESTART + 10_000.0 - (4000.0 - lost)]
+    s = result.summary
+    assert s["wasted_by_cause"]["failure"] == pytest.approx(
+        {"restart": 8 * RESTART / HOUR, "since checkpoint": 8 * lost / HOUR, "rerun": 0.0}
+    )
+    assert s["preemption_lost_gpu_hours"] == 0.0
+
+
+def test_debug_waits_are_split_by_the_users_cap():
+    def session(job_id, at, user, gpus):
+        return Job(job_id, at, user, "a", gpus, 300.0, SliceKind.INTERACTIVE, 900.0)
+
+    jobs = [
+        session(0, 0.0, "ann", 2),  # within the cap of 2 GPUs
+        session(1, 10.0, "ann", 1),  # ann would have 3 in flight: beyond
+        session(2, 20.0, "bob", 1),  # bob's first: within
+        session(3, 400.0, "ann", 2),  # ann's first two have ended: within again
+    ]
+    result = simulate(_one_node(jobs, until=2000.0), FairShare(ACCOUNTS), SimConfig(tick=0))
+    groups = result.summary["wait_groups"]
+    assert groups["debug within cap"]["count"] == 3
+    assert groups["debug beyond cap"]["count"] == 1
+    assert result.summary["waits"]["debug"]["count"] == 4

@@ -96,6 +96,8 @@ def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):
         (["generate", "--policies", "lottery"], "unknown policy lottery"),
         (["csv"], "csv needs --trace"),
         (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),
+        (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
+        (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),
     ],
 )
 def test_cli_errors_are_one_line_and_status_2(argv, message, capsys):

@@ -8,6 +8,7 @@ line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -113,6 +114,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="free GPUs kept for debug sessions (policy debug_headroom; 0)",
     )
     sim.add_argument(
+        "--restart-cost",
+        type=float,
+        default=5 * 60.0,
+        metavar="S",
+        help="seconds a preempted (or failed) resumable job spends restarting on its GPUs "
+        "before it works again (default 300)",
+    )
+    sim.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=30 * 60.0,
+        metavar="S",
+        help="seconds of work between a resumable job's checkpoints, at a random phase per "
+        "job; a preempted job loses its work since the last one (default 1800; 0: nothing lost)",
+    )
+    sim.add_argument(
         "--drain-deadline",
         type=float,
         default=12.0,
@@ -175,6 +192,9 @@ def _simulate(
     workload: Workload, name: str, config: SimConfig, policy: Policy, verbose: bool = False
 ) -> Result:
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else None
+    # The workload's objects live all run: keep the collector from scanning them again
+    # and again as the run allocates.
+    gc.freeze()
     return Simulation(workload, POLICIES[name](workload.accounts, policy), config, log=log).run()
 
 
@@ -192,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
     if args.debug_headroom < 0:  # before the workload is built, which can take a while
         print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
         return USAGE_ERROR
+    for option, value in (
+        ("--restart-cost", args.restart_cost),
+        ("--checkpoint-interval", args.checkpoint_interval),
+    ):
+        if not value >= 0:  # also refuses nan
+            print(f"error: {option} takes seconds, 0 or more", file=sys.stderr)
+            return USAGE_ERROR
     try:
         workload = build_workload(args)
     except FileNotFoundError as err:
@@ -208,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         quantum=args.quantum,
         tick=args.tick,
         drain_deadline=args.drain_deadline * HOUR,
+        restart_cost=args.restart_cost,
+        checkpoint_interval=args.checkpoint_interval,
+        seed=args.seed,
         check=args.check,
     )
     policy = Policy(grace_period=args.grace, debug_headroom=args.debug_headroom)

@@ -14,8 +14,9 @@ What users and the cluster do around the scheduler is modelled here:
 - a granted job runs for its remaining work and then releases its slice; an
   idle session (a squatter) holds its GPUs for its whole stay, doing nothing;
 - preempted work: a resumable batch slice is requeued by the pass and keeps
-  its progress (it checkpoints in the grace period; without grace — its node
-  went down — it loses what it did since its last checkpoint); a
+  its progress up to its last checkpoint (every ``checkpoint_interval`` of
+  work, at a phase drawn per job), and must restart (``restart_cost``) before
+  it works again; a
   non-resumable batch job loses everything and its user submits it again; an
   interactive session ends and its user starts a new one for the time they
   still wanted; an idle session is simply gone;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,7 +53,17 @@ from ..model import (
     Snapshot,
 )
 from ..transitions import apply, end_slice
-from .metrics import Drain, Recorder, summarise
+from .metrics import (
+    FAILURE,
+    PREEMPTION,
+    RERUN,
+    RESTART,
+    SINCE_CHECKPOINT,
+    Drain,
+    Recorder,
+    is_debug,
+    summarise,
+)
 from .policies import Scheduler
 from .usage import UsageTracker
 from .workloads import Job, NodeEvent, Workload
@@ -71,8 +83,16 @@ class SimConfig:
     pass runs at its end (0: a pass at every distinct event time).
     ``tick``: while work is pending, a pass at least this often (fair share
     drifts as usage accrues). ``drain_deadline``: after this, a drain that
-    has not emptied needs an operator. ``checkpoint_interval``: how much
-    resumable work a slice ended without grace loses at most.
+    has not emptied needs an operator.
+
+    What a preempted (or failed) resumable job pays: ``checkpoint_interval``
+    is how often it checkpoints, in seconds of work, from a phase in
+    ``[0, interval)`` drawn per job from ``seed``; it loses its work since the
+    last checkpoint (0: it checkpoints continuously and loses nothing).
+    ``restart_cost`` is the seconds it then spends restarting (loading,
+    warm-up) on its GPUs before it works again. The defaults here charge
+    nothing (the tests' hand-computed cases); the command line charges
+    5 min and 30 min.
     ``resubmit``: users start preempted non-resumable work again.
     ``check``: assert the invariants of SPEC §5 after every pass (slow).
     ``until``: the end of the run (default: the workload's). ``warmup``: the
@@ -84,7 +104,9 @@ class SimConfig:
     quantum: float = 1.0
     tick: float = 300.0
     drain_deadline: float = 12 * HOUR
-    checkpoint_interval: float = 30 * MIN
+    checkpoint_interval: float = 0.0
+    restart_cost: float = 0.0
+    seed: int = 1
     resubmit: bool = True
     check: bool = False
     until: float | None = None
@@ -98,9 +120,12 @@ class _Run:
 
     job: Job
     work: float  # seconds of work asked for by this request
-    remaining: float
+    remaining: float  # seconds of work still to do
     requested_at: float
     waited: bool = False
+    overhead: float = 0.0  # seconds of restart before the work goes on, at the next grant
+    overhead_cause: str = PREEMPTION  # what made the restart necessary
+    within_cap: bool | None = None  # debug sessions: within the user's cap when asked
 
 
 @dataclass
@@ -150,7 +175,10 @@ class Simulation:
             cluster_gpus=workload.capacity,
             warmup=self.config.warmup,
         )
+        self.recorder.jobs = len(workload.jobs)
         self.recorder.set_capacity(0.0, self._capacity())
+        self.debug_gpus: dict[str, int] = {}  # debug GPUs each user has in flight
+        self._phases: dict[int, float] = {}  # job id -> checkpoint phase
         self.drains: dict[str, Drain] = {}  # open drains by node
         self.repair_after: dict[str, float] = {}
         self.now = 0.0
@@ -278,7 +306,11 @@ class Simulation:
             priority=job.priority,
             submitted_at=t,
         )
-        self.runs[slice_id] = _Run(job, work, work, t)
+        run = self.runs[slice_id] = _Run(job, work, work, t)
+        if is_debug(job):
+            in_flight = self.debug_gpus.get(job.user, 0) + job.gpus
+            self.debug_gpus[job.user] = in_flight
+            run.within_cap = in_flight <= self.scheduler.policy.debug_max_gpus
         self._note(t, "request", job)
         self.waiting += 1
         self.stats["max_waiting"] = max(self.stats["max_waiting"], self.waiting)
@@ -294,8 +326,9 @@ class Simulation:
         if entry is not None:
             self.usage.close(entry)
         del self.slices[slice_id]
-        run = self.runs.pop(slice_id)
+        run = self._forget(slice_id)
         job = run.job
+        self._segment(t, run, slice_)
         self.recorder.hold(t, job, -job.gpus)
         self.recorder.want(t, job.project, -job.gpus)
         self.recorder.endings[EndReason.RELEASED.value] += 1
@@ -304,6 +337,32 @@ class Simulation:
             self.recorder.completed += 1
             self.recorder.completed_gpu_seconds += job.gpus * run.work
         return True
+
+    def _forget(self, slice_id: int) -> _Run:
+        """The request behind ``slice_id`` is over: stop tracking it."""
+        run = self.runs.pop(slice_id)
+        if run.within_cap is not None:
+            self.debug_gpus[run.job.user] -= run.job.gpus
+        return run
+
+    def _segment(self, t: float, run: _Run, slice_: Slice) -> float:
+        """A grant of ``run`` ends at ``t``: charge the restart it spent; its seconds of work."""
+        if slice_.granted_at is None:
+            return 0.0
+        start = slice_.granted_at
+        restarted = min(start + run.overhead, t)
+        self.recorder.waste(start, restarted, run.job.gpus, run.overhead_cause, RESTART)
+        return t - restarted
+
+    def _since_checkpoint(self, job: Job, worked: float) -> float:
+        """Seconds of the last ``worked`` that a job loses: those since its last checkpoint."""
+        interval = self.config.checkpoint_interval
+        if interval <= 0:
+            return 0.0
+        phase = self._phases.get(job.id)
+        if phase is None:
+            phase = self._phases[job.id] = checkpoint_phase(self.config.seed, job.id, interval)
+        return worked if worked < phase else (worked - phase) % interval
 
     # ---- the cluster ----------------------------------------------------------------
 
@@ -414,10 +473,9 @@ class Simulation:
         for slice_ in applied.requeued:
             self._requeued(now, before[slice_.id], reasons[slice_.id])
         for preemption in decisions.preemptions:
-            self.recorder.preemptions[preemption.reason.value] += 1
-            self._note(
-                now, f"preempted ({preemption.reason.value})", self.runs[preemption.slice_id].job
-            )
+            job = self.runs[preemption.slice_id].job
+            self.recorder.preempted(now, job, preemption.reason.value)
+            self._note(now, f"preempted ({preemption.reason.value})", job)
             self._push(preemption.deadline, _WAKE)
         for grant in decisions.grants:
             self._granted(now, self.slices[grant.slice_id])
@@ -445,11 +503,13 @@ class Simulation:
         self._note(now, "granted", job)
         if not run.waited:
             run.waited = True
-            self.recorder.waited(job, run.requested_at, now - run.requested_at)
+            self.recorder.waited(
+                job, run.requested_at, now - run.requested_at, within_cap=run.within_cap
+            )
         if slice_.allocated:
             rate = held_rate(slice_.placements, self.node_types, self.weights)
             self.usage.open(slice_.project, rate, now)
-        self._push(now + run.remaining, _FINISH, slice_.id, now)
+        self._push(now + run.overhead + run.remaining, _FINISH, slice_.id, now)
         if slice_.contract.min_runtime > 0:
             self._push(now + slice_.contract.min_runtime, _CHECK)
         if slice_.contract.max_runtime is not None:
@@ -457,11 +517,13 @@ class Simulation:
 
     def _ended(self, now: float, slice_: Slice, reason: EndReason) -> None:
         """A slice the policy (or an operator) ended without requeueing it."""
-        run = self.runs.pop(slice_.id)
+        run = self._forget(slice_.id)
         job = run.job
         self.recorder.endings[reason.value] += 1
         self._note(now, reason.value, job)
+        worked = 0.0
         if slice_.holds_gpus:
+            worked = self._segment(now, run, slice_)
             self.recorder.hold(now, job, -job.gpus)
         else:
             self.waiting -= 1
@@ -469,24 +531,27 @@ class Simulation:
         self.recorder.want(now, job.project, -job.gpus)
         if job.idle or reason not in (EndReason.PREEMPTED, EndReason.NODE_DOWN):
             return
-        elapsed = now - slice_.granted_at if slice_.granted_at is not None else 0.0
         if job.kind is SliceKind.BATCH:
-            self.recorder.lost_gpu_seconds += job.gpus * elapsed
+            cause = FAILURE if reason is EndReason.NODE_DOWN else PREEMPTION
+            self.recorder.waste(now - worked, now, job.gpus, cause, RERUN)
             again = run.work  # from the start
         else:
-            again = run.remaining - elapsed  # the rest of the session
+            again = run.remaining - worked  # the rest of the session
         if self.config.resubmit and again > 0:
             self.recorder.resubmitted += 1
             self._request(now, job, again)
 
     def _requeued(self, now: float, slice_: Slice, reason: EndReason) -> None:
-        """A resumable slice back in the queue, with its progress up to its last checkpoint."""
+        """A resumable slice back in the queue, with its progress up to its last
+        checkpoint and a restart to do before it works again."""
         run = self.runs[slice_.id]
         job = run.job
-        elapsed = now - slice_.granted_at if slice_.granted_at is not None else 0.0
-        lost = 0.0 if reason is EndReason.PREEMPTED else elapsed % self.config.checkpoint_interval
-        run.remaining = max(1.0, run.remaining - (elapsed - lost))
-        self.recorder.lost_gpu_seconds += job.gpus * lost
+        worked = self._segment(now, run, slice_)
+        lost = self._since_checkpoint(job, worked)
+        cause = FAILURE if reason is EndReason.NODE_DOWN else PREEMPTION
+        self.recorder.waste(now - lost, now, job.gpus, cause, SINCE_CHECKPOINT)
+        run.remaining = max(1.0, run.remaining - (worked - lost))
+        run.overhead, run.overhead_cause = self.config.restart_cost, cause
         self.recorder.requeued += 1
         self.recorder.endings[f"{reason.value} (requeued)"] += 1
         self._note(now, f"{reason.value} (requeued)", job)
@@ -496,10 +561,20 @@ class Simulation:
 
     def _finish_run(self) -> None:
         end = self.until
-        for run in self.runs.values():
+        for slice_id, run in self.runs.items():
             if not run.waited:
                 waited = max(0.0, end - run.requested_at)
-                self.recorder.waited(run.job, run.requested_at, waited, started=False)
+                self.recorder.waited(
+                    run.job, run.requested_at, waited, started=False, within_cap=run.within_cap
+                )
+            elif self.slices[slice_id].holds_gpus:
+                self._segment(end, run, self.slices[slice_id])  # restarts under way
+
+
+def checkpoint_phase(seed: int, job_id: int, interval: float) -> float:
+    """Seconds of work, in ``[0, interval)``, before a job's first checkpoint after a
+    (re)start; drawn per job, so that every policy sees the same one."""
+    return random.Random(f"{seed}:checkpoints:{job_id}").random() * interval
 
 
 # ---- invariants ------------------------------------------------------------------------

@@ -19,6 +19,13 @@ figures of the report. Definitions (also in ``docs/simulator.md``):
   (``min(held, owed)`` over the whole run); the stricter *hour-by-hour*
   variant caps each hour separately, so that a project served late (or in
   bursts larger than its share) does not make up for it.
+- *wasted*: GPU-time held by work that came to nothing — progress lost since
+  a job's last checkpoint, work run again from the start, and restarts
+  (loading, warm-up) — counted in the hours it was held. *goodput*:
+  GPU-time held by working (not idle) slices less what was wasted, over
+  GPU-time of usable nodes: the useful part of occupancy.
+- *churn*: preemptions per job (each request of a job counts for the job),
+  per 1,000 GPU-hours held and over time by reason.
 """
 
 from __future__ import annotations
@@ -34,6 +41,23 @@ from .workloads import Job
 
 DEBUG_MAX_GPUS = 2
 DEBUG_MAX_CONTRACT = 15 * 60.0
+LARGE_GANG_GPUS = 32  # a class every trace with big jobs has, whatever its cluster's size
+
+# What wasted GPU-time was: a restart, progress since the last checkpoint, or a
+# job that does not checkpoint run again from the start.
+RESTART, SINCE_CHECKPOINT, RERUN = "restart", "since checkpoint", "rerun"
+# Why: a preemption (by the policy or an operator) or a failed node.
+PREEMPTION, FAILURE = "preemption", "failure"
+
+
+def is_debug(job: Job) -> bool:
+    """A debug session: interactive, at most 2 GPUs, a contract of at most 15 min."""
+    return (
+        job.kind is SliceKind.INTERACTIVE
+        and not job.idle
+        and job.gpus <= DEBUG_MAX_GPUS
+        and 0 < job.min_runtime <= DEBUG_MAX_CONTRACT
+    )
 
 
 def wait_class(job: Job, node_gpus: int = 8, cluster_gpus: int = 64) -> str:
@@ -48,9 +72,7 @@ def wait_class(job: Job, node_gpus: int = 8, cluster_gpus: int = 64) -> str:
     if job.idle:
         return "squatter"
     if job.kind is SliceKind.INTERACTIVE:
-        if job.gpus <= DEBUG_MAX_GPUS and 0 < job.min_runtime <= DEBUG_MAX_CONTRACT:
-            return "debug"
-        return "interactive"
+        return "debug" if is_debug(job) else "interactive"
     if job.gpus <= 1:
         return "batch 1"
     if job.gpus <= node_gpus:
@@ -131,8 +153,17 @@ class Recorder:
     waits: dict[str, list[float]] = field(default_factory=dict)
     censored: Counter = field(default_factory=Counter)
     preemptions: Counter = field(default_factory=Counter)
+    preemptions_by_job: Counter = field(default_factory=Counter)  # job id -> times preempted
+    preemptions_by_hour: dict[str, list[int]] = field(default_factory=dict)  # reason -> counts
+    # waits of classes that overlap those above: debug sessions within the per-user
+    # cap and beyond it, batch jobs of LARGE_GANG_GPUS or more
+    group_waits: dict[str, list[float]] = field(default_factory=dict)
+    group_censored: Counter = field(default_factory=Counter)
     endings: Counter = field(default_factory=Counter)
-    lost_gpu_seconds: float = 0.0
+    jobs: int = 0  # jobs of the workload, for the per-job preemption distribution
+    lost_gpu_seconds: float = 0.0  # progress thrown away (since checkpoint, reruns)
+    wasted: Counter = field(default_factory=Counter)  # (cause, what) -> GPU-seconds
+    wasted_by_hour: list[float] = field(default_factory=list)  # GPU-seconds
     completed: int = 0
     completed_gpu_seconds: float = 0.0
     resubmitted: int = 0
@@ -160,19 +191,62 @@ class Recorder:
     def set_capacity(self, t: float, gpus: int) -> None:
         self.capacity.add(t, gpus - self.capacity.value)
 
-    def waited(self, job: Job, requested_at: float, seconds: float, started: bool = True) -> None:
+    def waited(
+        self,
+        job: Job,
+        requested_at: float,
+        seconds: float,
+        started: bool = True,
+        within_cap: bool | None = None,
+    ) -> None:
+        """A request's wait; ``within_cap``: for a debug session, whether its user's
+        debug GPUs in flight, this one's included, were within the per-user cap."""
         if requested_at < self.warmup:
             return
         cls = wait_class(job, self.node_gpus, self.cluster_gpus)
         self.waits.setdefault(cls, []).append(seconds)
         if not started:
             self.censored[cls] += 1
+        groups = []
+        if within_cap is not None:
+            groups.append("debug within cap" if within_cap else "debug beyond cap")
+        if job.kind is SliceKind.BATCH and job.gpus >= LARGE_GANG_GPUS:
+            groups.append(f"batch ≥ {LARGE_GANG_GPUS} GPUs")
+        for group in groups:
+            self.group_waits.setdefault(group, []).append(seconds)
+            if not started:
+                self.group_censored[group] += 1
+
+    def preempted(self, t: float, job: Job, reason: str) -> None:
+        self.preemptions[reason] += 1
+        self.preemptions_by_job[job.id] += 1
+        _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
+
+    def waste(self, start: float, end: float, gpus: int, cause: str, what: str) -> None:
+        """``gpus`` GPUs held from ``start`` to ``end`` for nothing (``what``: RESTART,
+        SINCE_CHECKPOINT or RERUN), counted in the hours they were held."""
+        if end <= start:
+            return
+        self.wasted[(cause, what)] += gpus * (end - start)
+        if what != RESTART:
+            self.lost_gpu_seconds += gpus * (end - start)
+        while start < end:
+            hour = int(start // HOUR)
+            upto = min(end, (hour + 1) * HOUR)
+            _bump(self.wasted_by_hour, hour, gpus * (upto - start))
+            start = upto
 
     def flush(self, t: float) -> None:
         for series in (*self.wanted.values(), *self.held.values()):
             series.flush(t)
         for series in (self.capacity, self.idle, self.busy, self.pending):
             series.flush(t)
+
+
+def _bump(bins: list, index: int, amount: float) -> None:
+    if len(bins) <= index:
+        bins.extend([0] * (index + 1 - len(bins)))
+    bins[index] += amount
 
 
 # ---- the summary --------------------------------------------------------------------
@@ -244,17 +318,26 @@ def summarise(
     owed_sum = sum(o.owed for o in owed.values())
     delivered_sum = sum(o.delivered for o in owed.values())
     hourly_sum = sum(o.hourly_delivered for o in owed.values())
-    waits = {}
-    for cls in sorted(recorder.waits, key=_class_order):
-        values = recorder.waits[cls]
-        waits[cls] = {
-            "count": len(values),
-            "not_started": recorder.censored[cls],
-            "mean": sum(values) / len(values),
-            "p50": percentile(values, 50),
-            "p90": percentile(values, 90),
-            "p99": percentile(values, 99),
-        }
+    waits = {
+        cls: _wait_figures(recorder.waits[cls], recorder.censored[cls])
+        for cls in sorted(recorder.waits, key=_class_order)
+    }
+    groups = {
+        group: _wait_figures(values, recorder.group_censored[group])
+        for group, values in sorted(recorder.group_waits.items())
+    }
+    busy_total = sum(measured(recorder.busy))
+    wasted_total = sum(_padded(recorder.wasted_by_hour, hours)[first:])
+    useful = max(0.0, busy_total - wasted_total)
+    # hours in which the projects wanted more GPU-time than the cluster had
+    wanted_by_hour = [sum(v) for v in zip(*wanted.values(), strict=True)] if wanted else []
+    held_by_hour = [sum(v) for v in zip(*held.values(), strict=True)] if held else []
+    crowded = [
+        (h, c)
+        for h, c, w in zip(held_by_hour, capacity, wanted_by_hour, strict=True)
+        if c > 0 and w > c
+    ]
+    churn = _churn(recorder, hours)
     drains = recorder.drains
     emptied = [d.emptied - d.started for d in drains if d.emptied is not None]
     per_project = {
@@ -274,7 +357,17 @@ def summarise(
     summary = {
         "waits": waits,
         "occupancy": held_total / total_capacity if total_capacity else 0.0,
-        "busy_occupancy": sum(measured(recorder.busy)) / total_capacity if total_capacity else 0.0,
+        "busy_occupancy": busy_total / total_capacity if total_capacity else 0.0,
+        "occupancy_oversubscribed": (
+            sum(h for h, _ in crowded) / sum(c for _, c in crowded) if crowded else None
+        ),
+        "oversubscribed_hours": len(crowded),
+        "measured_hours": len(capacity),
+        "goodput": useful / total_capacity if total_capacity else 0.0,
+        "goodput_of_occupancy": useful / held_total if held_total else None,
+        "useful_gpu_hours": useful / HOUR,
+        "wasted_gpu_hours": wasted_total / HOUR,
+        "wait_groups": groups,
         "demand_ratio": wanted_total / total_capacity if total_capacity else 0.0,
         "owed_delivered": delivered_sum / owed_sum if owed_sum else None,
         "owed_delivered_hourly": hourly_sum / owed_sum if owed_sum else None,
@@ -288,6 +381,17 @@ def summarise(
         "preemptions": dict(sorted(recorder.preemptions.items())),
         "preemptions_total": sum(recorder.preemptions.values()),
         "lost_gpu_hours": recorder.lost_gpu_seconds / HOUR,
+        "wasted_by_cause": {  # the whole run, warm-up included
+            cause: {what: recorder.wasted[(cause, what)] / HOUR for what in WASTE_KINDS}
+            for cause in (PREEMPTION, FAILURE)
+        },
+        "preemption_lost_gpu_hours": sum(
+            recorder.wasted[(PREEMPTION, what)] for what in WASTE_KINDS
+        )
+        / HOUR,
+        "restart_gpu_hours": sum(recorder.wasted[(c, RESTART)] for c in (PREEMPTION, FAILURE))
+        / HOUR,
+        **churn,
         "endings": dict(sorted(recorder.endings.items())),
         "completed": recorder.completed,
         "completed_gpu_hours": recorder.completed_gpu_seconds / HOUR,
@@ -309,12 +413,58 @@ def summarise(
             ],
             "idle_gpus": [v / HOUR for v in recorder.idle.series(hours)],
             "pending_gpus": [v / HOUR for v in recorder.pending.series(hours)],
+            "wanted_gpus": [
+                sum(values) / HOUR
+                for values in zip(*(recorder.wanted[p].series(hours) for p in wanted), strict=True)
+            ],
+            "busy_gpus": [v / HOUR for v in recorder.busy.series(hours)],
+            "wasted_gpus": [v / HOUR for v in _padded(recorder.wasted_by_hour, hours)],
+            "preemptions": {
+                reason: _padded(counts, hours)
+                for reason, counts in sorted(recorder.preemptions_by_hour.items())
+            },
         },
         "wait_samples": {cls: _sample(v) for cls, v in recorder.waits.items()},
     }
     if extra:
         summary |= dict(extra)
     return summary
+
+
+WASTE_KINDS = (RESTART, SINCE_CHECKPOINT, RERUN)
+
+
+def _wait_figures(values: Sequence[float], not_started: int) -> dict[str, Any]:
+    return {
+        "count": len(values),
+        "not_started": not_started,
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
+    """How preemptions fall on jobs and on GPU-time, over the whole run."""
+    per_job = recorder.preemptions_by_job
+    total = sum(recorder.preemptions.values())
+    # every job of the workload counts, those never preempted with 0
+    counts = list(per_job.values()) + [0] * max(0, recorder.jobs - len(per_job))
+    held = sum(sum(recorder.held[p].series(hours)) for p in recorder.projects) / HOUR
+    return {
+        "preempted_jobs": len(per_job),
+        "preemptions_per_job_max": max(counts, default=0),
+        "preemptions_per_job_p99": percentile(counts, 99),
+        "jobs_preempted_3_or_more": sum(1 for c in per_job.values() if c >= 3),
+        "jobs_preempted_more_than_3": sum(1 for c in per_job.values() if c > 3),
+        "preemptions_per_1000_gpu_hours": 1000 * total / held if held else None,
+        "preemptions_per_completed_job": total / recorder.completed if recorder.completed else None,
+    }
+
+
+def _padded(bins: Sequence[float], hours: int) -> list[float]:
+    return list(bins[:hours]) + [0] * max(0, hours - len(bins))
 
 
 def _class_order(cls: str) -> tuple[int, str]:
