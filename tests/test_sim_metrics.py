@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from broker.model import HOUR, SliceKind
-from broker.sim.metrics import Hourly, owed_delivered, percentile, wait_class
+from broker.sim.metrics import (
+    PREEMPTION,
+    RESTART,
+    SINCE_CHECKPOINT,
+    Hourly,
+    Recorder,
+    owed_delivered,
+    percentile,
+    summarise,
+    wait_class,
+)
 from broker.sim.workloads import Job
 
 
@@ -60,3 +70,56 @@ def test_owed_hour_by_hour_does_not_let_a_burst_make_up_for_a_gap():
 )
 def test_waits_are_reported_by_kind_and_size(job, cls):
     assert wait_class(job, node_gpus=8, cluster_gpus=256) == cls
+
+
+def _recorder(jobs: int = 0) -> Recorder:
+    rec = Recorder(["a"], warmup=0.0)
+    rec.jobs = jobs
+    rec.set_capacity(0.0, 10)
+    return rec
+
+
+def test_churn_shows_how_preemptions_fall_on_jobs_and_gpu_hours():
+    rec = _recorder(jobs=200)
+    worker = Job(0, 0, "u", "a", 10, 7200)
+    rec.hold(0.0, worker, 10)  # 10 GPUs held for the 2 hours: 20 GPU-hours
+    for job_id, times in ((1, 5), (2, 3), (3, 1)):
+        for i in range(times):
+            rec.preempted(600.0 * i, Job(job_id, 0, "u", "a", 1, 60), "fair_share")
+    rec.preempted(4000.0, Job(4, 0, "u", "a", 1, 60), "debug_lane")
+    rec.completed = 40
+    s = summarise(rec, end=2 * HOUR, entitlements={"a": 1.0})
+    assert s["preemptions_total"] == 10 and s["preempted_jobs"] == 4
+    assert s["preemptions_per_job_max"] == 5
+    assert s["jobs_preempted_3_or_more"] == 2 and s["jobs_preempted_more_than_3"] == 1
+    # 200 jobs, 196 never preempted: the 99th percentile falls among the 1s and 3s
+    assert s["preemptions_per_job_p99"] == pytest.approx(percentile([5, 3, 1, 1] + [0] * 196, 99))
+    assert s["preemptions_per_1000_gpu_hours"] == pytest.approx(1000 * 10 / 20)
+    assert s["preemptions_per_completed_job"] == pytest.approx(10 / 40)
+    assert s["hourly"]["preemptions"] == {"debug_lane": [0, 1], "fair_share": [9, 0]}
+
+
+def test_occupancy_while_demand_exceeds_capacity_leaves_out_quiet_hours():
+    rec = _recorder()
+    big, small = Job(0, 0, "u", "a", 20, 3600), Job(1, 0, "u", "a", 5, 3600)
+    rec.want(0.0, "a", 20)  # hour 0: 20 wanted, 10 held
+    rec.hold(0.0, big, 10)
+    rec.want(HOUR, "a", -15)  # hour 1: 5 wanted, 5 held
+    rec.hold(HOUR, big, -10)
+    rec.hold(HOUR, small, 5)
+    s = summarise(rec, end=2 * HOUR, entitlements={"a": 1.0})
+    assert s["occupancy"] == pytest.approx(0.75)
+    assert s["occupancy_oversubscribed"] == 1.0 and s["oversubscribed_hours"] == 1
+
+
+def test_goodput_is_held_work_less_what_was_wasted_in_the_hours_it_was_held():
+    rec = _recorder()
+    rec.hold(0.0, Job(0, 0, "u", "a", 8, 7200), 8)
+    rec.waste(0.5 * HOUR, 1.5 * HOUR, 8, PREEMPTION, SINCE_CHECKPOINT)  # 8 GPU-hours
+    rec.waste(1.5 * HOUR, 1.75 * HOUR, 8, PREEMPTION, RESTART)  # 2 GPU-hours
+    s = summarise(rec, end=2 * HOUR, entitlements={"a": 1.0})
+    assert s["hourly"]["wasted_gpus"] == [4.0, 6.0]
+    assert s["useful_gpu_hours"] == pytest.approx(16 - 10)
+    assert s["goodput"] == pytest.approx(6 / 20) and s["goodput_of_occupancy"] == 6 / 16
+    assert s["preemption_lost_gpu_hours"] == 10 and s["restart_gpu_hours"] == 2
+    assert s["lost_gpu_hours"] == 8  # progress thrown away, restarts apart
