@@ -82,6 +82,20 @@ def test_generic_csv_round_trips_and_fills_in_what_is_missing(tmp_path):
     assert w.jobs[0].user == "u0" and w.jobs[0].project == w.jobs[1].project
 
 
+def test_generic_csv_round_trips_times_at_full_precision(tmp_path):
+    # 1,821,773.25 s written with 6 significant digits read back as 1,821,770 s
+    jobs = [
+        Job(0, 1_821_773.25, "ann", "p00", 2, 3 * HOUR + 0.1, SliceKind.BATCH, 1234.5678),
+        Job(1, 1_821_773.2500000002, "bob", "p01", 8, 86_400.0 / 7, max_runtime=2e6 / 3),
+    ]
+    path = tmp_path / "precise.csv"
+    write_csv(jobs, path)
+    assert load_csv(path, nodes=1, failures=False).jobs == tuple(jobs)
+    generated = generate(GeneratorConfig(days=1, slices=200, users=10), seed=5).jobs
+    write_csv(generated, path)
+    assert load_csv(path, nodes=1, failures=False).jobs == generated
+
+
 def test_generic_csv_errors_name_the_line(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("submit,gpus,duration\n0,1,120\n5,two,60\n")

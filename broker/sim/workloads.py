@@ -401,22 +401,25 @@ def _renumber(job: Job, new_id: int) -> Job:
 
 
 def write_csv(jobs: Iterable[Job], path: str | Path) -> None:
-    """Write jobs in the generic CSV format (the inverse of :func:`load_csv`)."""
+    """Write jobs in the generic CSV format (the inverse of :func:`load_csv`).
+
+    Times are written at full precision (``repr``, the shortest text that reads
+    back as the same float), so that a round trip changes no job."""
     with Path(path).open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(GENERIC_COLUMNS)
         for j in jobs:
             writer.writerow(
                 [
-                    f"{j.submit:g}",
+                    repr(float(j.submit)),
                     j.gpus,
-                    f"{j.duration:g}",
+                    repr(float(j.duration)),
                     j.user,
                     j.project,
                     j.kind.value,
-                    f"{j.min_runtime:g}",
+                    repr(float(j.min_runtime)),
                     str(j.resumable).lower(),
-                    "" if j.max_runtime is None else f"{j.max_runtime:g}",
+                    "" if j.max_runtime is None else repr(float(j.max_runtime)),
                     j.priority,
                     str(j.idle).lower(),
                     j.gpu_type or "",
