@@ -82,6 +82,17 @@ BROKER_ACCESS = "access:services!service=slicebroker"
 c.JupyterHub.load_roles = [
     # Everyone may use the broker's API with their own token (slicebroker CLI, batch jobs).
     {"name": "user", "scopes": ["self", BROKER_ACCESS]},
+    # A session's own token (its $JUPYTERHUB_API_TOKEN, also its $SLICEBROKER_TOKEN) may
+    # use the broker as its owner, groups included: `slicebroker run` from a Lab terminal.
+    {
+        "name": "server",
+        "scopes": [
+            "users:activity!user",
+            "access:servers!server",
+            "read:users:groups!user",
+            BROKER_ACCESS,
+        ],
+    },
     {
         "name": "slicebroker-agent",
         "scopes": ["custom:slicebroker:agent", BROKER_ACCESS],

@@ -155,6 +155,17 @@ class SliceBrokerMixin(Configurable):
     def _broker_token_default(self) -> str:
         return os.environ.get(TOKEN_ENV, "")
 
+    session_broker_url = Unicode(
+        help=f"""The broker's base URL as sessions reach it, given to every session as
+        ``{URL_ENV}`` (with the session's own hub token as ``{TOKEN_ENV}``, so that
+        ``slicebroker run`` in a terminal charges the user's projects). Empty (the
+        default): ``broker_url``, right when sessions run on the hub's machine; on
+        other machines, the hub's public URL and the service's prefix, e.g.
+        ``https://hub.example.org/services/slicebroker``. The token needs
+        ``access:services!service=slicebroker`` in the ``server`` role's scopes.
+        """,
+    ).tag(config=True)
+
     broker_timeout = Float(
         10.0,
         help="Seconds one call to the broker may take (a long-poll gets its wait on top).",
@@ -459,6 +470,10 @@ class SliceBrokerMixin(Configurable):
     def get_env(self) -> dict[str, str]:
         env = super().get_env()
         env.update(self.slice_env())
+        # The session's own token (its owner's, with the server role's scopes), never the
+        # agent's: work submitted from the session is the user's.
+        env[URL_ENV] = self.session_broker_url or self.broker_url
+        env[TOKEN_ENV] = env.get("JUPYTERHUB_API_TOKEN") or self.api_token
         return env
 
     def slice_env(self) -> dict[str, str]:

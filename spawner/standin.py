@@ -6,6 +6,9 @@
 - ``api`` — what the hub polls to see that the server is up;
 - ``env`` — the server's environment as JSON (``CUDA_VISIBLE_DEVICES``,
   ``SLICEBROKER_*``, ...), without any variable whose name suggests a secret;
+- ``broker`` — who the broker says this session is (``GET /whoami`` with the
+  session's ``SLICEBROKER_URL`` and ``SLICEBROKER_TOKEN``), as a process in a
+  real session (a terminal, a notebook) would call it;
 - anything else — a one-line page.
 
 It starts in a fraction of the time a Jupyter server takes and needs nothing
@@ -49,6 +52,19 @@ class _Env(web.RequestHandler):
         self.write(json.dumps(public_env()))
 
 
+class _Broker(web.RequestHandler):
+    async def get(self) -> None:
+        from broker.client import BrokerAPIError, BrokerClient
+
+        self.set_header("Content-Type", "application/json")
+        try:
+            async with BrokerClient(retries=0) as broker:
+                self.write(json.dumps(await broker.whoami()))
+        except (BrokerAPIError, ValueError) as err:
+            self.set_status(502)
+            self.write(json.dumps({"error": str(err)}))
+
+
 class _Page(web.RequestHandler):
     def get(self) -> None:
         user = os.environ.get("JUPYTERHUB_USER", "?")
@@ -58,7 +74,14 @@ class _Page(web.RequestHandler):
 def make_app(prefix: str) -> web.Application:
     prefix = "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
     quoted = re.escape(prefix)
-    return web.Application([(f"{quoted}api/?", _Api), (f"{quoted}env/?", _Env), (r".*", _Page)])
+    return web.Application(
+        [
+            (f"{quoted}api/?", _Api),
+            (f"{quoted}env/?", _Env),
+            (f"{quoted}broker/?", _Broker),
+            (r".*", _Page),
+        ]
+    )
 
 
 async def serve() -> None:

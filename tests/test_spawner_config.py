@@ -107,6 +107,10 @@ def test_scopes_and_roles(tmp_path, monkeypatch):
     assert "custom:slicebroker:admin" in role(config, "slicebroker-admin")["scopes"]
     assert role(config, "slicebroker-admin")["users"] == ["admin"]
     assert "access:services!service=slicebroker" in role(config, "user")["scopes"]
+    # A session's own token uses the broker as its user (slicebroker run in a terminal).
+    assert {"access:services!service=slicebroker", "read:users:groups!user"} <= set(
+        role(config, "server")["scopes"]
+    )
     services = {s["name"] for s in config.JupyterHub.services}
     for r in config.JupyterHub.load_roles:
         assert set(r.get("services", [])) <= services

@@ -1,0 +1,85 @@
+"""End to end: a process inside a session reaches the broker as the session's user
+(``SLICEBROKER_URL`` and ``SLICEBROKER_TOKEN`` in its environment), and ``slicebroker
+run`` from there charges the user's project — what a Lab terminal does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hubfixtures import HubProcess, proxy_available
+
+pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    hub = HubProcess(tmp_path_factory.mktemp("session-broker-hub"))
+    try:
+        yield hub.start()
+    finally:
+        hub.shutdown()
+
+
+def session_environ(server: dict) -> dict[str, str]:
+    """The single-user process's environment, as the kernel's and terminal's children get it."""
+    raw = Path(f"/proc/{server['state']['pid']}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_a_process_in_a_session_uses_the_broker_as_its_user(hub):
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice")
+
+    # The session's own process asks the broker who it is, with its environment only.
+    who = hub.user_get("alice", "broker")
+    assert who.status_code == 200, who.text
+    assert who.json() | {"projects": None} == {
+        "name": "alice",
+        "kind": "user",
+        "groups": ["demo-users"],  # the server role reads the user's groups
+        "admin": False,
+        "agent": False,  # the session's token, not the spawner's
+        "projects": None,
+    }
+    assert who.json()["projects"] == ["vision"]
+
+    environ = session_environ(hub.server("alice"))
+    assert environ["SLICEBROKER_URL"].endswith("/services/slicebroker")
+    assert environ["SLICEBROKER_TOKEN"] == environ["JUPYTERHUB_API_TOKEN"]
+
+    # A batch job submitted from the session (as a terminal would) runs and is charged
+    # to alice's project, on the GPU the session leaves free.
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "run",
+            "--project",
+            "vision",
+            "--gpus",
+            "1",
+            "--min-runtime",
+            "0",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print('ran in', os.environ['SLICEBROKER_PROJECT'])",
+        ],
+        env={"PATH": environ.get("PATH", ""), **_broker_env(environ)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "ran in vision" in run.stdout
+    (job,) = [s for s in hub.slices(user="alice") if s["kind"] == "batch"]
+    assert job["project"] == "vision" and job["state"] == "ended"
+    hub.stop_server("alice")
+
+
+def _broker_env(environ: dict[str, str]) -> dict[str, str]:
+    return {key: environ[key] for key in ("SLICEBROKER_URL", "SLICEBROKER_TOKEN")}
