@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -43,13 +44,65 @@ def test_table_has_a_column_per_policy_and_the_goals_are_judged(runs):
     assert text.count("\n") > 20
     for label in ("FIFO", "strict priority", "Slurm-like", "ours", "debug wait p90", "occupancy"):
         assert label in text
+    for label in ("goodput (of occupancy)", "preemptions per 1,000 GPU-h", "debug within cap"):
+        assert label in text
     judged = {goal: met for goal, met, _ in goals(data)}
     assert set(judged) >= {
         "debug p90 wait ≤ 30 s",
+        "debug p90 wait ≤ 30 s within the per-user cap",
         "occupancy ≥ 98%",
+        "occupancy ≥ 98% while demand exceeds capacity",
+        "goodput ≥ 95% of occupancy",
+        "no job preempted more than 3 times",
+        "≤ 1 preemption per 10 completed jobs",
+        "≥ 95% of owed GPU-hours hour by hour",
+        "owed GPU-hours hour by hour ≥ every baseline's",
+        "multi-node p90 wait ≤ best baseline's",
         "zero interventions for drains",
     }
+    assert all(met in (True, False, None) for met in judged.values())
     assert json.loads(json.dumps(data))["workload"]["jobs"] == len(w.jobs)
+
+
+def _judged(data) -> dict[str, tuple[bool | None, str]]:
+    return {goal: (met, detail) for goal, met, detail in goals(data)}
+
+
+def test_churn_and_delivery_goals_judge_the_figures(runs):
+    data = copy.deepcopy(comparison(*runs))  # the runs' summaries are shared by the module
+    ours = data["policies"]["fairshare"]["summary"]
+    ours |= {"preemptions_per_job_max": 3, "jobs_preempted_more_than_3": 0}
+    ours |= {"preemptions_total": 10, "completed": 100, "preemptions_per_completed_job": 0.1}
+    ours["owed_delivered_hourly"] = 0.96
+    data["policies"]["slurm"]["summary"]["owed_delivered_hourly"] = 0.97
+    judged = _judged(data)
+    assert judged["no job preempted more than 3 times"] == (True, "max 3; 0 jobs more than 3 times")
+    assert judged["≤ 1 preemption per 10 completed jobs"][0] is True
+    assert judged["≥ 95% of owed GPU-hours hour by hour"] == (True, "96.0%")
+    assert judged["owed GPU-hours hour by hour ≥ every baseline's"] == (
+        False,
+        "96.0% vs 97.0% (Slurm-like multifactor)",
+    )
+    ours["preemptions_per_job_max"], ours["preemptions_per_completed_job"] = 4, 0.11
+    judged = _judged(data)
+    assert judged["no job preempted more than 3 times"][0] is False
+    assert judged["≤ 1 preemption per 10 completed jobs"][0] is False
+
+
+def test_without_jobs_above_a_quarter_of_the_cluster_large_jobs_are_judged_on_what_there_is(
+    runs,
+):
+    data = copy.deepcopy(comparison(*runs))
+    for entry in data["policies"].values():
+        entry["summary"]["waits"].pop("batch large", None)
+    judged = _judged(data)
+    quarter = data["workload"]["gpus"] / 4
+    met, detail = judged[f"large jobs (> a quarter of the cluster, {quarter:g} GPUs)"]
+    assert met is None and detail.startswith("none in the trace: judged on")
+    assert "large-job p90 wait ≤ strict priority's" not in judged
+    fallback = [g for g in judged if g in ("≥ 32 GPUs p90 wait ≤ strict priority's",
+                                           "multi-node p90 wait ≤ strict priority's")]  # fmt: skip
+    assert len(fallback) == 1 and "–" not in judged[fallback[0]][1]
 
 
 def test_write_report_writes_json_markdown_and_plots(runs, tmp_path):
@@ -60,6 +113,7 @@ def test_write_report_writes_json_markdown_and_plots(runs, tmp_path):
     assert names == [
         "generated-occupancy.png",
         "generated-owed.png",
+        "generated-preemptions.png",
         "generated-waits.png",
         "generated.json",
         "generated.md",
@@ -70,6 +124,27 @@ def test_write_report_writes_json_markdown_and_plots(runs, tmp_path):
     (tmp_path / "generated.md").unlink()
     again = render(tmp_path / "generated.json")
     assert sorted(p.name for p in again) == [n for n in names if not n.endswith(".json")]
+
+
+def test_the_occupancy_plot_explains_only_the_lines_it_draws(runs):
+    plt = pytest.importorskip("matplotlib.pyplot", reason="plots need the 'sim' extra")
+    from broker.sim.report import _plot_occupancy
+
+    data = copy.deepcopy(comparison(*runs))
+    for entry in data["policies"].values():
+        hourly = entry["summary"]["hourly"]
+        hourly["idle_gpus"] = [0.0] * len(hourly["idle_gpus"])
+        hourly["wasted_gpus"] = [0.0] * len(hourly["wasted_gpus"])
+    fig = _plot_occupancy(plt, data)
+    top = fig.axes[0]
+    assert top.get_ylabel() == "occupancy (%)"
+    assert all(line.get_linestyle() == "-" for line in top.get_lines())
+    plt.close(fig)
+    data["policies"]["fairshare"]["summary"]["hourly"]["idle_gpus"][5] = 2.0
+    fig = _plot_occupancy(plt, data)
+    assert "dashed: held idle" in fig.axes[0].get_ylabel()
+    assert "dotted" not in fig.axes[0].get_ylabel()
+    plt.close(fig)
 
 
 def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):

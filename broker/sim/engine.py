@@ -55,6 +55,7 @@ from ..model import (
 from ..transitions import apply, end_slice
 from .metrics import (
     FAILURE,
+    OPERATOR,
     PREEMPTION,
     RERUN,
     RESTART,
@@ -186,6 +187,7 @@ class Simulation:
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self._tick_due: float | None = None
+        self._ending_cause = PREEMPTION  # whom work ended now by a preemption is charged to
         self._nodes_tuple: tuple[Node, ...] | None = None
         self.history: list[tuple[float, str, int]] | None = [] if self.config.history else None
         self.stats: dict[str, Any] = {
@@ -426,7 +428,11 @@ class Simulation:
             Ending(s.id, EndReason.PREEMPTED, s.contract.resumable and s.kind is SliceKind.BATCH)
             for s in sorted(holders, key=lambda s: s.id)
         )
-        self._commit(t, Decisions(endings=endings))
+        self._ending_cause = OPERATOR
+        try:
+            self._commit(t, Decisions(endings=endings))
+        finally:
+            self._ending_cause = PREEMPTION
         return True
 
     # ---- the policy -----------------------------------------------------------------------
@@ -532,7 +538,7 @@ class Simulation:
         if job.idle or reason not in (EndReason.PREEMPTED, EndReason.NODE_DOWN):
             return
         if job.kind is SliceKind.BATCH:
-            cause = FAILURE if reason is EndReason.NODE_DOWN else PREEMPTION
+            cause = FAILURE if reason is EndReason.NODE_DOWN else self._ending_cause
             self.recorder.waste(now - worked, now, job.gpus, cause, RERUN)
             again = run.work  # from the start
         else:
@@ -548,7 +554,7 @@ class Simulation:
         job = run.job
         worked = self._segment(now, run, slice_)
         lost = self._since_checkpoint(job, worked)
-        cause = FAILURE if reason is EndReason.NODE_DOWN else PREEMPTION
+        cause = FAILURE if reason is EndReason.NODE_DOWN else self._ending_cause
         self.recorder.waste(now - lost, now, job.gpus, cause, SINCE_CHECKPOINT)
         run.remaining = max(1.0, run.remaining - (worked - lost))
         run.overhead, run.overhead_cause = self.config.restart_cost, cause

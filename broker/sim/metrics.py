@@ -46,8 +46,10 @@ LARGE_GANG_GPUS = 32  # a class every trace with big jobs has, whatever its clus
 # What wasted GPU-time was: a restart, progress since the last checkpoint, or a
 # job that does not checkpoint run again from the start.
 RESTART, SINCE_CHECKPOINT, RERUN = "restart", "since checkpoint", "rerun"
-# Why: a preemption (by the policy or an operator) or a failed node.
-PREEMPTION, FAILURE = "preemption", "failure"
+# Why: a preemption by the policy, an operator ending work on an overdue drain, or a
+# failed node.
+PREEMPTION, OPERATOR, FAILURE = "preemption", "operator", "failure"
+CAUSES = (PREEMPTION, OPERATOR, FAILURE)
 
 
 def is_debug(job: Job) -> bool:
@@ -383,14 +385,13 @@ def summarise(
         "lost_gpu_hours": recorder.lost_gpu_seconds / HOUR,
         "wasted_by_cause": {  # the whole run, warm-up included
             cause: {what: recorder.wasted[(cause, what)] / HOUR for what in WASTE_KINDS}
-            for cause in (PREEMPTION, FAILURE)
+            for cause in CAUSES
         },
         "preemption_lost_gpu_hours": sum(
             recorder.wasted[(PREEMPTION, what)] for what in WASTE_KINDS
         )
         / HOUR,
-        "restart_gpu_hours": sum(recorder.wasted[(c, RESTART)] for c in (PREEMPTION, FAILURE))
-        / HOUR,
+        "restart_gpu_hours": sum(recorder.wasted[(c, RESTART)] for c in CAUSES) / HOUR,
         **churn,
         "endings": dict(sorted(recorder.endings.items())),
         "completed": recorder.completed,
