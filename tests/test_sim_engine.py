@@ -223,3 +223,17 @@ def test_debug_waits_are_split_by_the_users_cap():
     assert groups["debug within cap"]["count"] == 3
     assert groups["debug beyond cap"]["count"] == 1
     assert result.summary["waits"]["debug"]["count"] == 4
+
+
+def test_work_an_operator_ends_on_an_overdue_drain_is_charged_to_the_operator():
+    drain = NodeEvent(1000.0, "n0", NodeState.DRAINING, repair=600.0)
+    w = _one_node([FREE_TRAINING], events=(drain,), until=30_000.0)
+    result = simulate(w, POLICIES["fifo"](ACCOUNTS), _costly(drain_deadline=3000.0))
+    # FIFO never preempts: at 4000 s an operator ends the job; drained, it is back at 4600
+    assert result.summary["interventions"] == 1
+    assert _history(result, "granted") == {0: [0.0, 4600.0]}
+    lost = (4000.0 - checkpoint_phase(1, 0, CHECKPOINTS)) % CHECKPOINTS
+    assert result.summary["wasted_by_cause"]["operator"] == pytest.approx(
+        {"restart": 8 * RESTART / HOUR, "since checkpoint": 8 * lost / HOUR, "rerun": 0.0}
+    )
+    assert result.summary["preemption_lost_gpu_hours"] == 0.0
