@@ -14,9 +14,10 @@ Retries: a call that is safe to repeat (every GET, heartbeats, releases, admin
 changes, which all set a state rather than add one) is retried with
 exponential backoff, a bounded number of times, when the connection fails or
 times out, or when a proxy in front of the broker answers 502/503/504. A
-submission (``POST /slices``) creates a slice each time it arrives, so it is
-resent only when the connection was refused, i.e. when the request provably
-never reached the broker.
+submission (``POST /slices``) is retried the same way: each call of
+:meth:`BrokerClient.submit` sends one ``Idempotency-Key`` with all its attempts,
+so an attempt that reached the broker but whose answer was lost makes no second
+slice; the retry answers the first.
 
 The token is sent in the ``Authorization`` header only; it is never logged
 and never part of the client's ``repr``.
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -48,6 +50,13 @@ API_PREFIX = "/api/v1"
 RETRY_STATUSES = frozenset({502, 503, 504})
 #: tornado's status for "no HTTP answer" (connection closed, timeout).
 NO_RESPONSE = 599
+#: The header that makes a retried submission answer the slice its first attempt made.
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def new_idempotency_key() -> str:
+    """A fresh, unguessable ``Idempotency-Key``."""
+    return uuid.uuid4().hex
 
 
 class BrokerAPIError(BrokerError):
@@ -135,12 +144,13 @@ class BrokerClient:
         idempotent: bool = True,
         timeout: float | None = None,
         parse: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """``method`` on ``{url}/api/v1{path}``; the parsed JSON answer (text if not ``parse``).
 
         ``params`` left ``None`` are not sent. ``idempotent`` says whether the call
         may be resent after a connection failure (see the module's docstring);
-        ``timeout`` replaces the client's for this call.
+        ``timeout`` replaces the client's for this call; ``headers`` are added.
         """
         query = urlencode({k: v for k, v in (params or {}).items() if v is not None})
         url = f"{self.url}{API_PREFIX}{path}" + (f"?{query}" if query else "")
@@ -152,6 +162,7 @@ class BrokerClient:
                 "Authorization": f"token {self._token}",
                 "Accept": "application/json",
                 **({"Content-Type": "application/json"} if body is not None else {}),
+                **(headers or {}),
             },
             body=None if body is None else json.dumps(body),
             allow_nonstandard_methods=True,  # tornado refuses DELETE/POST bodies otherwise
@@ -233,12 +244,16 @@ class BrokerClient:
         priority: int | None = None,
         user: str | None = None,
         groups: list[str] | None = None,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """Request a slice (``POST /slices``); the new slice, ``pending``.
 
         Terms left ``None`` are not sent: the broker's defaults for ``kind``
         apply. Durations are seconds or text such as ``"15m"``. ``user`` and
         ``groups`` submit on someone's behalf (agents and admins only).
+        ``idempotency_key`` (default: a new random one per call) is sent with
+        every attempt; a caller that retries the call itself may pass the same
+        key again to get the slice its first call made.
         """
         body = {
             "project": project,
@@ -253,7 +268,8 @@ class BrokerClient:
             "groups": groups,
         }
         body = {key: value for key, value in body.items() if value is not None}
-        return await self.request("POST", "/slices", body, idempotent=False)
+        key = idempotency_key or new_idempotency_key()
+        return await self.request("POST", "/slices", body, headers={IDEMPOTENCY_HEADER: key})
 
     async def list_slices(
         self, *, state: str | None = None, project: str | None = None, user: str | None = None

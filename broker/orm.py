@@ -174,7 +174,13 @@ class SliceRow(Base):
     """
 
     __tablename__ = "slices"
-    __table_args__ = (Index(None, "state"), Index(None, "project"), Index(None, "user"))
+    __table_args__ = (
+        Index(None, "state"),
+        Index(None, "project"),
+        Index(None, "user"),
+        # One slice per user and Idempotency-Key: a retried submission finds the first.
+        UniqueConstraint("user", "idempotency_key"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     project: Mapped[str]
@@ -200,6 +206,9 @@ class SliceRow(Base):
     queue_position: Mapped[int | None]
     fairshare_value: Mapped[float | None]
     estimated_start: Mapped[float | None]
+    #: The Idempotency-Key the submission came with, and a digest of what it asked for.
+    idempotency_key: Mapped[str | None]
+    request_digest: Mapped[str | None] = mapped_column(String(64))
 
 
 class SliceEventRow(Base):

@@ -12,7 +12,10 @@ one after another, never on a stale view, and a GPU is never granted twice.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -67,6 +70,10 @@ HELD_STATES = (SliceState.GRANTED, SliceState.PREEMPTING)
 #: Node states an admin may set; ``drained`` is the scheduler's to declare.
 ADMIN_NODE_STATES = (NodeState.READY, NodeState.DRAINING, NodeState.DOWN)
 OUT_OF_SERVICE = (NodeState.DRAINING, NodeState.DRAINED)
+#: The longest user or group name a project's members may have.
+MAX_MEMBER_NAME = 255
+#: Characters no user or group name has: C0 controls and DEL.
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
 
 Schedule = Callable[[Snapshot], Decisions]
 
@@ -253,6 +260,7 @@ class Broker:
         max_runtime: float | None = None,
         priority: int = 0,
         admin: bool = False,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """Queue a request for ``gpus`` GPUs charged to ``project``; returns the new slice.
 
@@ -260,15 +268,81 @@ class Broker:
         the kind. Raises :class:`InvalidRequest` for a request that can never be
         granted and :class:`Forbidden` unless ``user`` (or one of ``groups``) is
         a member of ``project`` or ``admin`` is set. Nothing is written then.
+        With an ``idempotency_key``, see :meth:`submit_once`.
+        """
+        return self.submit_once(
+            user=user,
+            groups=groups,
+            project=project,
+            gpus=gpus,
+            kind=kind,
+            min_runtime=min_runtime,
+            gpu_type=gpu_type,
+            resumable=resumable,
+            max_runtime=max_runtime,
+            priority=priority,
+            admin=admin,
+            idempotency_key=idempotency_key,
+        )[0]
+
+    def submit_once(
+        self,
+        *,
+        user: str,
+        groups: Iterable[str] = (),
+        project: str,
+        gpus: int,
+        kind: str,
+        min_runtime: float | None = None,
+        gpu_type: str | None = None,
+        resumable: bool | None = None,
+        max_runtime: float | None = None,
+        priority: int = 0,
+        admin: bool = False,
+        idempotency_key: str | None = None,
+    ) -> tuple[dict[str, Any], bool]:
+        """:meth:`submit`, and whether the slice is new (``False``: a replay).
+
+        A submission of ``user`` with an ``idempotency_key`` they used before
+        changes nothing and answers the slice the first one made, whatever state
+        it is in now: a client that timed out and retried gets one slice, not two.
+        The same key with another request is a :class:`Conflict`.
         """
         from .validation import validate_slice_request
 
+        digest = _request_digest(
+            project=project,
+            gpus=gpus,
+            kind=kind,
+            min_runtime=min_runtime,
+            gpu_type=gpu_type,
+            resumable=resumable,
+            max_runtime=max_runtime,
+            priority=priority,
+        )
+        for name in (user, *groups):
+            if not isinstance(name, str) or CONTROL_CHARACTERS.search(name):
+                raise InvalidRequest(f"a user or group name has control characters: {name!r:.80}")
         defaults = self.config.defaults.get(_kind_or_none(kind))
         if defaults is not None:
             min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
             resumable = defaults.resumable if resumable is None else resumable
             max_runtime = defaults.max_runtime if max_runtime is None else max_runtime
         with self._write() as session:
+            if idempotency_key is not None:
+                first = session.scalars(
+                    select(SliceRow).where(
+                        SliceRow.user == user, SliceRow.idempotency_key == idempotency_key
+                    )
+                ).first()
+                if first is not None:
+                    if first.request_digest != digest:
+                        raise Conflict(
+                            f"Idempotency-Key {idempotency_key!r:.80} was used for another "
+                            f"request (slice {first.id}); use a new key for a new request"
+                        )
+                    now = self._clock()
+                    return _slice_dict(first, now, _Costs.load(session)), False
             tree = _tree(session)
             nodes = _nodes(session)
             validate_slice_request(
@@ -304,11 +378,13 @@ class Broker:
                 placements=[],
                 promised=[],
                 charged_gpu_seconds=0.0,
+                idempotency_key=idempotency_key,
+                request_digest=None if idempotency_key is None else digest,
             )
             session.add(row)
             session.flush()
             _event(session, row, None, "submitted", now)
-            return _slice_dict(row, now, _Costs())
+            return _slice_dict(row, now, _Costs()), True
 
     def release(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
         """Cancel a pending slice or release a held one (charging its held time).
@@ -453,6 +529,8 @@ class Broker:
         """
         if not isinstance(name, str) or not name.strip() or len(name) > 255:
             raise InvalidRequest(f"an account needs a name, got {name!r}")
+        users = None if users is None else _member_names(users, "users")
+        groups = None if groups is None else _member_names(groups, "groups")
         with self._write() as session:
             accounts = {a.name: a for a in _accounts(session)}
             accounts[name] = Account(name, share, parent)
@@ -462,13 +540,8 @@ class Broker:
                 raise InvalidRequest(err.message) from None
             if (users is not None or groups is not None) and not tree.is_project(name):
                 raise InvalidRequest(f"{name!r} has sub-accounts; members belong on projects")
-            # A project that gets a sub-account stops being a project: not while it has work.
-            if (
-                parent is not None
-                and _tree(session).is_project(parent)
-                and _live_count(session, parent)
-            ):
-                raise Conflict(f"project {parent!r} has live slices; it cannot get sub-accounts")
+            if parent is not None and _tree(session).is_project(parent):
+                self._check_can_become_parent(session, parent)
             row = session.get(AccountRow, name) or AccountRow(name=name)
             row.share, row.parent = float(share), parent
             session.add(row)
@@ -485,6 +558,24 @@ class Broker:
                     keep_groups if groups is None else groups,
                 )
         return next(row for row in self.projects() if row["name"] == name)
+
+    def _check_can_become_parent(self, session: Session, project: str) -> None:
+        """A project that gets a sub-account stops being a project; refuse (:class:`Conflict`)
+        what the configuration check would refuse of the result, and live work."""
+        if _live_count(session, project):
+            raise Conflict(f"project {project!r} has live slices; it cannot get sub-accounts")
+        users, groups = _members(session).get(project, (set(), set()))
+        if users or groups:
+            raise Conflict(
+                f"project {project!r} has members ({len(users)} users, {len(groups)} groups); "
+                "members belong on projects, so it cannot get sub-accounts while it has "
+                "them (give it empty users and groups first)"
+            )
+        if project in self.config.policy.project_gpu_caps:
+            raise Conflict(
+                f"project {project!r} has a GPU cap (policy project_gpu_caps); caps apply "
+                "to projects, so it cannot get sub-accounts"
+            )
 
     def projects(self) -> list[dict[str, Any]]:
         """The project tree, parents before children, siblings in fair-share order.
@@ -940,6 +1031,29 @@ def _add_members(
 ) -> None:
     session.add_all(MemberRow(project=project, kind="user", name=u) for u in sorted(set(users)))
     session.add_all(MemberRow(project=project, kind="group", name=g) for g in sorted(set(groups)))
+
+
+def _request_digest(**terms: Any) -> str:
+    """A digest of a submission's terms as given, to tell a replay from another request."""
+    text = json.dumps(terms, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _member_names(names: Iterable[str], key: str) -> list[str]:
+    """``names`` if each is a possible user or group name; :class:`InvalidRequest` otherwise.
+
+    Control characters are refused: a name with one matches no account a login
+    makes (the member would silently lose access), and PostgreSQL refuses NUL in text.
+    """
+    names = list(names)
+    for name in names:
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_MEMBER_NAME:
+            raise InvalidRequest(
+                f"{key}: a name of 1 to {MAX_MEMBER_NAME} characters, got {name!r:.80}"
+            )
+        if CONTROL_CHARACTERS.search(name):
+            raise InvalidRequest(f"{key}: {name!r:.80} has control characters")
+    return names
 
 
 def _live_count(session: Session, project: str) -> int:

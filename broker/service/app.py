@@ -39,7 +39,7 @@ from ..errors import InvalidConfig
 from ..orm import DatabaseSchemaError, normalize_url
 from ..store import Broker
 from .apihandlers import default_handlers
-from .apihandlers.base import InFlight, NotFoundHandler
+from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
 from .openapi import path_regex
 from .runner import BrokerRunner
@@ -51,8 +51,8 @@ log = logging.getLogger("slicebroker.service")
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
-#: Largest request body accepted; the API's bodies are a few hundred bytes.
-MAX_BODY_BYTES = 1024 * 1024
+#: The request size limits the service applies.
+DEFAULT_LIMITS = Limits()
 #: How long requests in flight may take to finish when the service stops.
 STOP_TIMEOUT_S = 5.0
 #: A Kubernetes namespace name (an RFC 1123 label).
@@ -67,6 +67,7 @@ def make_app(
     max_wait: float = 60.0,
     authenticate_metrics: bool = True,
     handlers: Iterable[tuple[str, type]] = default_handlers,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> web.Application:
     """The tornado application serving ``handlers`` under ``{base_url}api/v1``."""
     handlers = list(handlers)
@@ -78,6 +79,7 @@ def make_app(
     return web.Application(
         routes,
         default_handler_class=NotFoundHandler,
+        log_function=log_request,
         runner=runner,
         authenticator=authenticator,
         max_wait=max_wait,
@@ -85,6 +87,31 @@ def make_app(
         in_flight=InFlight(),
         api_prefix=prefix,
         api_handlers=handlers,
+        limits=limits,
+    )
+
+
+def make_server(
+    app: web.Application, *, idle_timeout: float = 60.0, body_timeout: float = 60.0
+) -> HTTPServer:
+    """The HTTP server of ``app``, with the limits that keep slow or large requests
+    from holding sockets and memory.
+
+    ``idle_timeout``: seconds a connection may take to send a request's headers,
+    counted from the end of the previous answer (an idle keep-alive connection is
+    closed after it). ``body_timeout``: seconds a request's body may take to
+    arrive. The server reads bodies of any announced size, since
+    :class:`~broker.service.apihandlers.base.APIHandler` streams them and
+    answers 413 itself; headers it reads up to ``max_header_read_bytes``.
+    """
+    limits: Limits = app.settings["limits"]
+    return HTTPServer(
+        app,
+        idle_connection_timeout=idle_timeout,
+        body_timeout=body_timeout,
+        max_header_size=limits.max_header_read_bytes,
+        # The handlers keep at most max_body_bytes and refuse past max_drain_bytes.
+        max_body_size=2**62,
     )
 
 
@@ -116,6 +143,8 @@ class BrokerApp(Application):
         "pass-interval": "BrokerApp.pass_interval",
         "lease": "BrokerApp.lease",
         "max-wait": "BrokerApp.max_wait",
+        "idle-timeout": "BrokerApp.idle_timeout",
+        "body-timeout": "BrokerApp.body_timeout",
         "log-level": "Application.log_level",
     }
     flags = {
@@ -240,6 +269,21 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    idle_timeout = Float(
+        60.0,
+        help="""Seconds a client connection may take to send a request's headers, and may
+        stay idle between requests, before it is closed (default 60). Bounds how long
+        a slow or half-sent request holds a socket.
+        """,
+    ).tag(config=True)
+
+    body_timeout = Float(
+        60.0,
+        help="""Seconds a request's body may take to arrive before the connection is
+        closed (default 60).
+        """,
+    ).tag(config=True)
+
     token_cache_max_age = Float(
         5.0,
         help="""How long an identified token is remembered, in seconds (default 5).
@@ -325,7 +369,14 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
-    @validate("pass_interval", "lease", "kubernetes_report_interval", "kubernetes_reap_interval")
+    @validate(
+        "pass_interval",
+        "lease",
+        "idle_timeout",
+        "body_timeout",
+        "kubernetes_report_interval",
+        "kubernetes_reap_interval",
+    )
     def _check_positive(self, proposal):
         if not proposal.value > 0:
             raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
@@ -414,7 +465,7 @@ class BrokerApp(Application):
             max_wait=self.max_wait,
             authenticate_metrics=self.authenticate_metrics,
         )
-        server = HTTPServer(app, max_body_size=MAX_BODY_BYTES)
+        server = make_server(app, idle_timeout=self.idle_timeout, body_timeout=self.body_timeout)
         try:
             server.listen(self.port, address=self.ip)
         except OSError as err:

@@ -22,7 +22,7 @@ from typing import Any
 from .. import __version__
 from .apihandlers.base import Operation
 from .auth import ADMIN_SCOPE, AGENT_SCOPE
-from .schema import COMPONENTS, REF_PREFIX, ref
+from .schema import COMPONENTS, DURATION_PATTERN, REF_PREFIX, ref
 
 TITLE = "slicebroker API"
 API_PREFIX = "/api/v1"
@@ -354,7 +354,7 @@ def _type(schema: Mapping[str, Any]) -> str:
         text = f"array of {_type(schema['items'])}"
     elif "enum" in schema:
         text = " \\| ".join(f"`{v}`" for v in schema["enum"] if v is not None)
-    elif schema.get("type") == "string" and "pattern" in schema:
+    elif schema.get("type") == "string" and schema.get("pattern") == DURATION_PATTERN:
         text = "string (duration)"
     else:
         text = schema.get("type", "any")

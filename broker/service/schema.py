@@ -13,6 +13,7 @@ to a component.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -72,6 +73,13 @@ EPOCH = {"type": "number", "description": "seconds since the epoch"}
 EPOCH_OR_NULL = _nullable(EPOCH)
 SECONDS = {"type": "number", "minimum": 0, "description": "seconds"}
 STRINGS = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 255}}
+#: Text without control characters: a name with one matches no login (its user would
+#: silently lose access) and PostgreSQL refuses NUL in text.
+TEXT_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
+#: A user, group, project or GPU type name in a request.
+NAME_TEXT = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": TEXT_PATTERN}
+#: A list of user or group names in a request.
+NAMES = {"type": "array", "items": NAME_TEXT}
 
 
 def duration(description: str, *, nullable: bool = False) -> dict[str, Any]:
@@ -140,6 +148,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                 "type": "string",
                 "minLength": 1,
                 "maxLength": 255,
+                "pattern": TEXT_PATTERN,
                 "description": "the project to charge; the caller (or `user`) must be a member",
             },
             "gpus": {"type": "integer", "minimum": 1, "maximum": 100000},
@@ -147,6 +156,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                 "type": "string",
                 "minLength": 1,
                 "maxLength": 255,
+                "pattern": TEXT_PATTERN,
                 "nullable": True,
                 "description": "a GPU type (e.g. h100); any type when left out",
             },
@@ -176,12 +186,13 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                 "type": "string",
                 "minLength": 1,
                 "maxLength": 255,
+                "pattern": TEXT_PATTERN,
                 "nullable": True,
                 "description": "submit on behalf of this user (agents and admins only; "
                 "others may only name themselves)",
             },
             "groups": {
-                **STRINGS,
+                **NAMES,
                 "nullable": True,
                 "description": "the user's groups, for membership (agents and admins only; "
                 "others may only repeat their own)",
@@ -320,11 +331,12 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                 "type": "string",
                 "minLength": 1,
                 "maxLength": 255,
+                "pattern": TEXT_PATTERN,
                 "nullable": True,
                 "description": "parent account; top level when null or left out",
             },
-            "users": {**STRINGS, "description": "replace the members (users) when given"},
-            "groups": {**STRINGS, "description": "replace the members (groups) when given"},
+            "users": {**NAMES, "description": "replace the members (users) when given"},
+            "groups": {**NAMES, "description": "replace the members (groups) when given"},
         },
         ["share"],
     ),
@@ -413,6 +425,15 @@ _TYPES = {
 }
 
 
+@functools.cache
+def _pattern(pattern: str) -> re.Pattern[str]:
+    """``pattern`` as JSON Schema (ECMA 262) reads it: a final ``$`` is the end of the
+    text, where Python's ``$`` also matches before a final newline (``"a\\n"``)."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1] + r"\Z"
+    return re.compile(pattern)
+
+
 def _describe(value: Any) -> str:
     if value is None:
         return "null"
@@ -449,7 +470,7 @@ def _problem(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
             return f"{where} must not be empty" if not value else f"{where} is too short"
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             return f"{where} is longer than {schema['maxLength']} characters"
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not _pattern(schema["pattern"]).search(value):
             return f"{where} has an invalid format: {_describe(value)}"
     if isinstance(value, int | float) and not isinstance(value, bool):
         if "minimum" in schema:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -27,12 +28,19 @@ from tornado import web
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from ...orm import DatabaseSchemaError
 from ..auth import Identity, parse_authorization
-from ..schema import NAME_PATTERN, ref, validate
+from ..schema import NAME_PATTERN, NAME_TEXT, ref, validate
 
 log = logging.getLogger("slicebroker.service")
+access_log = logging.getLogger("tornado.access")
 
 #: The largest id a slice can have (a 32-bit signed integer column).
 MAX_ID = 2**31 - 1
+#: A slice id as a path may give it: ASCII digits, no longer than MAX_ID.
+ID_PATTERN = re.compile(rf"[0-9]{{1,{len(str(MAX_ID))}}}", re.ASCII)
+#: The most characters of a caller's input an error message or a log line repeats.
+ECHO_LIMIT = 200
+#: The longest error message answered or logged, in characters.
+MESSAGE_LIMIT = 1000
 
 
 class MalformedJSON(InvalidRequest):
@@ -107,9 +115,7 @@ ID_PARAM = Param(
     "the slice's id",
     required=True,
 )
-NAME_PARAM = Param(
-    "name", "path", {"type": "string", "minLength": 1, "maxLength": 255}, required=True
-)
+NAME_PARAM = Param("name", "path", NAME_TEXT, required=True)
 #: An account's name where one is made: as the configuration file allows them.
 NEW_NAME_PARAM = Param(
     "name",
@@ -118,6 +124,23 @@ NEW_NAME_PARAM = Param(
     "letters, digits, '.', '_' and '-', starting with a letter or digit",
     required=True,
 )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may weigh, in bytes (see :class:`APIHandler`).
+
+    ``max_header_bytes``: the headers, answered 431 above it (the HTTP server
+    reads at most ``max_header_read_bytes`` of headers and drops the connection
+    beyond). ``max_body_bytes``: the body, answered 413 above it.
+    ``max_drain_bytes``: how much of a body over the limit is still read, so that
+    the client is there to read the 413; beyond it the connection is closed.
+    """
+
+    max_header_bytes: int = 64 * 1024
+    max_header_read_bytes: int = 1024 * 1024
+    max_body_bytes: int = 1024 * 1024
+    max_drain_bytes: int = 16 * 1024 * 1024
 
 
 # ---- the handler --------------------------------------------------------------------
@@ -145,13 +168,37 @@ class InFlight:
         await self._idle.wait()
 
 
+class PayloadTooLarge(BrokerError):
+    status = 413
+    code = "payload_too_large"
+
+
+class HeadersTooLarge(BrokerError):
+    status = 431
+    code = "headers_too_large"
+
+
+@web.stream_request_body
 class APIHandler(web.RequestHandler):
-    """Base of every API handler. Subclasses set :attr:`operations` and implement them."""
+    """Base of every API handler. Subclasses set :attr:`operations` and implement them.
+
+    The body is streamed in (:meth:`data_received`) so that the handler, not the
+    HTTP server, decides what is too large and can say so: a body over
+    ``max_body_bytes`` is read to its end but not kept, then answered 413 in the
+    error shape (a client that is still sending would otherwise see its
+    connection reset instead of an answer). One announced as longer than
+    ``max_drain_bytes`` is answered 413 at once, without being read.
+    """
 
     operations: ClassVar[dict[str, Operation]] = {}
 
     identity: Identity | None = None
     _counted = False
+    _prepared = False
+    _body_size = 0
+
+    def initialize(self) -> None:
+        self._chunks: list[bytes] = []
 
     @property
     def runner(self):
@@ -169,16 +216,55 @@ class APIHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.set_header("Cache-Control", "no-store")
 
+    def check_size(self) -> None:
+        """Refuse headers or an announced body over the limits (431, 413)."""
+        limits = self.settings["limits"]
+        header_bytes = sum(len(k) + len(v) + 4 for k, v in self.request.headers.get_all())
+        if header_bytes > limits.max_header_bytes:
+            raise HeadersTooLarge(
+                f"the request's headers are {header_bytes} bytes; the limit is "
+                f"{limits.max_header_bytes}"
+            )
+        announced = self.request.headers.get("Content-Length", "")
+        if (
+            announced.isascii()
+            and announced.isdigit()
+            and (len(announced) > 18 or int(announced) > limits.max_drain_bytes)
+        ):
+            raise PayloadTooLarge(
+                f"the body is {bounded(announced, 20)} bytes; the limit is {limits.max_body_bytes}"
+            )
+
+    def data_received(self, chunk: bytes) -> None:
+        """Keep the body up to the limit; past the drain limit, answer 413 now."""
+        limits = self.settings["limits"]
+        self._body_size += len(chunk)
+        if self._body_size <= limits.max_body_bytes:
+            self._chunks.append(chunk)
+            return
+        self._chunks.clear()
+        if self._body_size > limits.max_drain_bytes and not self._finished:
+            # A chunked body without end: answer and let the connection close.
+            self.send_error(413, exc_info=(PayloadTooLarge, self._too_large(), None))
+
+    def _too_large(self) -> PayloadTooLarge:
+        limit = self.settings["limits"].max_body_bytes
+        return PayloadTooLarge(f"the body is over {limit} bytes; the limit is {limit}")
+
     async def prepare(self) -> None:
         self.settings["in_flight"].enter()
         self._counted = True
+        self.check_size()
         operation = self.operation
         if operation is None:
-            raise MethodNotAllowed(f"{self.request.method} is not allowed on {self.request.path}")
+            raise MethodNotAllowed(
+                f"{self.request.method} is not allowed on {bounded(self.request.path)}"
+            )
         auth = operation.auth
         if auth == "metrics" and not self.settings.get("authenticate_metrics", True):
             auth = "none"
         if auth == "none":
+            self._prepared = True
             return
         token = parse_authorization(self.request.headers.get("Authorization"))
         if token is None:
@@ -190,6 +276,7 @@ class APIHandler(web.RequestHandler):
             raise Forbidden(
                 f"only admins may {operation.summary[0].lower()}{operation.summary[1:]}"
             )
+        self._prepared = True
 
     # ---- input -------------------------------------------------------------------
 
@@ -197,7 +284,9 @@ class APIHandler(web.RequestHandler):
         """The request's JSON body, checked against the operation's schema."""
         operation = self.operation
         assert operation is not None and operation.body is not None
-        raw = self.request.body
+        if self._body_size > self.settings["limits"].max_body_bytes:
+            raise self._too_large()
+        raw = b"".join(self._chunks)
         if not raw.strip():
             if operation.body_required:
                 raise InvalidRequest("a JSON body is required")
@@ -247,9 +336,14 @@ class APIHandler(web.RequestHandler):
         return value
 
     def slice_id(self, text: str) -> int:
-        """The slice id in a path; :class:`NotFound` for anything that cannot be one."""
-        if not text.isdigit() or not 1 <= int(text) <= MAX_ID:
-            raise NotFound(f"no slice {text!r}")
+        """The slice id in a path; :class:`NotFound` for anything that cannot be one.
+
+        Only ASCII digits, at most as many as :data:`MAX_ID` has: ``str.isdigit``
+        and ``int`` also take other scripts' digits (``'١'`` is 1) and superscripts
+        (which ``int`` then refuses), and a huge number costs time to convert.
+        """
+        if ID_PATTERN.fullmatch(text) is None or not 1 <= int(text) <= MAX_ID:
+            raise NotFound(f"no slice {bounded(text)!r}")
         return int(text)
 
     # ---- output ------------------------------------------------------------------
@@ -262,20 +356,31 @@ class APIHandler(web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
         status, code, message = _describe_error(exc, status_code, self._reason)
+        # A message may quote what the caller sent; it never repeats all of it.
+        message = bounded(message, MESSAGE_LIMIT)
         if status == 405:
-            message = f"{self.request.method} is not allowed on {self.request.path}"
+            message = f"{self.request.method} is not allowed on {bounded(self.request.path)}"
             self.set_header("Allow", ", ".join(m.upper() for m in self.operations))
         self.set_status(status)
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.set_header("Cache-Control", "no-store")
         if status == 401:
             self.set_header("WWW-Authenticate", "token")
+        if not self._prepared:
+            # Refused before its body was read: tornado closes the connection after this
+            # answer, and a client that knows it will not send its next request on it.
+            self.set_header("Connection", "close")
         self.finish(json.dumps({"error": {"code": code, "message": message}}))
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         """Named errors are the caller's doing: one line. Anything else: a traceback."""
         if isinstance(value, BrokerError | web.HTTPError):
-            log.debug("%s %s: %s", self.request.method, self.request.path, value)
+            log.debug(
+                "%s %s: %s",
+                self.request.method,
+                bounded(self.request.path),
+                bounded(str(value), MESSAGE_LIMIT),
+            )
             return
         if isinstance(value, OperationalError | DatabaseSchemaError):
             log.error(
@@ -296,6 +401,7 @@ class APIHandler(web.RequestHandler):
             self.settings["in_flight"].leave()
 
     def on_connection_close(self) -> None:
+        super().on_connection_close()  # fails a body still being streamed in
         waiting = getattr(self, "_waiting", None)
         if waiting is not None and not waiting.done():
             waiting.cancel()
@@ -305,7 +411,25 @@ class NotFoundHandler(APIHandler):
     """Every path no route matches: 404 in the error shape, whatever the method."""
 
     async def prepare(self) -> None:
-        raise NotFound(f"no such resource: {self.request.path}")
+        self.check_size()
+        raise NotFound(f"no such resource: {bounded(self.request.path)}")
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """tornado's access log line, with the request's URI bounded: a caller may send one
+    of any length, and the log must not repeat it whole."""
+    status = handler.get_status()
+    level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
+    request = handler.request
+    access_log.log(
+        level,
+        "%d %s %s (%s) %.2fms",
+        status,
+        request.method,
+        bounded(request.uri or ""),
+        request.remote_ip,
+        1000.0 * request.request_time(),
+    )
 
 
 def _describe_error(exc: BaseException | None, status: int, reason: str) -> tuple[int, str, str]:
@@ -341,6 +465,14 @@ def _convert(raw: str, schema: Mapping[str, Any], name: str) -> Any:
             f"the query parameter {name!r} must be {expected}, got {raw!r}"
         ) from None
     return raw
+
+
+def bounded(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters (with how many were left out), for echoing
+    a caller's input in an error or a log line without repeating all of it."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _reject_constant(name: str) -> Any:

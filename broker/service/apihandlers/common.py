@@ -6,6 +6,10 @@ from collections.abc import Iterable
 
 from ...errors import Forbidden
 from ..auth import Identity
+from .base import bounded
+
+#: How many of the groups a caller is not in a refusal names.
+GROUPS_SHOWN = 5
 
 
 def acting_identity(
@@ -30,8 +34,11 @@ def acting_identity(
     if user is not None and user != caller.name:
         raise Forbidden("only agents and admins may act for another user")
     if named_groups is not None and not named_groups <= caller.groups:
-        others = ", ".join(sorted(named_groups - caller.groups))
-        raise Forbidden(f"{caller.name!r} is not in group(s) {others}")
+        others = sorted(named_groups - caller.groups)
+        # Name a few: the request may list thousands, and the answer must not echo them all.
+        shown = ", ".join(bounded(group, 64) for group in others[:GROUPS_SHOWN])
+        more = f" and {len(others) - GROUPS_SHOWN} more" if len(others) > GROUPS_SHOWN else ""
+        raise Forbidden(f"{bounded(caller.name, 64)!r} is not in group(s) {shown}{more}")
     return Identity(
         caller.name,
         caller.groups if named_groups is None else named_groups,

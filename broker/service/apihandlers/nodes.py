@@ -39,6 +39,7 @@ class _NodeStateHandler(APIHandler):
     target: NodeState
 
     async def post(self, name: str) -> None:
+        name = self.path_param("name", name)
         body = self.body()
         node = await self.runner.change(
             self.broker.set_node_state, name, self.target.value, body.get("reason") or ""

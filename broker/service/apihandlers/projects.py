@@ -96,6 +96,7 @@ class ProjectUsageHandler(APIHandler):
     }
 
     async def get(self, name: str) -> None:
+        name = self.path_param("name", name)
         params = self.params()
         since = _time(params, "since")
         until = _time(params, "until")

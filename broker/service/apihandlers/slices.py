@@ -14,10 +14,14 @@ from ...config import parse_duration
 from ...errors import Forbidden, InvalidRequest, NotFound
 from ...model import SliceState
 from ..runner import SliceKey, slice_key
+from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
 from .common import acting_identity, owner_filter
 
 STATES = [s.value for s in SliceState]
+#: The longest Idempotency-Key taken, and what it may contain (printable ASCII).
+MAX_IDEMPOTENCY_KEY = 255
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
 
 
 class SliceListHandler(APIHandler):
@@ -33,8 +37,8 @@ class SliceListHandler(APIHandler):
                     {"type": "string", "enum": [*STATES, "live"]},
                     "only slices in this state; `live` means not ended",
                 ),
-                Param("project", "query", {"type": "string"}, "only slices of this project"),
-                Param("user", "query", {"type": "string"}, "only slices of this user"),
+                Param("project", "query", NAME_TEXT, "only slices of this project"),
+                Param("user", "query", NAME_TEXT, "only slices of this user"),
             ),
             content={"application/json": "SliceList"},
             errors=(400,),
@@ -44,12 +48,30 @@ class SliceListHandler(APIHandler):
             "Queues a request charged to `project`, of which the caller (or the user an "
             "agent acts for) must be a member. Contract terms left out come from the "
             "configuration's defaults for the kind. Answers at once with the pending "
-            "slice; wait for the grant with `GET /slices/{id}?wait=...`.",
+            "slice; wait for the grant with `GET /slices/{id}?wait=...`. With an "
+            "`Idempotency-Key`, a request the caller already made with that key makes "
+            "nothing new and answers the slice the first one made (as it is now); the "
+            "same key with another request is a 409.",
+            parameters=(
+                Param(
+                    "Idempotency-Key",
+                    "header",
+                    {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": MAX_IDEMPOTENCY_KEY,
+                        "pattern": IDEMPOTENCY_KEY_PATTERN,
+                    },
+                    "a key unique to this request (e.g. a random UUID), sent again with "
+                    "every retry of it; printable ASCII, at most "
+                    f"{MAX_IDEMPOTENCY_KEY} characters",
+                ),
+            ),
             body="SliceRequest",
             ok=201,
             ok_description="the new slice, pending",
             content={"application/json": "Slice"},
-            errors=(400,),
+            errors=(400, 409),
         ),
     }
 
@@ -71,8 +93,23 @@ class SliceListHandler(APIHandler):
     async def post(self) -> None:
         body = self.body()
         actor = acting_identity(self.identity, body.get("user"), body.get("groups"))
+        key = self.request.headers.get("Idempotency-Key")
+        if key is not None:
+            validate(
+                key,
+                self.operation.param("Idempotency-Key").schema,
+                "the header 'Idempotency-Key'",
+            )
+        replayed = False
+
+        def submit(**request: Any) -> dict[str, Any]:
+            nonlocal replayed
+            slice_, new = self.broker.submit_once(**request)
+            replayed = not new
+            return slice_
+
         slice_ = await self.runner.change(
-            self.broker.submit,
+            submit,
             user=actor.name,
             groups=sorted(actor.groups),
             project=body["project"],
@@ -84,7 +121,10 @@ class SliceListHandler(APIHandler):
             max_runtime=_duration(body, "max_runtime"),
             priority=body.get("priority") or 0,
             admin=self.identity.admin,
+            idempotency_key=key,
         )
+        if replayed:
+            self.set_header("Idempotent-Replayed", "true")
         self.set_header("Location", f"{self.settings['api_prefix']}/slices/{slice_['id']}")
         self.write_json(slice_, status=201)
 
