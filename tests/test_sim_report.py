@@ -164,6 +164,20 @@ def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):
     assert (tmp_path / "generated.md").is_file()
 
 
+def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
+    def wasted(*extra: str) -> dict:
+        out = tmp_path / "out.json"
+        argv = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--no-failures"]
+        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]["wasted_by_cause"]
+
+    charged = wasted()["preemption"]
+    assert charged["restart"] > 0 and charged["since checkpoint"] > 0
+    free = wasted("--restart-cost", "0", "--checkpoint-interval", "0")["preemption"]
+    assert free == {"restart": 0.0, "since checkpoint": 0.0, "rerun": 0.0}
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -68,7 +68,9 @@ def _wait(summary: Mapping[str, Any], cls: str, q: str) -> float | None:
 
 
 def _count(summary: Mapping[str, Any], cls: str) -> str:
-    entry = summary["waits"].get(cls) or summary.get("wait_groups", {}).get(cls)
+    if cls not in summary["waits"] and "wait_groups" not in summary:
+        return "–"  # a report written before such groups were measured
+    entry = summary["waits"].get(cls) or summary["wait_groups"].get(cls)
     return "0" if entry is None else f"{entry['count']:,}"
 
 
