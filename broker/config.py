@@ -13,6 +13,7 @@ errors, so typos never pass silently.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from typing import Any
 from .errors import InvalidConfig
 from .fairshare import ProjectTree
 from .model import DAY, HOUR, Account, Contract, Node, Policy, SliceKind
+
+log = logging.getLogger(__name__)
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 """The demo cluster shipped with the package: one node of 8 H100s and a 3-level tree."""
@@ -156,7 +159,6 @@ _POLICY_KEYS = (
     "debug_max_min_runtime",
     "debug_lane_fraction",
     "debug_headroom",
-    "fairshare_horizon",
     "max_reservations",
     "project_gpu_caps",
 )
@@ -167,7 +169,12 @@ _POLICY_DURATIONS = {
     "max_min_runtime": False,
     "grace_period": True,
     "debug_max_min_runtime": False,
-    "fairshare_horizon": True,
+}
+# Keys an earlier release read and this one ignores, with why: a file that has
+# them still loads, with a warning.
+_RETIRED_POLICY_KEYS = {
+    "fairshare_horizon": "fair-share preemption is now judged on the GPUs projects hold "
+    "now (docs/policy.md); the key has no effect",
 }
 _DEFAULTS_KEYS = ("min_runtime", "resumable", "max_runtime")
 _NODE_KEYS = ("name", "gpu_type", "gpus")
@@ -339,7 +346,10 @@ def _parse_members(
 
 def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
     table = _table(value, where)
-    _check_keys(table, _POLICY_KEYS, where)
+    _check_keys(table, (*_POLICY_KEYS, *_RETIRED_POLICY_KEYS), where)
+    for key, why in _RETIRED_POLICY_KEYS.items():
+        if key in table:
+            log.warning("%s is retired: %s", _at(where, key), why)
     settings: dict[str, Any] = {}
     for key, zero_ok in _POLICY_DURATIONS.items():
         if key in table:

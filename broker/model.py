@@ -164,8 +164,6 @@ class Policy:
     debug_max_gpus: int = 2
     debug_max_min_runtime: float = 15 * 60.0
     debug_lane_fraction: float = 0.05
-    # How far ahead the anti-ping-pong check projects GPUs held (SPEC §5.2).
-    fairshare_horizon: float = HOUR
     # Blocked slices, highest ranked first, for which a backfill reservation is sought.
     max_reservations: int = 8
     project_gpu_caps: Mapping[str, int] = field(default_factory=dict)

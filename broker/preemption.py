@@ -1,4 +1,9 @@
-"""Who may preempt whom (SPEC §5.2–§5.3), and the fewest victims that make a request fit."""
+"""Who may preempt whom (design.md §5.2–§5.3), and the fewest victims that make a request fit.
+
+:func:`preempt_reason` is the one rule. Everything else that asks whether a
+slice could be preempted (the victim search's shortcut, the release estimates
+of backfill reservations, which work may borrow reserved GPUs) calls it.
+"""
 
 from __future__ import annotations
 
@@ -7,58 +12,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .fairshare import ProjectTree
 from .model import Node, Placement, Policy, PreemptReason, Slice, SliceKind, SliceState
 from .ordering import victim_key, within_project_key
-
-
-@dataclass
-class FairShareView:
-    """Fair-share standing during one pass.
-
-    ``held`` is the weighted GPUs each account's subtree holds in allocated
-    slices; it moves as the pass grants and preempts, so that the
-    anti-ping-pong check sees the cluster as it will be after each move.
-    """
-
-    tree: ProjectTree
-    usage: Mapping[str, float]  # subtree usage per account
-    values: Mapping[str, float]  # usage / entitlement per account
-    horizon: float
-    held: dict[str, float] = field(default_factory=dict)
-    _partings: dict = field(default_factory=dict)
-
-    def parting(self, mine: str, theirs: str):
-        key = (mine, theirs)
-        if key not in self._partings:
-            self._partings[key] = self.tree.parting(mine, theirs)
-        return self._partings[key]
-
-    def record(self, project: str, weighted_gpus: float) -> None:
-        for account in self.tree.paths[project]:
-            self.held[account] = self.held.get(account, 0.0) + weighted_gpus
-
-    def _projected(self, account: str, delta: float) -> float:
-        held = self.held.get(account, 0.0) + delta
-        return (self.usage[account] + held * self.horizon) / self.tree.entitlements[account]
-
-    def ranks_above(self, mine: str, theirs: str) -> bool:
-        """Whether project ``mine`` ranks above ``theirs`` where their paths part."""
-        level = self.parting(mine, theirs)
-        if level is None:
-            return False
-        return (self.values[level.mine], level.mine) < (self.values[level.theirs], level.theirs)
-
-    def may_take(self, mine: str, theirs: str, gained: float, lost: float) -> bool:
-        """Fair-share preemption with hysteresis (Kueue's LessThanOrEqualToFinalShare):
-        ``mine`` ranks above ``theirs`` now, and would still rank at or above it
-        after gaining ``gained`` weighted GPUs that ``theirs`` loses (``lost``),
-        both projected ``horizon`` seconds ahead — so the GPUs never go back and forth."""
-        if not self.ranks_above(mine, theirs):
-            return False
-        level = self.parting(mine, theirs)
-        assert level is not None
-        return self._projected(level.mine, gained) <= self._projected(level.theirs, -lost)
+from .standing import Standings
 
 
 def is_debug(slice_: Slice, policy: Policy) -> bool:
@@ -105,6 +61,51 @@ class Victims:
     victims: tuple[tuple[Slice, PreemptReason], ...]
 
 
+def preempt_reason(
+    requester: Slice,
+    victim: Slice,
+    *,
+    now: float,
+    policy: Policy,
+    standings: Standings,
+    lane: DebugLane,
+    weight: float,
+    lost_before: float = 0.0,
+    gang: bool = False,
+) -> PreemptReason | None:
+    """Why ``requester`` may preempt ``victim`` at ``now``, or None if it may not.
+
+    Only allocated requests preempt, and only slices past protection:
+
+    1. unallocated slices, always (they were free and knew it);
+    2. the same project's work that ranks below the request in
+       :func:`~broker.ordering.within_project_key`;
+    3. another project's work when fair share now allows the move
+       (:meth:`Standings.may_take`): the requester's project gains the request's
+       GPUs, the victim's project loses all of the victim's (``weight`` per GPU),
+       on top of ``lost_before`` it already loses to this request (``gang``: the
+       request is larger than any node);
+    4. a batch slice, for a debug session the debug lane admits.
+    """
+    if not requester.allocated or victim.state is not SliceState.GRANTED:
+        return None
+    if not victim.allocated:
+        return PreemptReason.UNALLOCATED
+    if victim.is_protected(now):
+        return None
+    if victim.project == requester.project:
+        if within_project_key(victim) > within_project_key(requester):
+            return PreemptReason.PRIORITY
+        return None
+    gained = requester.gpus * weight
+    lost = lost_before + victim.gpus * weight
+    if standings.may_take(requester.project, victim.project, gained, lost, gang=gang):
+        return PreemptReason.FAIR_SHARE
+    if victim.kind is SliceKind.BATCH and is_debug(requester, policy) and lane.admits(requester):
+        return PreemptReason.DEBUG_LANE
+    return None
+
+
 class Preemptor:
     """Finds, for one request at a time, the least harmful victims on one node."""
 
@@ -113,7 +114,7 @@ class Preemptor:
         *,
         now: float,
         policy: Policy,
-        view: FairShareView,
+        standings: Standings,
         lane: DebugLane,
         nodes: Mapping[str, Node],
         weights: Mapping[str, float],
@@ -121,13 +122,13 @@ class Preemptor:
     ):
         self.now = now
         self.policy = policy
-        self.view = view
+        self.standings = standings
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
         # Slices that someone could preempt now, per node they hold GPUs on, in
-        # victim order (project values do not change during a pass), with the
-        # GPUs each holds there.
+        # victim order by the standings at the start of the pass, with the GPUs
+        # each holds there.
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         for slice_ in running:
             if slice_.state is SliceState.GRANTED and not slice_.is_protected(now):
@@ -135,15 +136,15 @@ class Preemptor:
                     self.candidates.setdefault(placement.node, []).append(
                         (slice_, len(placement.gpu_indices))
                     )
-        self._fair: dict[tuple[int, str, float], bool] = {}
         self.candidate_gpus: dict[str, int] = {}
         # Which projects have candidates, and how many of them are unallocated or
         # batch: enough to tell cheaply when a request can preempt nothing at all.
         self.by_project: Counter[str] = Counter()
         self.unallocated = 0
         self.batch = 0
+        standing = {project: standings.standing(project) for project in standings.tree.projects}
         for node_name, entries in self.candidates.items():
-            entries.sort(key=lambda e: victim_key(e[0], view.values[e[0].project]))
+            entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
             self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
             for slice_, _ in entries:
                 self._tally(slice_, 1)
@@ -153,20 +154,45 @@ class Preemptor:
         self.unallocated += step * (not slice_.allocated)
         self.batch += step * (slice_.kind is SliceKind.BATCH)
 
+    def reason(
+        self,
+        requester: Slice,
+        victim: Slice,
+        weight: float,
+        lost_before: float = 0.0,
+        gang: bool = False,
+    ) -> PreemptReason | None:
+        """:func:`preempt_reason` at this pass's time, standings and lane."""
+        return preempt_reason(
+            requester,
+            victim,
+            now=self.now,
+            policy=self.policy,
+            standings=self.standings,
+            lane=self.lane,
+            weight=weight,
+            lost_before=lost_before,
+            gang=gang,
+        )
+
     def hopeless(self, requester: Slice) -> bool:
-        """True when no running slice could be preempted for ``requester``, whatever
-        the node: a shortcut that spares a scan of the cluster."""
+        """True when :func:`preempt_reason` refuses every candidate for ``requester``,
+        told from the counts alone: a shortcut that spares a scan of the cluster.
+
+        It asks the rule's own questions in the same order, each at its most
+        lenient: fair share with nothing moved (``may_take`` only gets harder as
+        ``gained`` and ``lost`` grow), the debug lane for any batch candidate.
+        """
         if not requester.allocated:
             return True
         if self.unallocated > 0:
             return False
-        if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
-            return False
         if self.by_project[requester.project] > 0:
             return False  # its own lower-ranked work; checked per slice
-        # With nothing moved, the hysteresis check is at its most lenient.
+        if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
+            return False
         return not any(
-            count and self.view.may_take(requester.project, project, 0.0, 0.0)
+            count and self.standings.may_take(requester.project, project, 0.0, 0.0)
             for project, count in self.by_project.items()
         )
 
@@ -178,55 +204,18 @@ class Preemptor:
             self.candidate_gpus[placement.node] -= len(placement.gpu_indices)
             self._tally(slice_, -1)
 
-    def reason(self, requester: Slice, victim: Slice, weight: float) -> PreemptReason | None:
-        """Why ``requester`` may preempt ``victim`` now, or None if it may not.
-
-        Only allocated requests preempt, and only slices past protection:
-        unallocated ones always; the same project's lower-ranked work; another
-        project's work when fair share says so; a batch slice for the debug lane.
-        """
-        if not requester.allocated or victim.state is not SliceState.GRANTED:
-            return None
-        if not victim.allocated:
-            return PreemptReason.UNALLOCATED
-        if victim.is_protected(self.now):
-            return None
-        if victim.project == requester.project:
-            if within_project_key(victim) > within_project_key(requester):
-                return PreemptReason.PRIORITY
-            return None
-        # What moves is the request's GPUs: the requester gains them, the victim's
-        # project loses as much (a larger victim's rest frees up for anyone).
-        # Fair share is a matter of the two projects only: decide it once per find.
-        key = (requester.id, victim.project, weight)
-        fair = self._fair.get(key)
-        if fair is None:
-            moved = requester.gpus * weight
-            fair = self._fair[key] = self.view.may_take(
-                requester.project, victim.project, moved, moved
-            )
-        if fair:
-            return PreemptReason.FAIR_SHARE
-        if (
-            victim.kind is SliceKind.BATCH
-            and is_debug(requester, self.policy)
-            and self.lane.admits(requester)
-        ):
-            return PreemptReason.DEBUG_LANE
-        return None
-
     def find(self, requester: Slice, free: Mapping[str, set[int]]) -> Victims | None:
         """The least harmful way to make ``requester`` fit on one node, or None.
 
         On each node that could hold it, victims are added in :func:`victim_key`
-        order until the request fits, then each is put back if the request
-        still fits without it. Nodes compare by (allocated victims, victims,
-        victim GPUs, node name).
+        order until the request fits, each judged with what the earlier ones
+        already cost its project; then each is put back if the request still
+        fits without it. Nodes compare by (allocated victims, victims, victim
+        GPUs, node name).
         """
         if self.hopeless(requester):
             return None
         best: tuple | None = None
-        self._fair = {}
         for node_name, entries in self.candidates.items():
             node = self.nodes.get(node_name)
             if node is None or node.gpu_count < requester.gpus:
@@ -238,11 +227,15 @@ class Preemptor:
                 continue
             weight = self.weights.get(node.gpu_type, 1.0)
             chosen: list[tuple[Slice, PreemptReason, int]] = []
+            lost: dict[str, float] = {}  # weighted GPUs each project loses so far
             freed = 0
             for slice_, gpus in entries:
-                reason = self.reason(requester, slice_, weight)
+                before = lost.get(slice_.project, 0.0)
+                reason = self.reason(requester, slice_, weight, before)
                 if reason is not None:
                     chosen.append((slice_, reason, gpus))
+                    if slice_.allocated:
+                        lost[slice_.project] = before + slice_.gpus * weight
                     freed += gpus
                     if freed >= need:
                         break

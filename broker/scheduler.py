@@ -35,8 +35,9 @@ from .model import (
 )
 from .ordering import queue_order, within_project_key
 from .placement import FreeGpus
-from .preemption import DebugLane, FairShareView, Preemptor, is_debug
-from .transitions import requeued
+from .preemption import DebugLane, Preemptor, Victims, is_debug, preempt_reason
+from .standing import Standings
+from .transitions import granted, requeued
 
 
 def schedule(snapshot: Snapshot, tree: ProjectTree | None = None) -> Decisions:
@@ -71,6 +72,9 @@ class _Pass:
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
+        # GPUs still held by slices preempted in this pass, lent to the queue:
+        # (node, GPU) -> when they are free (the victim's grace deadline)
+        self.freeing: dict[tuple[str, int], float] = {}
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -191,9 +195,13 @@ class _Pass:
                 self.holders.setdefault(placement.node, []).append(
                     (slice_, len(placement.gpu_indices))
                 )
-        usage = self.tree.subtree_usage(self.snap.usage)
-        values = {name: usage[name] / self.tree.entitlements[name] for name in usage}
-        self.view = FairShareView(self.tree, usage, values, self.policy.fairshare_horizon)
+        # The window's value orders the queue and is what users see; fair share
+        # now decides who may take running GPUs from whom.
+        self.values = self.tree.share_values(self.snap.usage)
+        capacity = sum(node.gpu_count * self.snap.weight(node.gpu_type) for node in ready)
+        wanting = {s.project for s in self.holding if s.allocated}
+        wanting.update(s.project for s in self.pending if s.allocated)
+        self.standings = Standings.now(self.tree, capacity, wanting)
         self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
         self.project_gpus: dict[str, int] = {}
         for slice_ in self.holding:
@@ -201,7 +209,7 @@ class _Pass:
         self.preemptor = Preemptor(
             now=self.now,
             policy=self.policy,
-            view=self.view,
+            standings=self.standings,
             lane=self.lane,
             nodes=self.free.nodes,
             weights=self.snap.gpu_type_weights,
@@ -218,7 +226,7 @@ class _Pass:
                 len(p.gpu_indices) * self.snap.weight(self.nodes[p.node].gpu_type)
                 for p in placements
             )
-            self.view.record(slice_.project, weighted)
+            self.standings.record(slice_.project, weighted)
         if is_debug(slice_, self.policy):
             self.lane.record(slice_)
 
@@ -246,7 +254,7 @@ class _Pass:
             else:
                 deadline = max(s.preempt_deadline or self.now for s in blockers)
                 self.reservations.append(Reservation(slice_.id, slice_.promised, True, deadline))
-                value = self.view.values[slice_.project]
+                value = self.values[slice_.project]
                 self.queue.append(QueueEntry(slice_.id, len(self.queue) + 1, value, deadline))
 
     # -- phase 5 -----------------------------------------------------------
@@ -266,10 +274,39 @@ class _Pass:
         cap = self.policy.project_gpu_caps.get(slice_.project)
         return cap is None or self.project_gpus.get(slice_.project, 0) + slice_.gpus <= cap
 
-    def _grant(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
+    def _grant(self, slice_: Slice, placements: tuple[Placement, ...]) -> float | None:
+        """Give ``slice_`` its placements: at once, or, where some of those GPUs are
+        still held by a slice this pass preempted, as a promise due at the end of
+        its grace (returned)."""
         self.free.take(placements)
-        self.grants.append(Grant(slice_.id, placements))
         self._count(slice_, placements)
+        due = max(
+            (self.freeing.get((p.node, i), 0.0) for p in placements for i in p.gpu_indices),
+            default=0.0,
+        )
+        if due:
+            self.reservations.append(Reservation(slice_.id, placements, True, due))
+            return due
+        self.grants.append(Grant(slice_.id, placements))
+        return None
+
+    def _pass_on_leftovers(self, found: Victims, deadline: float) -> None:
+        """Offer the GPUs the victims free beyond the request's need to the rest of
+        the queue, promised to whoever fits them (design.md §5.3): a preemption
+        never leaves GPUs idle while work waits."""
+        taken = {(p.node, i) for p in (found.placement,) for i in p.gpu_indices}
+        leftover: list[Placement] = []
+        for victim, _ in found.victims:
+            for placement in victim.placements:
+                if placement.node not in self.free.nodes:
+                    continue  # a draining node keeps what its slices free
+                rest = tuple(i for i in placement.gpu_indices if (placement.node, i) not in taken)
+                if rest:
+                    leftover.append(Placement(placement.node, rest))
+                    self.freeing.update(((placement.node, i), deadline) for i in rest)
+        if leftover:
+            self.free.give(leftover)
+            self._smallest_misfit.clear()  # free GPUs grew: earlier misfits may fit now
 
     def allocate(self) -> None:
         tried_preemption: set[str] = set()
@@ -283,7 +320,7 @@ class _Pass:
         position = len(self.queue)
         self._sort_backlog()
         # Read once: the loop below runs for every pending slice of every pass.
-        values, largest_node = self.view.values, self.largest_node
+        values, largest_node = self.values, self.largest_node
         max_reservations, enqueue = self.policy.max_reservations, self.queue.append
         # With debug headroom, whether a debug session may use it depends on its
         # user's place in the lane, which its shape does not tell: never settled.
@@ -311,7 +348,9 @@ class _Pass:
                 continue
             placements = self._place(slice_, backfill_reserved)
             if placements is not None:
-                self._grant(slice_, placements)
+                due = self._grant(slice_, placements)
+                if due is not None:
+                    enqueue(QueueEntry(slice_.id, position, value, due))
                 continue
             if tries_preemption:
                 tried_preemption.add(slice_.project)
@@ -329,7 +368,7 @@ class _Pass:
                     for victim, reason in found.victims:
                         self._preempt(victim, reason, slice_.id)
                         self.preemptor.remove(victim)
-                        self.view.record(
+                        self.standings.record(
                             victim.project,
                             -victim.gpus
                             * self.snap.weight(self.nodes[victim.placements[0].node].gpu_type)
@@ -342,6 +381,8 @@ class _Pass:
                     self.free.take(promise.placements)
                     self._count(slice_, promise.placements)
                     enqueue(QueueEntry(slice_.id, position, value, deadline))
+                    self._pass_on_leftovers(found, deadline)
+                    blocked_shapes.clear()
                     continue
             if planned < self.policy.max_reservations:
                 planned += 1
@@ -394,7 +435,7 @@ class _Pass:
             for holder, _ in self.holders.get(name, ()):
                 if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
                     continue  # already leaving
-                reason = self.preemptor.reason(slice_, holder, weight)
+                reason = self.preemptor.reason(slice_, holder, weight, gang=True)
                 if reason is None:
                     return False
                 victims.append((holder, reason))
@@ -416,7 +457,7 @@ class _Pass:
         self.reservations.append(promise)
         self.free.take(promise.placements)
         self._count(slice_, promise.placements)
-        value = self.view.values[slice_.project]
+        value = self.values[slice_.project]
         self.queue.append(QueueEntry(slice_.id, position, value, deadline))
         return True
 
@@ -446,28 +487,43 @@ class _Pass:
         return releases
 
     def _release_at(self, holder: Slice, requester: Slice) -> float | None:
-        """When ``holder`` is expected to give back its GPUs to ``requester``."""
+        """When ``holder`` is expected to give back its GPUs to ``requester``: its
+        known end, or sooner if the preemption rule lets ``requester`` take them
+        once its protection is over (judged on the standings of now)."""
         known = holder.ends_at()
         if holder.id in self.leaving:
-            return self.now + self.policy.grace_period
-        if not holder.allocated:
             return self.now + self.policy.grace_period
         protected_until = holder.protected_until
         if protected_until is None:
             protected_until = self.now
-        could_preempt = (
-            holder.project == requester.project
-            and within_project_key(holder) > within_project_key(requester)
-        ) or self.view.ranks_above(requester.project, holder.project)
-        if could_preempt:
-            at = max(self.now, protected_until) + self.policy.grace_period
+        unprotected = max(self.now, protected_until)
+        weight = self.snap.weight(self.nodes[holder.placements[0].node].gpu_type)
+        if self._could_preempt(requester, holder, unprotected, weight):
+            at = unprotected + self.policy.grace_period
             return at if known is None else min(known, at)
         return known
+
+    def _could_preempt(
+        self, requester: Slice, holder: Slice, at: float, weight: float, lost_before: float = 0.0
+    ) -> bool:
+        """:func:`~broker.preemption.preempt_reason` at time ``at`` (for estimates)."""
+        reason = preempt_reason(
+            requester,
+            holder,
+            now=at,
+            policy=self.policy,
+            standings=self.standings,
+            lane=self.lane,
+            weight=weight,
+            lost_before=lost_before,
+            gang=requester.gpus > self.largest_node,
+        )
+        return reason is not None
 
     def _may_use_reserved(self, slice_: Slice, reservation: Reservation, owner: Slice) -> bool:
         """Later work may use reserved GPUs only if it is gone before they are due:
         it is unallocated, or its max runtime ends in time, or the owner could
-        preempt it by then."""
+        preempt it by then (the preemption rule, asked of it as if granted now)."""
         due = reservation.due_at
         if due is None:
             return False
@@ -478,8 +534,15 @@ class _Pass:
             and self.now + slice_.contract.max_runtime <= due
         ):
             return True
-        protected_end = self.now + slice_.contract.min_runtime + self.policy.grace_period
-        return protected_end <= due and self.view.ranks_above(owner.project, slice_.project)
+        protected_end = self.now + slice_.contract.min_runtime
+        if protected_end + self.policy.grace_period > due:
+            return False
+        weight = self.snap.weight(self.nodes[reservation.placements[0].node].gpu_type)
+        as_granted = granted(slice_, reservation.placements, self.now)
+        # Not yet counted in its project's holdings: what it would lose, it has not gained.
+        return self._could_preempt(
+            owner, as_granted, protected_end, weight, lost_before=-slice_.gpus * weight
+        )
 
     def _place(
         self, slice_: Slice, reserved: list[tuple[Reservation, Slice]]
@@ -506,7 +569,14 @@ class _Pass:
                 return placements
             self._smallest_misfit[key] = slice_.gpus
         # Whether a reservation may be used depends on these traits only.
-        traits = (slice_.project, slice_.contract.min_runtime, slice_.contract.max_runtime)
+        traits = (
+            slice_.project,
+            slice_.gpus,
+            slice_.kind,
+            within_project_key(slice_),
+            slice_.contract.min_runtime,
+            slice_.contract.max_runtime,
+        )
         usable = self._usable.get((traits, len(reserved)))
         if usable is None:
             usable = tuple(
@@ -573,10 +643,12 @@ class _Pass:
         for slice_ in self.unallocated_backlog:
             position += 1
             placements = self._place(slice_, self._backfill_reserved)
+            value = self.values[slice_.project]
             if placements is not None and self._under_cap(slice_):
-                self._grant(slice_, placements)
+                due = self._grant(slice_, placements)
+                if due is not None:
+                    self.queue.append(QueueEntry(slice_.id, position, value, due))
             else:
-                value = self.view.values[slice_.project]
                 self.queue.append(QueueEntry(slice_.id, position, value))
 
 

@@ -45,7 +45,6 @@ grace_period = "2s"
 debug_max_gpus = 2
 debug_max_min_runtime = "15m"
 debug_lane_fraction = 1.0
-fairshare_horizon = "0s"
 
 [defaults.interactive]
 min_runtime = "15m"

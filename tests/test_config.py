@@ -209,7 +209,6 @@ debug_max_gpus = 1
 debug_max_min_runtime = "10m"
 debug_lane_fraction = 0.1
 debug_headroom = 2
-fairshare_horizon = "30m"
 max_reservations = 0
 [policy.project_gpu_caps]
 solo = 4
@@ -223,7 +222,6 @@ solo = 4
         debug_max_gpus=1,
         debug_max_min_runtime=600.0,
         debug_lane_fraction=0.1,
-        fairshare_horizon=1800.0,
         max_reservations=0,
         project_gpu_caps={"solo": 4},
         debug_headroom=2,
@@ -690,3 +688,11 @@ def test_the_module_runs_as_a_command(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_a_retired_policy_key_loads_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="broker.config"):
+        config = parse(MINIMAL + '[policy]\nfairshare_horizon = "1h"\n')
+    assert config.policy == Policy()
+    assert "policy.fairshare_horizon is retired" in caplog.text
+    assert "GPUs projects hold now" in caplog.text

@@ -179,8 +179,10 @@ def test_protected_slice_is_never_preempted_even_for_a_far_better_ranked_project
 
 
 def test_past_protection_slice_of_an_over_served_project_is_preempted_with_grace():
+    # hog holds all 8 GPUs against a fair share of 4: a request of starving's
+    # fair share (4 GPUs) may take them; one of 8 could not (design.md §5.2).
     hog = running("hog", "n0", tuple(range(8)), granted_ago=2 * HOUR, min_runtime=HOUR)
-    starving = pending("starving", 8, min_runtime=HOUR)
+    starving = pending("starving", 4, min_runtime=HOUR)
     policy = Policy(grace_period=90)
     d = schedule(
         snapshot(
@@ -227,12 +229,16 @@ def test_debug_slice_of_under_used_project_preempts_past_protection_batch_of_ove
     assert preempted(d) == {batch.id: PreemptReason.FAIR_SHARE}
 
 
+def heavy_holds(node: str = "n1"):
+    """heavy's protected work on a whole node: with light on the other, both hold
+    their fair share now, so fair share moves nothing between them."""
+    return running("heavy", node, tuple(range(8)), granted_ago=MIN, min_runtime=4 * HOUR)
+
+
 def test_debug_lane_lets_a_short_session_through_even_from_an_over_served_project():
     batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
     debug = pending("heavy", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
-    d = schedule(
-        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
-    )
+    d = schedule(snapshot(nodes(2), flat_tree("heavy", "light"), [heavy_holds(), batch, debug]))
     assert preempted(d) == {batch.id: PreemptReason.DEBUG_LANE}
 
 
@@ -255,9 +261,7 @@ def test_debug_lane_lets_a_short_session_through_even_from_an_over_served_projec
 )
 def test_the_debug_lane_is_only_for_small_short_interactive_sessions(debug):
     batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
-    d = schedule(
-        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
-    )
+    d = schedule(snapshot(nodes(2), flat_tree("heavy", "light"), [heavy_holds(), batch, debug]))
     assert d.preemptions == ()
 
 
@@ -302,22 +306,21 @@ def test_debug_headroom_is_for_sessions_within_the_lanes_limits():
 
 
 def test_debug_lane_is_capped_by_its_share_of_the_cluster():
-    # 2 nodes x 8 GPUs at 5% -> one GPU of lane; one debug session already holds it.
+    # 4 nodes x 8 GPUs at 3% -> one GPU of lane; one debug session already holds it.
+    # heavy holds 17 GPUs against light's 15: fair share moves nothing to heavy.
     holding = running(
         "heavy", "n1", (0,), kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, granted_ago=MIN
     )
     batch = running("light", "n0", tuple(range(8)), granted_ago=3 * HOUR)
     filler = running("light", "n1", tuple(range(1, 8)), granted_ago=3 * HOUR, min_runtime=4 * HOUR)
     debug = pending("heavy", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="v")
-    d = schedule(
-        snapshot(
-            nodes(2),
-            flat_tree("heavy", "light"),
-            [holding, batch, filler, debug],
-            usage={"heavy": 1e6},
-        )
-    )
+    slices = [heavy_holds("n2"), heavy_holds("n3"), holding, batch, filler, debug]
+    policy = Policy(debug_lane_fraction=0.03)
+    d = schedule(snapshot(nodes(4), flat_tree("heavy", "light"), slices, policy=policy))
     assert d.preemptions == ()
+    wider = Policy(debug_lane_fraction=0.06)  # two GPUs of lane: the session gets through
+    d = schedule(snapshot(nodes(4), flat_tree("heavy", "light"), slices, policy=wider))
+    assert preempted(d) == {batch.id: PreemptReason.DEBUG_LANE}
 
 
 def test_within_a_project_an_interactive_session_preempts_its_own_batch_work():
@@ -376,30 +379,38 @@ def test_victims_are_the_fewest_and_least_harmful():
     }
 
 
-def test_two_projects_do_not_trade_gpus_back_and_forth():
-    """After A takes B's GPUs, B may not take them back while that would leave B above A."""
-    policy = Policy(fairshare_horizon=HOUR)
-    b_running = running("B", "n0", tuple(range(8)), granted_ago=2 * HOUR)
-    a_request = pending("A", 8)
-    usage = {"A": 8 * 3600.0, "B": 9 * 3600.0}
-    d = schedule(
-        snapshot(nodes(1), flat_tree("A", "B"), [b_running, a_request], usage=usage, policy=policy)
-    )
-    # A ranks above B now, but after taking 8 GPUs for an hour it would be
-    # at 16 GPU-hours against B's 9: the move would only invert the order.
-    assert d.preemptions == ()
-    usage = {"A": 0.0, "B": 9 * 3600.0}
-    d = schedule(
-        snapshot(nodes(1), flat_tree("A", "B"), [b_running, a_request], usage=usage, policy=policy)
-    )
-    assert set(preempted(d)) == {b_running.id}
-    # Now A runs past protection and B asks again: B ranks below A, so nothing moves.
+def test_two_projects_at_their_fair_share_never_preempt_each_other_whatever_their_window():
+    """Fair share now, not the window, decides who may take running GPUs: A and B
+    each hold their half, so neither takes from the other, however far apart
+    their 7-day usage is (the window still orders who is served first)."""
     a_running = running("A", "n0", tuple(range(8)), granted_ago=2 * HOUR)
-    b_request = pending("B", 8)
-    usage = {"A": 2 * 8 * 3600.0, "B": 9 * 3600.0 + 10}
-    d = schedule(
-        snapshot(nodes(1), flat_tree("A", "B"), [a_running, b_request], usage=usage, policy=policy)
-    )
+    b_running = running("B", "n1", tuple(range(8)), granted_ago=2 * HOUR)
+    for a_usage, b_usage in [(0.0, 1e7), (1e7, 0.0), (5e5, 5e5 + 1)]:
+        usage = {"A": a_usage, "B": b_usage}
+        for request in (pending("A", 1), pending("B", 1), pending("A", 8), pending("B", 8)):
+            d = schedule(
+                snapshot(
+                    nodes(2), flat_tree("A", "B"), [a_running, b_running, request], usage=usage
+                )
+            )
+            assert d.preemptions == (), (usage, request.project, request.gpus)
+
+
+def test_a_fair_share_move_never_goes_back():
+    """After A takes GPUs from B, B cannot take them back: the move leaves A at or
+    below B's standing, and B's request would put it above A's."""
+    b_first = running("B", "n0", tuple(range(4)), granted_ago=2 * HOUR)
+    b_second = running("B", "n0", tuple(range(4, 8)), granted_ago=2 * HOUR)
+    a_request = pending("A", 4)
+    d = schedule(snapshot(nodes(1), flat_tree("A", "B"), [b_first, b_second, a_request]))
+    (victim,) = preempted(d)
+    assert victim in {b_first.id, b_second.id}
+    # A now runs the 4 GPUs past protection; B asks for them again.
+    kept = b_second if victim == b_first.id else b_first
+    a_running = running("A", "n0", tuple(range(4)) if victim == b_first.id else tuple(range(4, 8)))
+    a_running = replace(a_running, granted_at=NOW - 2 * HOUR)
+    b_again = pending("B", 4)
+    d = schedule(snapshot(nodes(1), flat_tree("A", "B"), [a_running, kept, b_again]))
     assert d.preemptions == ()
 
 

@@ -150,7 +150,7 @@ def test_fairshare_a_debug_session_preempts_batch_and_waits_only_the_grace_perio
 def test_fairshare_a_protected_slice_is_not_preempted_before_its_contract_ends():
     jobs = [
         job(0, 0, "b", 8, 5000, min_runtime=3600, resumable=True),
-        job(1, 100, "a", 8, 100, min_runtime=3600),
+        job(1, 100, "a", 4, 100, min_runtime=3600),  # a's fair share now: half the node
     ]
     result = run(FairShare(ACCOUNTS), workload(jobs))
     assert first(result, "preempted (fair_share)") == {0: 3600.0}
@@ -190,7 +190,7 @@ def test_a_node_going_down_ends_its_work_and_the_user_starts_again(policy):
 
 def test_fairshare_an_idle_session_past_its_contract_gives_way_to_a_better_ranked_project():
     squatter = job(0, 0, "b", 8, 86_400, kind=SliceKind.INTERACTIVE, min_runtime=3600, idle=True)
-    worker = job(1, 600, "a", 8, 100)
+    worker = job(1, 600, "a", 4, 100)  # a's fair share now: half the node
     ours = run(FairShare(ACCOUNTS), workload([squatter, worker], until=20_000))
     assert first(ours, "granted") == {0: 0.0, 1: 3660.0}
     assert ours.summary["squatter_idle_gpu_hours"] == pytest.approx(8 * 3660 / 3600)

@@ -1,0 +1,182 @@
+"""The one preemption rule and what derives from it (design.md §5.2–§5.3): fair share
+now, the shortcuts that must agree with the rule, and no GPU left idle by a
+preemption."""
+
+from __future__ import annotations
+
+from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from broker.fairshare import ProjectTree
+from broker.model import Account, Policy, PreemptReason, SliceKind
+from broker.preemption import DebugLane, Preemptor, preempt_reason
+from broker.scheduler import schedule
+from broker.standing import Standings
+
+# ---- fair share now --------------------------------------------------------------------
+
+
+def test_the_share_of_a_project_that_wants_nothing_goes_to_its_siblings_first():
+    tree = ProjectTree(
+        [
+            Account("org1", 1.0),
+            Account("org2", 1.0),
+            Account("a", 1.0, "org1"),
+            Account("b", 1.0, "org1"),
+            Account("c", 1.0, "org2"),
+        ]
+    )
+    both = Standings.now(tree, 16.0, wanting={"a", "b", "c"})
+    assert (both.fair["a"], both.fair["b"], both.fair["c"]) == (4.0, 4.0, 8.0)
+    # b wants nothing: its half of org1 goes to a, not across to org2.
+    idle_b = Standings.now(tree, 16.0, wanting={"a", "c"})
+    assert (idle_b.fair["a"], idle_b.fair["b"], idle_b.fair["c"]) == (8.0, 0.0, 8.0)
+    # org2 wants nothing: the whole cluster is org1's.
+    only_org1 = Standings.now(tree, 16.0, wanting={"a", "b"})
+    assert (only_org1.fair["a"], only_org1.fair["b"], only_org1.fair["c"]) == (8.0, 8.0, 0.0)
+
+
+def test_standing_is_gpus_held_over_fair_share_now():
+    standings = Standings.now(ProjectTree(flat_tree("a", "b")), 16.0, wanting={"a", "b"})
+    standings.record("a", 12.0)
+    assert standings.standing("a") == 1.5
+    assert standings.standing("b") == 0.0
+    assert standings.standing("a", -4.0) == 1.0
+
+
+def test_a_partial_preemption_leaves_no_gpu_idle_while_work_waits():
+    """A 1-GPU request takes a 4-GPU slice: its 3 other GPUs are promised, in the
+    same pass, to the next pending work that fits them."""
+    big = running("hog", "n0", (0, 1, 2, 3), granted_ago=2 * HOUR)
+    rest = running("hog", "n0", (4, 5, 6, 7), granted_ago=MIN, min_runtime=4 * HOUR)
+    debug = pending("starving", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    three = pending("starving", 3, submitted_at=NOW - 5)
+    d = schedule(snapshot(nodes(1), flat_tree("hog", "starving"), [big, rest, debug, three]))
+    assert [(p.slice_id, p.for_slice) for p in d.preemptions] == [(big.id, debug.id)]
+    promised = {r.slice_id: r for r in d.reservations if r.promised}
+    assert set(promised) == {debug.id, three.id}
+    gpus = [i for r in promised.values() for p in r.placements for i in p.gpu_indices]
+    assert sorted(gpus) == [0, 1, 2, 3]  # every GPU the victim frees has a taker
+    assert promised[three.id].due_at == d.preemptions[0].deadline
+    assert d.grants == ()  # nothing runs on GPUs the victim still holds
+
+
+# ---- the shortcuts agree with the rule ------------------------------------------------
+
+PROJECTS = ("a", "b", "c")
+
+
+@st.composite
+def clusters(draw):
+    """Two 8-GPU nodes filled with running slices of random projects, kinds and
+    ages, and a random request."""
+    slices = []
+    for node in ("n0", "n1"):
+        start = 0
+        while start < 8:
+            size = draw(st.integers(1, 8 - start))
+            slices.append(
+                running(
+                    draw(st.sampled_from(PROJECTS)),
+                    node,
+                    tuple(range(start, start + size)),
+                    granted_ago=draw(st.sampled_from([MIN, 2 * HOUR])),
+                    min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR])),
+                    kind=draw(st.sampled_from(list(SliceKind))),
+                    priority=draw(st.integers(-1, 1)),
+                )
+            )
+            start += size
+    requester = pending(
+        draw(st.sampled_from(PROJECTS)),
+        draw(st.integers(1, 8)),
+        kind=draw(st.sampled_from(list(SliceKind))),
+        min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR])),
+        priority=draw(st.integers(-1, 1)),
+    )
+    return slices, requester
+
+
+LANE_POLICY = Policy(debug_lane_fraction=0.25)  # a lane of 4 GPUs: debug sessions get in
+
+
+def preemptor_for(slices, requester, policy: Policy = LANE_POLICY) -> Preemptor:
+    tree = ProjectTree(flat_tree(*PROJECTS))
+    wanting = {s.project for s in slices if s.allocated}
+    if requester.allocated:
+        wanting.add(requester.project)
+    standings = Standings.now(tree, 16.0, wanting)
+    lane = DebugLane.for_cluster(16, policy)
+    for s in slices:
+        if s.allocated:
+            standings.record(s.project, float(s.gpus))
+        if s.kind is SliceKind.INTERACTIVE and s.allocated and s.gpus <= policy.debug_max_gpus:
+            lane.record(s)
+    return Preemptor(
+        now=NOW,
+        policy=policy,
+        standings=standings,
+        lane=lane,
+        nodes={n.name: n for n in nodes(2)},
+        weights={},
+        running=slices,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_hopeless_only_when_the_rule_refuses_every_candidate(cluster):
+    slices, requester = cluster
+    preemptor = preemptor_for(slices, requester)
+    reasons = {
+        s.id: preempt_reason(
+            requester,
+            s,
+            now=NOW,
+            policy=preemptor.policy,
+            standings=preemptor.standings,
+            lane=preemptor.lane,
+            weight=1.0,
+        )
+        for entries in preemptor.candidates.values()
+        for s, _ in entries
+    }
+    hopeless = preemptor.hopeless(requester)
+    event(f"hopeless={hopeless}")
+    for reason in set(reasons.values()) - {None}:
+        event(f"reason={reason.value}")
+    if hopeless:
+        assert set(reasons.values()) <= {None}
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.floats(0, 16), st.floats(0, 16), st.floats(0, 8), st.floats(0, 8))
+def test_fair_share_only_gets_harder_as_more_moves(cluster, gained, lost, more_gained, more_lost):
+    """The shortcuts ask the rule with nothing moved: sound only if it is monotone."""
+    slices, requester = cluster
+    standings = preemptor_for(slices, requester).standings
+    for theirs in PROJECTS:
+        harder = standings.may_take(
+            requester.project, theirs, gained + more_gained, lost + more_lost
+        )
+        if harder:
+            assert standings.may_take(requester.project, theirs, gained, lost)
+            assert standings.may_take(requester.project, theirs, 0.0, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
+    slices, requester = cluster
+    preemptor = preemptor_for(slices, requester)
+    found = preemptor.find(requester, {})
+    if found is None:
+        return
+    event(f"victims={len(found.victims)}")
+    for victim, reason in found.victims:
+        assert not (victim.allocated and victim.is_protected(NOW))
+        if reason is PreemptReason.UNALLOCATED:
+            assert not victim.allocated
+        if reason is PreemptReason.FAIR_SHARE:
+            assert victim.project != requester.project
