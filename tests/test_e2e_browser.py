@@ -118,7 +118,9 @@ async def test_a_preempted_user_sees_why_in_the_browser(hub, browser, screenshot
     victim = hub.slice_of("bob")
     await log_in(browser, hub, "bob")
 
-    hub.start_server("carol", project="nlp", gpus=2, protected="15m")
+    # nlp holds nothing, vision the whole node: one GPU for carol is a fair-share move
+    # (two would leave nlp as far above its share as vision is now).
+    hub.start_server("carol", project="nlp", gpus=1, protected="15m")
     hub.wait_ready("carol")
     wait_until(lambda: hub.server("bob") is None, 30, "bob's server to stop")
     await browser.goto(f"{hub.url}/user/bob/")
