@@ -8,8 +8,10 @@ weighted GPU-seconds it accrues per second.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -209,3 +211,28 @@ def usage_rows(
         row = totals[key]
         rows.append(row | {"slices": len(row["slices"])})
     return rows
+
+
+#: First characters that make a spreadsheet read a text cell as a formula (OWASP's
+#: CSV injection list, with the fullwidth forms some spreadsheets also take).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` as a CSV cell that no spreadsheet runs: text starting like a formula
+    gets a leading ``'``, which spreadsheets show as text and do not evaluate.
+    Numbers are left alone (a negative number is a number, not a formula)."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
+def usage_csv(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """Usage rows as CSV text with a header: text cells quoted and made formula-safe
+    (:func:`csv_cell`), numbers as they are."""
+    out = io.StringIO()
+    writer = csv.writer(out, quoting=csv.QUOTE_NONNUMERIC, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([csv_cell(row.get(column, "")) for column in columns])
+    return out.getvalue()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from datetime import UTC, datetime
 from typing import Any
 
+from ...accounting import usage_csv
 from ...errors import Forbidden, InvalidRequest, NotFound
 from .base import NAME_PARAM, NEW_NAME_PARAM, APIHandler, Operation, Param
 
@@ -156,11 +155,7 @@ def _time(params: dict[str, Any], key: str) -> float | None:
 def _csv(rows: list[dict[str, Any]], by: str) -> str:
     columns = [c for c in USAGE_COLUMNS if by == "user" or c != "user"]
     columns.append("weighted_gpu_seconds")
-    out = io.StringIO()
-    writer = csv.DictWriter(out, columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
+    return usage_csv(rows, columns)
 
 
 default_handlers = [
