@@ -15,6 +15,13 @@ on the granted GPUs, heartbeats the slice, and follows the contract:
 - SIGINT or SIGTERM to the runner: forwarded to the command (SIGKILL
   ``grace_kill`` seconds later), then the slice is released.
 
+A broker that does not answer, or answers 5xx (a proxy's 503 while it
+restarts, a database outage), is waited for: the submission (resent with its
+``Idempotency-Key``, so never twice), the queue and the release are tried again
+until ``patience`` runs out; a running command is not disturbed, its lease
+guards it. Whenever the runner ends it releases what it asked for and says
+what was charged.
+
 The command runs in a process group of its own, so that a terminal's Ctrl-C
 reaches it once (forwarded by the runner) and SIGKILL reaches its children
 too. See ``docs/batch.md``.
@@ -33,9 +40,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from .client import BrokerAPIError, BrokerClient, BrokerUnreachable
+from .client import BrokerAPIError, BrokerClient, new_idempotency_key
 from .config import format_duration
 
 T = TypeVar("T")
@@ -44,6 +52,14 @@ T = TypeVar("T")
 FALLBACK_HEARTBEAT_S = 30.0
 #: Signals the runner forwards to the command.
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+#: Longest pause between two tries of a broker that is down or answering 5xx (seconds).
+RETRY_PAUSE_S = 5.0
+
+
+def transient(err: BrokerAPIError) -> bool:
+    """Whether ``err`` may pass: no answer (status 0) or a 5xx (a proxy's 502/503/504
+    while the broker restarts, the broker's 503 while its database is away)."""
+    return err.status == 0 or err.status >= 500
 
 
 class BatchError(Exception):
@@ -67,7 +83,9 @@ class BatchRequest:
     priority: int | None = None
     resumable: bool = False
 
-    def submit(self, client: BrokerClient) -> Awaitable[dict[str, Any]]:
+    def submit(
+        self, client: BrokerClient, idempotency_key: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
         return client.submit(
             self.project,
             self.gpus,
@@ -77,6 +95,7 @@ class BatchRequest:
             gpu_type=self.gpu_type,
             priority=self.priority,
             resumable=self.resumable,
+            idempotency_key=idempotency_key,
         )
 
 
@@ -106,8 +125,9 @@ async def run_batch(
     The status is the command's (128 + N when signal N ended it), from its
     last run. ``grace_kill`` is the time, in seconds, between SIGTERM and
     SIGKILL when the broker sets no deadline; ``poll`` the longest a long-poll
-    waits (how stale queue figures may get); ``patience`` how long the runner
-    keeps trying an unreachable broker while it waits for a grant. ``say``
+    waits (how stale queue figures may get); ``patience`` how long, in seconds,
+    the runner keeps trying a broker that does not answer or answers 5xx
+    (submitting, waiting for a grant, releasing). ``say``
     receives the progress lines (default: stderr); ``environ`` is the
     command's base environment (default: the runner's). With
     ``handle_signals`` (main thread only) SIGINT and SIGTERM are forwarded.
@@ -192,7 +212,7 @@ class _Runner:
     # ---- the whole run --------------------------------------------------------
 
     async def run(self) -> int:
-        slice_ = await self.request.submit(self.client)
+        slice_ = await self._submit()
         self.say(f"slice {slice_['id']} requested: {_describe_request(self.request)}")
         try:
             while True:
@@ -213,12 +233,35 @@ class _Runner:
             await asyncio.shield(self._release(slice_))  # leave no request behind
             raise
 
+    async def _submit(self) -> dict[str, Any]:
+        """Submit the request; one key for every try, so the broker makes one slice."""
+        key = new_idempotency_key()
+        return await self._patiently("submitting", lambda: self.request.submit(self.client, key))
+
+    async def _patiently(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, tried again while the broker does not answer or answers 5xx,
+        for up to ``patience`` seconds; then its error."""
+        since = time.monotonic()
+        told = False
+        while True:
+            try:
+                return await call()
+            except BrokerAPIError as err:
+                waited = time.monotonic() - since
+                if not transient(err) or waited > self.patience:
+                    raise
+                if not told:
+                    self.say(f"{what}: {err.message}; trying again for up to "
+                             f"{format_duration(self.patience)}")  # fmt: skip
+                    told = True
+                await asyncio.sleep(min(RETRY_PAUSE_S, self.poll, self.patience - waited + 0.01))
+
     # ---- waiting ----------------------------------------------------------------
 
     async def _wait_for_grant(self, slice_: dict[str, Any]) -> dict[str, Any] | None:
         """The slice once it holds GPUs; ``None`` (request withdrawn) if interrupted."""
         shown = ""
-        unreachable_since: float | None = None
+        failing_since: float | None = None
         while True:
             if self.interrupted.is_set():
                 await self._release(slice_)
@@ -239,15 +282,24 @@ class _Runner:
                 latest = await self._unless_interrupted(
                     self.client.wait_for_change(slice_["id"], "pending", self.poll)
                 )
-            except BrokerUnreachable as err:
+            except BrokerAPIError as err:
                 now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > self.patience:
+                if not transient(err):
                     raise
-                self.say(f"{err.message}; trying again")
-                await self._unless_interrupted(asyncio.sleep(self.poll))
+                if failing_since is None:
+                    failing_since = now
+                    self.say(f"slice {slice_['id']}: {err.message}; still waiting")
+                elif now - failing_since > self.patience:
+                    self.say(
+                        f"slice {slice_['id']}: the broker has not answered for "
+                        f"{format_duration(now - failing_since)}; giving up"
+                    )
+                    raise
+                await self._unless_interrupted(asyncio.sleep(min(RETRY_PAUSE_S, self.poll)))
                 continue
-            unreachable_since = None
+            if failing_since is not None:
+                self.say(f"slice {slice_['id']}: the broker answers again")
+            failing_since = None
             if latest is not None:
                 slice_ = latest
 
@@ -349,7 +401,13 @@ class _Runner:
         placements = slice_["placements"]
         env["SLICEBROKER_SLICE_ID"] = str(slice_["id"])
         env["SLICEBROKER_PROJECT"] = slice_["project"]
-        env["SLICEBROKER_PROTECTED_UNTIL"] = repr(slice_.get("protected_until"))
+        # ISO 8601 in UTC, as in notebook sessions (empty for a slice without protection).
+        until = slice_.get("protected_until")
+        env["SLICEBROKER_PROTECTED_UNTIL"] = (
+            ""
+            if until is None
+            else datetime.fromtimestamp(until, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        )
         env["SLICEBROKER_PLACEMENTS"] = json.dumps(placements)
         env["SLICEBROKER_RUN"] = str(self.runs)
         local = _local_placement(placements)
@@ -409,19 +467,28 @@ class _Runner:
             self.say(f"slice {latest['id']} is back in the queue; the command will run again")
             return latest
         await self._release(latest)
-        fresh = await self.request.submit(self.client)
+        fresh = await self._submit()
         self.say(
             f"slice {latest['id']} given back; requested slice {fresh['id']} with the same terms"
         )
         return fresh
 
     async def _release(self, slice_: dict[str, Any]) -> None:
+        """Release the slice (patiently), and say what it was charged."""
         if slice_["state"] == "ended":
             return
         try:
-            await self.client.release(slice_["id"])
+            released = await self._patiently(
+                f"slice {slice_['id']}: releasing", lambda: self.client.release(slice_["id"])
+            )
         except BrokerAPIError as err:
-            self.say(f"slice {slice_['id']}: could not release it: {err.message}")
+            self.say(
+                f"slice {slice_['id']}: could not release it: {err.message}; release it with "
+                f"'slicebroker release {slice_['id']}'"
+            )
+            return
+        charged = (released.get("charged_gpu_seconds") or 0.0) / 3600
+        self.say(f"slice {released['id']} released, charged {charged:.2f} GPU-h")
 
 
 # ---- helpers -------------------------------------------------------------------------

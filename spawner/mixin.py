@@ -45,7 +45,7 @@ from typing import Any
 
 from jupyterhub.spawner import SpawnException
 from tornado import web
-from traitlets import Float, Int, List, Unicode, Union, default, validate
+from traitlets import Dict, Float, Int, List, Unicode, Union, default, validate
 from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
@@ -58,6 +58,7 @@ from .options import (
     Choices,
     OptionsError,
     SliceRequest,
+    capacity_note,
     gpu_type_views,
     options_from_form,
     project_views,
@@ -77,6 +78,9 @@ _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
 #: The queue and the nodes as last read for the idle rule, per broker URL: one read per
 #: ``cull_interval / 2`` serves every session of the hub.
 _QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
+#: The broker's nodes as last read, per broker URL: what the pending page and the notices
+#: say about draining and down nodes.
+_NODES_SEEN: dict[str, list[dict[str, Any]]] = {}
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -220,6 +224,14 @@ class SliceBrokerMixin(Configurable):
         help="The most GPUs one session may have; larger requests are refused with a message.",
     ).tag(config=True)
 
+    project_gpu_caps = Dict(
+        value_trait=Int(),
+        help="""Project -> the most GPUs it may hold at once (the broker's
+        ``[policy.project_gpu_caps]``). The form offers no more to a project, and a
+        larger request is refused before it is submitted. The embedded config copies
+        the cluster file's; empty (the default): no caps known.""",
+    ).tag(config=True)
+
     gpu_types = List(
         Unicode(),
         help="""GPU types a user may choose, e.g. ``["h100", "b200"]``. Empty (the
@@ -310,6 +322,8 @@ class SliceBrokerMixin(Configurable):
     slice: dict[str, Any] | None = None
     #: The request being (or last) submitted, set by :meth:`apply_slice_options`.
     slice_request: SliceRequest | None = None
+    #: The GPU type of the granted node (the request may have named none).
+    granted_gpu_type: str | None = None
     #: Why the last session ended, when the broker ended it (see :mod:`spawner.notices`).
     notice: dict[str, Any] | None = None
 
@@ -357,6 +371,7 @@ class SliceBrokerMixin(Configurable):
             debug_max=parse_duration(self.debug_protected_max),
             idle_protected=parse_duration(self.cull_idle_protected),
             idle_busy=parse_duration(self.cull_idle_busy),
+            project_caps=dict(self.project_gpu_caps),
         )
 
     def cull_limits(self) -> CullLimits:
@@ -372,21 +387,23 @@ class SliceBrokerMixin(Configurable):
 
     # ---- options -------------------------------------------------------------------
 
-    async def _cluster_view(self) -> tuple[list, list, int]:
-        """The user's projects, the cluster's GPU types and the queue length, from the broker."""
+    async def _cluster_view(self) -> tuple[list, list, int, list]:
+        """The user's projects, the cluster's GPU types, the queue length and the nodes, from
+        the broker."""
         try:
             rows, nodes = await asyncio.gather(self.broker.projects(), self.broker.nodes())
         except BrokerAPIError as err:
             raise broker_error(err) from None
+        _NODES_SEEN[self.broker_url] = nodes
         projects = project_views(rows, self.user.name, self._user_groups())
         queue = sum(int(r.get("pending") or 0) for r in rows if r.get("is_project"))
-        return projects, gpu_type_views(nodes), queue
+        return projects, gpu_type_views(nodes), queue, nodes
 
     async def slice_options_form(self) -> str:
         """The options form: the user's projects with their budget position and queue,
         GPU count and type, and the protected length."""
         try:
-            projects, gpu_types, queue = await self._cluster_view()
+            projects, gpu_types, queue, nodes = await self._cluster_view()
         except web.HTTPError as err:
             message = getattr(err, "jupyterhub_message", str(err))
             return f'<div class="alert alert-danger" id="sb-broker-error">{escape(message)}</div>'
@@ -398,6 +415,7 @@ class SliceBrokerMixin(Configurable):
             previous=previous or {},
             notice_html=notices.notice_alert(self.notice),
             queue_total=queue,
+            capacity=capacity_note(nodes, 1),
         )
 
     async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:
@@ -408,7 +426,7 @@ class SliceBrokerMixin(Configurable):
         ``user_options`` then show the request as resolved (defaults filled in).
         """
         began = time.perf_counter()
-        projects, gpu_types, _ = await self._cluster_view()
+        projects, gpu_types, _, _ = await self._cluster_view()
         try:
             request = resolve_request(
                 user_options or {}, projects=projects, gpu_types=gpu_types, choices=self.choices()
@@ -444,6 +462,8 @@ class SliceBrokerMixin(Configurable):
                         "min_runtime",
                     )
                 }
+            if self.granted_gpu_type:
+                mine["granted_gpu_type"] = self.granted_gpu_type
         if self.notice:
             mine["notice"] = self.notice
         if mine:
@@ -456,6 +476,7 @@ class SliceBrokerMixin(Configurable):
         self.slice_id = mine.get("slice_id")
         self.slice = mine.get("slice")
         self.notice = mine.get("notice")
+        self.granted_gpu_type = mine.get("granted_gpu_type")
         # A hub restart: the first poll() asks the broker where the slice stands.
         self._needs_reconnect = self.slice_id is not None
 
@@ -464,6 +485,7 @@ class SliceBrokerMixin(Configurable):
         super().clear_state()
         self.slice_id = None
         self.slice = None
+        self.granted_gpu_type = None
         self._needs_reconnect = False
         self._options_seconds = 0.0
 
@@ -485,7 +507,7 @@ class SliceBrokerMixin(Configurable):
             "SLICEBROKER_SLICE_ID": str(s["id"]),
             "SLICEBROKER_PROJECT": str(s.get("project") or ""),
             "SLICEBROKER_PROTECTED_UNTIL": notices.iso_time(s.get("protected_until")),
-            "SLICEBROKER_GPU_TYPE": str(s.get("gpu_type") or ""),
+            "SLICEBROKER_GPU_TYPE": str(s.get("gpu_type") or self.granted_gpu_type or ""),
             "SLICEBROKER_NODES": ",".join(p["node"] for p in s.get("placements") or ()),
         }
 
@@ -562,6 +584,7 @@ class SliceBrokerMixin(Configurable):
             problem = self.placement_problem(granted)
             if problem:
                 raise spawn_error("placement", problem, status=500)
+            self.granted_gpu_type = await self._granted_type(granted)
             waited = time.perf_counter() - began
             self.log.info(
                 "Slice %s granted to %s: broker time %.1f ms (options %.1f ms, request and "
@@ -580,6 +603,20 @@ class SliceBrokerMixin(Configurable):
             )
             await asyncio.shield(self._release(self.slice_id))
             raise
+
+    async def _granted_type(self, granted: Mapping[str, Any]) -> str | None:
+        """The GPU type of the granted node(s): the request's, else the node's."""
+        if granted.get("gpu_type"):
+            return granted["gpu_type"]
+        try:
+            nodes = await self.broker.nodes()
+        except BrokerAPIError as err:
+            self.log.warning("Cannot read the nodes of %s's grant: %s", self._log_name, err.message)
+            return None
+        _NODES_SEEN[self.broker_url] = nodes
+        names = {p["node"] for p in granted.get("placements") or ()}
+        types = sorted({n["gpu_type"] for n in nodes if n["name"] in names})
+        return ",".join(types) or None
 
     async def _until_granted(self) -> dict[str, Any]:
         while True:
@@ -655,10 +692,12 @@ class SliceBrokerMixin(Configurable):
         previous = (self.slice or {}).get("state")
         self.slice = slice_
         state = slice_.get("state")
+        nodes = _NODES_SEEN.get(self.broker_url)
         if state == "pending" and self._starting:
-            self._add_progress(notices.queue_event(slice_, time.time()))
+            capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
+            self._add_progress(notices.queue_event(slice_, time.time(), capacity))
         if state != previous and state in ("preempting", "ended") and not self._starting:
-            self.notice = notices.notice_from_slice(slice_)
+            self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:
                 # The pages read the stored state: show the news now (the hub commits it).
                 self.orm_spawner.state = self.get_state()
@@ -704,6 +743,8 @@ class SliceBrokerMixin(Configurable):
                     wait = next_beat - now
                     if state == "pending":
                         wait = min(wait, self.queue_refresh_interval)
+                        # Fresh nodes for the page: is the cluster draining or down?
+                        await self._queue_view()
                     elif state == "preempting":
                         until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
                         wait = min(wait, max(until_end, 0.05))
@@ -828,6 +869,7 @@ class SliceBrokerMixin(Configurable):
             read.add_done_callback(lambda f: f.cancelled() or f.exception())
             cached = _QUEUE_VIEWS[key] = (clock, read)
         pending, nodes = await asyncio.shield(cached[1])
+        _NODES_SEEN[self.broker_url] = nodes
         return pending, nodes
 
     async def idle_verdict(self) -> tuple[Verdict, float | None]:

@@ -19,7 +19,7 @@ templates shipped in ``spawner/templates`` (see :data:`TEMPLATE_PATH`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
@@ -68,9 +68,7 @@ _WHAT_TO_DO = {
         "Choose a protected length above 0 to keep the GPUs for that long (it is charged to "
         "your project)."
     ),
-    "drain": "Start a new session: it will be placed on another node.",
     "expired": "Start a new session if you need more time.",
-    "node_down": "Start a new session: it will be placed on another node.",
     "lost": "Start a new session.",
     "released": "Start a new session.",
     "cancelled": "Start a new session.",
@@ -99,11 +97,15 @@ def iso_time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def notice_from_slice(slice_: Mapping[str, Any]) -> dict[str, Any] | None:
+def notice_from_slice(
+    slice_: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any] | None:
     """The notice a slice in ``preempting`` or (broker-)ended state calls for, else ``None``.
 
     A slice released or cancelled by its own spawner needs no notice: callers
-    make one only for endings they did not ask for.
+    make one only for endings they did not ask for. ``nodes`` (the broker's, if
+    known) tell whether another node takes new work, for what to do after a
+    drain or a node going down.
     """
     state = slice_.get("state")
     if state == "preempting":
@@ -121,7 +123,22 @@ def notice_from_slice(slice_: Mapping[str, Any]) -> dict[str, Any] | None:
         "end_reason": slice_.get("end_reason"),
         "at": at,
         "protected_until": slice_.get("protected_until"),
+        "others_in_service": _others_in_service(slice_, nodes),
     }
+
+
+def _others_in_service(
+    slice_: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]] | None
+) -> int | None:
+    """Nodes in service (``ready``) besides the slice's own; ``None`` when not known."""
+    if nodes is None:
+        return None
+    mine = {p.get("node") for p in slice_.get("placements") or ()}
+    return sum(
+        1
+        for n in nodes
+        if n.get("state") == "ready" and n.get("in_config", True) and n["name"] not in mine
+    )
 
 
 def cull_notice(
@@ -187,12 +204,29 @@ def describe(notice: Mapping[str, Any]) -> dict[str, str]:
         key = end_reason if end_reason in _END_WHY else "released"
         title = "Your GPU session ended"
         text = f"{what} was stopped at {when} because {_END_WHY[key]}."
-    todo = _WHAT_TO_DO[key]
+    if key in ("drain", "node_down"):
+        todo = _after_node_loss(notice.get("others_in_service"))
+    else:
+        todo = _WHAT_TO_DO[key]
     html = (
         f"<strong>{escape(title)}.</strong> {escape(text)} {escape(todo)}"
         f' <span class="text-muted">(slice {escape(str(notice.get("slice_id")))})</span>'
     )
     return {"title": title, "text": text, "html": html, "what_to_do": todo}
+
+
+def _after_node_loss(others: int | None) -> str:
+    if others is None:
+        return (
+            "Start a new session: it is placed on a node in service, or waits in the queue "
+            "until one is."
+        )
+    if others == 0:
+        return (
+            "No other node takes new sessions now: a new session waits in the queue until an "
+            "admin puts a node back in service."
+        )
+    return "Start a new session: it will be placed on another node."
 
 
 def notice_alert(notice: Mapping[str, Any] | None) -> str:
@@ -243,8 +277,10 @@ def wait_text(estimated_start: float | None, now: float) -> str:
     return f"in about {left / 3600:.1f} h"
 
 
-def queue_event(slice_: Mapping[str, Any], now: float) -> dict[str, Any]:
-    """The progress event for a pending slice: queue position, fair-share value, wait."""
+def queue_event(slice_: Mapping[str, Any], now: float, capacity: str = "") -> dict[str, Any]:
+    """The progress event for a pending slice: queue position, fair-share value, wait, and
+    ``capacity`` (what draining and down nodes mean for it, from
+    :func:`spawner.options.capacity_note`)."""
     gpus = slice_.get("gpus") or 0
     kind = f" {slice_['gpu_type']}" if slice_.get("gpu_type") else ""
     what = f"{gpus}{kind} GPU{'s' if gpus != 1 else ''} for project {slice_.get('project')}"
@@ -261,6 +297,9 @@ def queue_event(slice_: Mapping[str, Any], now: float) -> dict[str, Any]:
         f"Waiting for {escape(what)}: <strong>{escape(where)}</strong>; {escape(fair)} "
         f"(usage ÷ entitlement, lower goes first); estimated start: {escape(wait)}."
     )
+    if capacity:
+        message += f" {capacity}"
+        html += f' <span id="sb-capacity">{escape(capacity)}</span>'
     return {"progress": 20, "message": message, "html_message": html}
 
 

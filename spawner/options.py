@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
@@ -56,6 +56,7 @@ class Choices:
     debug_max: float = 900.0  # protected lengths up to this are labelled "debug"
     idle_protected: float = 3600.0  # a protected session idle this long may be stopped; 0: never
     idle_busy: float = 900.0  # ... past its protection, while a waiting request could use it
+    project_caps: Mapping[str, int] = field(default_factory=dict)  # most GPUs a project holds
 
     @property
     def gpu_counts(self) -> tuple[int, ...]:
@@ -90,11 +91,13 @@ class ProjectView:
 
 @dataclass(frozen=True, slots=True)
 class GpuTypeView:
-    """One GPU type of the cluster: how many GPUs, and how many are free now."""
+    """One GPU type of the cluster: how many GPUs, how many are free now, and how many
+    are on nodes that take no new work (draining, drained or down)."""
 
     name: str
     total: int
     free: int
+    out_of_service: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +159,66 @@ def _rank_key(view: ProjectView) -> tuple[int, str]:
 
 
 def gpu_type_views(nodes: Iterable[Mapping[str, Any]]) -> list[GpuTypeView]:
-    """GPU types of the nodes that take work (``ready``) or will again (``draining``), by name."""
+    """GPU types of the nodes that take work (``ready``) or will again (``draining``,
+    ``drained``), by name: ``total`` GPUs, ``free`` now, and ``out_of_service`` on the
+    draining and drained nodes (taking no new work). Down nodes count nowhere."""
     totals: dict[str, list[int]] = {}
     for node in nodes:
-        if node.get("state") not in ("ready", "draining", "drained") or not node.get(
-            "in_config", True
-        ):
+        state = node.get("state")
+        if state not in ("ready", "draining", "drained") or not node.get("in_config", True):
             continue
         count = int(node.get("gpu_count") or 0)
-        entry = totals.setdefault(node["gpu_type"], [0, 0])
+        entry = totals.setdefault(node["gpu_type"], [0, 0, 0])
         entry[0] += count
-        if node.get("state") == "ready":
+        if state == "ready":
             entry[1] += max(count - int(node.get("gpus_held") or 0), 0)
-    return [GpuTypeView(name, total, free) for name, (total, free) in sorted(totals.items())]
+        else:
+            entry[2] += count
+    return [GpuTypeView(name, *counts) for name, counts in sorted(totals.items())]
+
+
+def out_of_service(nodes: Iterable[Mapping[str, Any]], gpu_type: str | None = None) -> list[str]:
+    """``["test-0 draining (maintenance)", ...]``: the nodes (of ``gpu_type``, if given)
+    that take no new work now, with the admin's reason."""
+    found = []
+    for node in nodes:
+        if node.get("state") == "ready" or not node.get("in_config", True):
+            continue
+        if gpu_type and node.get("gpu_type") != gpu_type:
+            continue
+        reason = node.get("state_reason")
+        found.append(f"{node['name']} {node.get('state')}" + (f" ({reason})" if reason else ""))
+    return found
+
+
+def capacity_note(
+    nodes: Sequence[Mapping[str, Any]], gpus: int, gpu_type: str | None = None
+) -> str:
+    """What draining and down nodes mean for a request of ``gpus`` GPUs (of ``gpu_type``),
+    in one or two sentences; empty when every node takes work."""
+    out = out_of_service(nodes, gpu_type)
+    if not out:
+        return ""
+    kind = f"{gpu_type} " if gpu_type else ""
+    in_service = sum(
+        int(n.get("gpu_count") or 0)
+        for n in nodes
+        if n.get("state") == "ready"
+        and n.get("in_config", True)
+        and (not gpu_type or n.get("gpu_type") == gpu_type)
+    )
+    nodes_out = f"Out of service: {', '.join(out)}."
+    if in_service == 0:
+        return (
+            f"{nodes_out} No node with {kind}GPUs takes new work now, so nothing can start "
+            "until an admin puts one back in service, and no start can be estimated."
+        )
+    if in_service < gpus:
+        return (
+            f"{nodes_out} Only {in_service} {kind}GPUs are in service: a request for {gpus} "
+            "waits until more are back, and no start can be estimated."
+        )
+    return f"{nodes_out} Fewer GPUs than usual take work, so waits may be longer."
 
 
 # ---- user options ---------------------------------------------------------------------
@@ -200,6 +250,13 @@ def resolve_request(
         raise OptionsError("invalid_options", "Server options must be a JSON object.")
     project = _project(options.get("project"), projects, choices)
     gpus = _gpus(options.get("gpus"), choices)
+    cap = choices.project_caps.get(project)
+    if cap is not None and gpus > cap:
+        raise OptionsError(
+            "project_cap",
+            f"Project {project} may hold at most {cap} GPU{'s' if cap != 1 else ''} at a "
+            f"time; you asked for {gpus}.",
+        )
     gpu_type = _gpu_type(options.get("gpu_type"), gpu_types, choices)
     min_runtime = _protected(options.get("protected"), choices)
     return SliceRequest(project=project, gpus=gpus, gpu_type=gpu_type, min_runtime=min_runtime)
@@ -358,16 +415,20 @@ def render_form(
     previous: Mapping[str, Any] | None = None,
     notice_html: str = "",
     queue_total: int = 0,
+    capacity: str = "",
 ) -> str:
     """The options form's HTML (the fields only; JupyterHub adds the ``<form>`` and Start).
 
     ``previous`` (the last user options) preselects values; ``notice_html``
-    (why the last session ended) is shown above the fields.
+    (why the last session ended) and ``capacity`` (:func:`capacity_note`: draining and
+    down nodes) are shown above the fields.
     """
     previous = previous or {}
     parts = ['<div class="slicebroker-options">']
     if notice_html:
         parts.append(notice_html)
+    if capacity:
+        parts.append(f'<div class="alert alert-info" id="sb-capacity">{escape(capacity)}</div>')
     if not projects:
         parts.append(
             '<div class="alert alert-warning" id="sb-no-project">You are not a member of any '
@@ -396,7 +457,8 @@ def _project_field(
     if chosen not in names:
         chosen = choices.default_project if choices.default_project in names else names[0]
     options = "".join(
-        f'<option value="{escape(p.name)}"{_selected(p.name == chosen)}>'
+        f'<option value="{escape(p.name)}"{_cap_attribute(p.name, choices)}'
+        f"{_selected(p.name == chosen)}>"
         f"{escape(p.name)} — {escape(_short_position(p))}</option>"
         for p in projects
     )
@@ -405,6 +467,33 @@ def _project_field(
         "(charged for the GPU time)</label>"
         f'<select class="form-select" name="project" id="sb-project">{options}</select></div>'
     )
+
+
+def _cap_attribute(project: str, choices: Choices) -> str:
+    cap = choices.project_caps.get(project)
+    return f' data-cap="{int(cap)}"' if cap is not None else ""
+
+
+# Disables the GPU counts above the chosen project's cap (the check on submit stays).
+_CAP_SCRIPT = """<script>
+(() => {
+  const project = document.getElementById("sb-project");
+  const gpus = document.getElementById("sb-gpus");
+  const note = document.getElementById("sb-gpus-cap");
+  const apply = () => {
+    const cap = Number(project.selectedOptions[0].dataset.cap || Infinity);
+    for (const option of gpus.options) option.disabled = Number(option.value) > cap;
+    if (gpus.selectedOptions[0].disabled) {
+      const allowed = [...gpus.options].filter((option) => !option.disabled);
+      if (allowed.length) allowed[allowed.length - 1].selected = true;
+    }
+    note.textContent = Number.isFinite(cap)
+      ? `Project ${project.value} may hold at most ${cap} GPUs at a time.` : "";
+  };
+  project.addEventListener("change", apply);
+  apply();
+})();
+</script>"""
 
 
 def _budget_table(projects: Sequence[ProjectView], queue_total: int) -> str:
@@ -443,9 +532,14 @@ def _gpus_field(choices: Choices, previous: Mapping[str, Any]) -> str:
     if chosen not in counts:
         chosen = choices.default_gpus
     options = "".join(f'<option value="{n}"{_selected(n == chosen)}>{n}</option>' for n in counts)
+    capped = (
+        f'<div class="form-text" id="sb-gpus-cap"></div>{_CAP_SCRIPT}'
+        if choices.project_caps
+        else ""
+    )
     return (
         '<div class="mb-3"><label for="sb-gpus" class="form-label">GPUs</label>'
-        f'<select class="form-select" name="gpus" id="sb-gpus">{options}</select></div>'
+        f'<select class="form-select" name="gpus" id="sb-gpus">{options}</select>{capped}</div>'
     )
 
 
@@ -458,7 +552,10 @@ def _gpu_type_field(
     options = [f'<option value=""{_selected(chosen not in offered)}>any type</option>']
     for name in offered:
         view = by_name.get(name)
-        free = f" ({view.free} of {view.total} free now)" if view else ""
+        free = ""
+        if view:
+            out = f"; {view.out_of_service} on draining nodes" if view.out_of_service else ""
+            free = f" ({view.free} of {view.total} free now{out})"
         options.append(
             f'<option value="{escape(name)}"{_selected(name == chosen)}>{escape(name)}{free}'
             "</option>"

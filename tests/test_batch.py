@@ -163,7 +163,9 @@ def test_command_runs_on_the_granted_gpus_and_its_status_is_the_runners(service,
     assert len(placement["gpu_indices"]) == 2
     assert json.loads(seen["SLICEBROKER_PLACEMENTS"]) == slice_["placements"]
     assert seen["SLICEBROKER_PROJECT"] == "vision"
-    assert float(seen["SLICEBROKER_PROTECTED_UNTIL"]) == slice_["protected_until"]
+    assert seen["SLICEBROKER_PROTECTED_UNTIL"] == time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(slice_["protected_until"])
+    )
     assert (slice_["state"], slice_["end_reason"]) == ("ended", "released")
     assert slice_["ended_at"] - slice_["granted_at"] > 3  # held past two leases, never lost
     assert f"slice {slice_['id']} granted: {placement['node']} GPUs" in runner.stderr

@@ -135,3 +135,28 @@ async def test_a_preempted_user_sees_why_in_the_browser(hub, browser, screenshot
     assert "Start a new session" in notice
     assert await browser.evaluate("!!document.getElementById('start')")  # the Launch button
     hub.stop_server("carol")
+
+
+async def test_a_waiter_is_told_that_the_only_node_drains(hub, browser):
+    hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
+    try:
+        await log_in(browser, hub, "erin")
+        await browser.goto(f"{hub.url}/hub/spawn")
+        await browser.wait_for("document.getElementById('sb-project')")
+        # Nothing runs there: the drain completes at once.
+        assert "Out of service: test-0 drained" in await browser.evaluate(text("#sb-capacity"))
+        assert "h100 (0 of 2 free now; 2 on draining nodes)" in await browser.evaluate(
+            text("#sb-gpu-type")
+        )
+
+        await browser.evaluate("document.getElementById('spawn_form').submit()")
+        await browser.wait_for("location.pathname.includes('/hub/spawn-pending/erin')")
+        message = await browser.wait_for(
+            f"{text('#progress-message')}.includes('Out of service') && {text('#progress-message')}"
+        )
+        assert "No node with GPUs takes new work now" in message
+        assert "no start can be estimated" in message
+    finally:
+        hub.broker("POST", "/nodes/test-0/undrain", json={})
+    hub.wait_ready("erin")
+    hub.stop_server("erin")

@@ -4,6 +4,7 @@ run`` from there charges the user's project — what a Lab terminal does."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,10 @@ def test_a_process_in_a_session_uses_the_broker_as_its_user(hub):
     environ = session_environ(hub.server("alice"))
     assert environ["SLICEBROKER_URL"].endswith("/services/slicebroker")
     assert environ["SLICEBROKER_TOKEN"] == environ["JUPYTERHUB_API_TOKEN"]
+    # "Any type" was asked for: the variable names the type granted, and protection ends
+    # in ISO 8601 as in batch jobs.
+    assert environ["SLICEBROKER_GPU_TYPE"] == "h100"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", environ["SLICEBROKER_PROTECTED_UNTIL"])
 
     # A batch job submitted from the session (as a terminal would) runs and is charged
     # to alice's project, on the GPU the session leaves free.

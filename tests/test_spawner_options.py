@@ -22,6 +22,7 @@ from spawner.options import (
     ProjectView,
     SliceRequest,
     budget_position,
+    capacity_note,
     gpu_type_views,
     options_from_form,
     project_views,
@@ -100,8 +101,23 @@ def test_the_budget_position_compares_usage_with_entitlement():
     assert budget_position(fresh) == "entitled to 50%, no GPU time used yet; rank 1; nobody waiting"
 
 
-def test_gpu_types_count_what_takes_work_and_what_is_free():
-    assert gpu_type_views(NODES) == [GpuTypeView("h100", 16, 3)]
+def test_gpu_types_count_what_takes_work_what_is_free_and_what_is_out_of_service():
+    assert gpu_type_views(NODES) == [GpuTypeView("h100", 16, 3, 8)]  # c (b200) is down
+
+
+def test_the_capacity_note_tells_the_truth_about_draining_and_down_nodes():
+    assert capacity_note(NODES[:1], 2) == ""
+    partly = capacity_note(NODES, 2, "h100")
+    assert partly.startswith("Out of service: b draining.")
+    assert "waits may be longer" in partly
+    assert "Only 8 h100 GPUs are in service" in capacity_note(NODES, 16, "h100")
+    only_draining = [{**NODES[1], "state_reason": "firmware"}]
+    assert capacity_note(only_draining, 1) == (
+        "Out of service: b draining (firmware). No node with GPUs takes new work now, so "
+        "nothing can start until an admin puts one back in service, and no start can be "
+        "estimated."
+    )
+    assert "c down" in capacity_note(NODES, 1, "b200")
 
 
 @pytest.mark.parametrize(
@@ -208,7 +224,8 @@ def test_the_form_offers_the_users_projects_counts_types_and_protected_lengths()
     ]
     assert "15 min — debug: gets a GPU fastest" in html
     assert "0 — free: not charged" in html
-    assert "h100 (3 of 16 free now)" in html
+    assert "h100 (3 of 16 free now; 8 on draining nodes)" in html
+    assert "waiting request could use its GPUs" in html  # the idle rule, stated
     assert "2 requests waiting in the whole queue." in html
     assert "80% ▲" in html  # vision is over its share
 
@@ -321,3 +338,53 @@ def test_the_queue_event_shows_position_value_and_wait():
     assert wait_text(None, now) == "no estimate yet"
     assert wait_text(now + 30, now) == "within a minute"
     assert wait_text(now + 5400, now) == "in about 1.5 h"
+
+
+def test_a_project_cap_limits_the_form_and_refuses_larger_requests_before_submitting():
+    capped = Choices(max_gpus=4, project_caps={"vision": 2})
+    html = render_form(projects=views(), gpu_types=gpu_type_views(NODES), choices=capped)
+    assert 'value="vision" data-cap="2"' in html
+    assert 'id="sb-gpus-cap"' in html
+    with pytest.raises(OptionsError) as raised:
+        resolve_request(
+            {"project": "vision", "gpus": 4}, projects=views(), gpu_types=[], choices=capped
+        )
+    assert raised.value.reason == "project_cap"
+    assert (
+        raised.value.message == "Project vision may hold at most 2 GPUs at a time; you asked for 4."
+    )
+    allowed = resolve_request(
+        {"project": "systems", "gpus": 4}, projects=views(), gpu_types=[], choices=capped
+    )
+    assert allowed.gpus == 4
+    assert "data-cap" not in render_form(projects=views(), gpu_types=[], choices=CHOICES)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "words"),
+    [
+        (None, "placed on a node in service, or waits in the queue"),
+        ([{"name": "a", "state": "draining"}], "No other node takes new sessions now"),
+        (
+            [{"name": "a", "state": "draining"}, {"name": "b", "state": "ready"}],
+            "placed on another node",
+        ),
+    ],
+)
+def test_after_a_drain_the_notice_says_whether_another_node_takes_sessions(nodes, words):
+    drained = {**SLICE, "preempt_reason": "drain", "placements": [{"node": "a"}]}
+    assert words in describe(notice_from_slice(drained, nodes))["what_to_do"]
+
+
+def test_the_pending_message_explains_a_draining_cluster():
+    event = queue_event(
+        {"id": 3, "gpus": 1, "project": "vision", "queue_position": 3},
+        1_700_000_000.0,
+        capacity_note([{**NODES[1], "state_reason": "maintenance"}], 1),
+    )
+    assert (
+        "estimated start: no estimate yet. Out of service: b draining (maintenance)."
+        in (event["message"])
+    )
+    assert "no start can be estimated" in event["message"]
+    assert 'id="sb-capacity"' in event["html_message"]
