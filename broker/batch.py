@@ -52,6 +52,9 @@ T = TypeVar("T")
 FALLBACK_HEARTBEAT_S = 30.0
 #: Signals the runner forwards to the command.
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+#: Least time a release is tried for (seconds), even by a runner of little patience:
+#: the release is what stops the charges.
+RELEASE_PATIENCE_S = 60.0
 #: Longest pause between two tries of a broker that is down or answering 5xx (seconds).
 RETRY_PAUSE_S = 5.0
 
@@ -238,9 +241,12 @@ class _Runner:
         key = new_idempotency_key()
         return await self._patiently("submitting", lambda: self.request.submit(self.client, key))
 
-    async def _patiently(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _patiently(
+        self, what: str, call: Callable[[], Awaitable[T]], patience: float | None = None
+    ) -> T:
         """``call()``, tried again while the broker does not answer or answers 5xx,
-        for up to ``patience`` seconds; then its error."""
+        for up to ``patience`` seconds (default: the runner's); then its error."""
+        patience = self.patience if patience is None else patience
         since = time.monotonic()
         told = False
         while True:
@@ -248,13 +254,13 @@ class _Runner:
                 return await call()
             except BrokerAPIError as err:
                 waited = time.monotonic() - since
-                if not transient(err) or waited > self.patience:
+                if not transient(err) or waited > patience:
                     raise
                 if not told:
                     self.say(f"{what}: {err.message}; trying again for up to "
-                             f"{format_duration(self.patience)}")  # fmt: skip
+                             f"{format_duration(patience)}")  # fmt: skip
                     told = True
-                await asyncio.sleep(min(RETRY_PAUSE_S, self.poll, self.patience - waited + 0.01))
+                await asyncio.sleep(min(RETRY_PAUSE_S, self.poll, patience - waited + 0.01))
 
     # ---- waiting ----------------------------------------------------------------
 
@@ -292,7 +298,7 @@ class _Runner:
                 elif now - failing_since > self.patience:
                     self.say(
                         f"slice {slice_['id']}: the broker has not answered for "
-                        f"{format_duration(now - failing_since)}; giving up"
+                        f"{now - failing_since:.0f} s; giving up"
                     )
                     raise
                 await self._unless_interrupted(asyncio.sleep(min(RETRY_PAUSE_S, self.poll)))
@@ -479,7 +485,9 @@ class _Runner:
             return
         try:
             released = await self._patiently(
-                f"slice {slice_['id']}: releasing", lambda: self.client.release(slice_["id"])
+                f"slice {slice_['id']}: releasing",
+                lambda: self.client.release(slice_["id"]),
+                max(self.patience, RELEASE_PATIENCE_S),
             )
         except BrokerAPIError as err:
             self.say(

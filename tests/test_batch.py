@@ -294,6 +294,8 @@ def test_sigterm_to_the_runner_is_passed_on_and_the_slice_released(service, tmp_
     assert runner.marker("term-1")
     slice_ = get_slice(service, seen["SLICEBROKER_SLICE_ID"])
     assert (slice_["state"], slice_["end_reason"]) == ("ended", "released")
+    charged = slice_["charged_gpu_seconds"] / 3600
+    assert f"slice {slice_['id']} released, charged {charged:.2f} GPU-h" in runner.stderr
 
 
 def test_ctrl_c_while_waiting_withdraws_the_request(long_lease_service, tmp_path):
@@ -308,3 +310,4 @@ def test_ctrl_c_while_waiting_withdraws_the_request(long_lease_service, tmp_path
     slice_id = runner.stderr.split("slice ", 1)[1].split()[0]
     assert get_slice(service, slice_id)["end_reason"] == "cancelled"
     assert not list(runner.directory.glob("started-*"))
+    assert f"slice {slice_id} released, charged 0.00 GPU-h" in runner.stderr
