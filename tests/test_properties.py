@@ -1,210 +1,646 @@
-"""Invariants of SPEC §5 as properties over random clusters, trees and workloads.
+"""The scheduler's contract as properties over random clusters, trees and workloads.
 
-Each example runs a short stretch of time: slices arrive, passes run, holders
-release, nodes drain or go down, and the scheduler "crashes" (its working
-state is rebuilt from the committed slices alone). After every pass:
-no GPU is held twice, no protected slice is preempted, every grant is on a
-ready node, charges equal the held time, and the same snapshot gives the same
-decisions.
+Each example runs a stretch of time on a small, contended cluster: projects
+start with usage, slices arrive with mostly protected contracts, caps, leases,
+priorities and debug sessions; time moves (often exactly to the next deadline),
+holders release and heartbeat, nodes drain, go down and come back, and the
+broker "crashes": its live slices go through the SQLite store's rows and the
+next pass runs on what was read back. After every pass it checks:
+
+- **safety**: no GPU is held (or promised) twice; grants are on ready nodes of
+  the right type; no protected slice is preempted; caps are never exceeded;
+  a node is reported drained only once empty;
+- **the contract**: every preemption's deadline is ``now + grace``; each
+  preemption reason names a victim that reason may take (drain: on a draining
+  node; unallocated: a free slice; priority: the same project's lower-ranked
+  work; debug lane: a batch slice, for a debug session); grace periods,
+  ``max_runtime`` and leases end no later than the first pass at or after them;
+  work lent reserved GPUs is gone or preemptible by the reservation's due time;
+- **liveness**: the highest-ranked pending slice under its cap that fits the
+  free GPUs is granted or reserved in that pass;
+- **determinism** and **accounting**: the same snapshot gives the same decisions;
+  charges equal the weighted time each slice held its GPUs.
+
+None of these depends on which fair-share victim the pass picks, only on what
+any victim rule must respect. ``hypothesis.event`` counts what the examples
+reach (run with ``--hypothesis-show-statistics``); docs/testing.md gives the
+figures. ``SLICEBROKER_PROPERTY_PROFILE=thorough`` runs ten times as many examples.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.orm import Session
 
-from broker.accounting import usage_by_project
+from broker.accounting import LedgerEntry, usage_by_project
+from broker.errors import InvalidRequest
 from broker.fairshare import ProjectTree
 from broker.model import (
     Account,
     Contract,
+    Decisions,
     Node,
     NodeState,
+    Placement,
     Policy,
+    PreemptReason,
     Slice,
     SliceKind,
     SliceState,
     Snapshot,
 )
+from broker.ordering import queue_order, within_project_key
+from broker.orm import NOT_DURABLE_OPTION, SliceEventRow, SliceRow, make_engine, migrate
+from broker.preemption import is_debug
 from broker.scheduler import schedule
+from broker.store import LIVE_STATES, _to_slice, _write_state
 from broker.transitions import apply, end_slice
+from broker.validation import validate_slice_request
 
 WEIGHTS = {"h100": 1.0, "b200": 2.0}
 
+settings.register_profile(
+    "properties",
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
+settings.register_profile(
+    "properties-thorough", settings.get_profile("properties"), max_examples=5000
+)
+PROFILE = (
+    "properties-thorough"
+    if os.environ.get("SLICEBROKER_PROPERTY_PROFILE") == "thorough"
+    else "properties"
+)
+
+
+# ---- what an example is made of ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: list[Node]
+    accounts: list[Account]
+    projects: tuple[str, ...]
+    base_usage: dict[str, float]  # weighted GPU-seconds already in the window
+
+
+def one_of_these(*values: object) -> st.SearchStrategy:
+    """A choice among ``values``; a value given twice is drawn twice as often."""
+    return st.sampled_from(values)
+
+
+# Built once: a strategy built anew for every draw costs more than the draw.
+GPU_TYPE = one_of_these(*sorted(WEIGHTS))
+NODE_SIZE = one_of_these(2, 4, 4, 8)
+SHARE = one_of_these(0.5, 1.0, 3.0)
+START_USAGE = one_of_these(0.0, 0.0, 3600.0, 36_000.0, 360_000.0)  # weighted GPU-seconds
+PICK = st.integers(0, 63)  # which project, slice or node, modulo their number
+KIND = one_of_these(SliceKind.INTERACTIVE, SliceKind.BATCH, SliceKind.BATCH)
+# Mostly protected contracts: protection is what makes preemption and reservations hard.
+MIN_RUNTIME = one_of_these(0.0, 60.0, 300.0, 900.0, 900.0, 3600.0)
+MAX_RUNTIME = one_of_these(None, None, 120.0, 600.0, 7200.0)
+USER = one_of_these("u1", "u2", "u3")
+GPUS = one_of_these(1, 1, 2, 2, 3, 4, 8, 12)
+ANY_TYPE = one_of_these(None, None, "h100", "b200")
+PRIORITY = one_of_these(-100, -1, 0, 0, 0, 1, 100)
+STEP_ARGUMENTS = {
+    "advance": one_of_these(1.0, 10.0, 60.0, 600.0, 3600.0),
+    "to_deadline": one_of_these(60.0, 600.0),  # how far to go when nothing falls due
+}
+# Submitting and moving time (often exactly to the next deadline) make contention.
+STEP = one_of_these(
+    *["submit"] * 6,
+    *["advance"] * 2,
+    *["to_deadline"] * 3,
+    *["release", "heartbeat", "drain", "down", "restore", "crash"],
+)
+
 
 @st.composite
-def clusters(draw):
-    node_count = draw(st.integers(1, 4))
-    nodes = [
-        Node(f"n{i}", draw(st.sampled_from(sorted(WEIGHTS))), draw(st.sampled_from([1, 2, 4, 8])))
-        for i in range(node_count)
-    ]
+def clusters(draw: st.DrawFn) -> Cluster:
+    # Few, small nodes: requests of up to 12 GPUs contend, and some need a gang.
+    nodes = [Node(f"n{i}", draw(GPU_TYPE), draw(NODE_SIZE)) for i in range(draw(st.integers(1, 4)))]
     # a random tree: every account's parent is an earlier account or the root
-    names = [f"a{i}" for i in range(draw(st.integers(1, 6)))]
-    accounts = []
-    for i, name in enumerate(names):
-        parent = draw(st.sampled_from([None, *names[:i]]))
-        accounts.append(Account(name, draw(st.sampled_from([0.5, 1.0, 3.0])), parent))
+    accounts: list[Account] = []
+    for i in range(draw(st.integers(1, 6))):
+        parent = draw(st.integers(-1, i - 1))
+        accounts.append(Account(f"a{i}", draw(SHARE), f"a{parent}" if parent >= 0 else None))
     projects = ProjectTree(accounts).projects
-    return nodes, accounts, projects
+    return Cluster(nodes, accounts, projects, {p: draw(START_USAGE) for p in projects})
 
 
-def requests(projects):
-    return st.tuples(
-        st.sampled_from(projects),
-        st.integers(1, 12),
-        st.sampled_from(list(SliceKind)),
-        st.sampled_from([0.0, 60.0, 900.0, 3600.0]),
-        st.booleans(),
-        st.sampled_from([None, 300.0, 7200.0]),
-        st.integers(-1, 1),
-        st.sampled_from(["u1", "u2", "u3"]),
-        st.sampled_from([None, "h100", "b200"]),
+def draw_policy(draw: st.DrawFn, projects: tuple[str, ...]) -> Policy:
+    caps = {p: draw(st.integers(1, 12)) for p in projects if draw(st.integers(0, 2)) == 0}
+    return Policy(
+        grace_period=draw(one_of_these(0.0, 30.0, 120.0)),
+        debug_headroom=draw(one_of_these(0, 0, 0, 1, 2)),
+        debug_lane_fraction=draw(one_of_these(0.05, 0.25)),
+        max_reservations=draw(one_of_these(1, 8)),
+        project_gpu_caps=caps,
     )
 
 
-events = st.sampled_from(["submit", "submit", "advance", "release", "drain", "down", "crash"])
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), cluster=clusters())
-def test_invariants_hold_after_every_pass(data, cluster):
-    nodes_list, accounts, projects = cluster
-    nodes = {n.name: n for n in nodes_list}
-    tree = ProjectTree(accounts)
-    policy = Policy(
-        grace_period=data.draw(st.sampled_from([0.0, 30.0, 120.0])),
-        debug_headroom=data.draw(st.sampled_from([0, 0, 2])),
+def draw_request(draw: st.DrawFn, projects: tuple[str, ...]) -> dict:
+    min_runtime, max_runtime = draw(MIN_RUNTIME), draw(MAX_RUNTIME)
+    if max_runtime is not None and max_runtime < min_runtime:
+        max_runtime = None
+    return dict(
+        project=projects[draw(PICK) % len(projects)],
+        user=draw(USER),
+        gpus=draw(GPUS),
+        kind=draw(KIND),
+        contract=Contract(min_runtime, draw(st.booleans()), max_runtime),
+        gpu_type=draw(ANY_TYPE),
+        priority=draw(PRIORITY),
     )
-    now = 1_000_000.0
-    ids = itertools.count(1)
-    live: dict[int, Slice] = {}
-    ledger = []
-    held_seconds: dict[int, float] = {}  # independent record: weighted GPU-seconds held
 
-    def run_pass():
-        nonlocal live, nodes
-        running = [
-            e
-            for s in live.values()
-            if s.holds_gpus
-            and (e := end_slice(s, now, {n: v.gpu_type for n, v in nodes.items()}, WEIGHTS))
-        ]
-        usage = usage_by_project(ledger, running, now, policy.window)
-        snap = Snapshot(
-            now=now,
-            nodes=tuple(nodes.values()),
-            accounts=tuple(accounts),
-            slices=tuple(live.values()),
-            usage=usage,
-            gpu_type_weights=WEIGHTS,
-            policy=policy,
+
+@dataclass(frozen=True)
+class Scenario:
+    cluster: Cluster
+    policy: Policy
+    lease: float | None  # seconds a heartbeat (or a grant) keeps a slice; None: no leases
+    steps: list[tuple[str, object]]
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    """A cluster, its policy, and a script of steps, drawn in one go."""
+    cluster = draw(clusters())
+    policy = draw_policy(draw, cluster.projects)
+    lease = draw(one_of_these(None, None, 120.0, 600.0))
+    steps: list[tuple[str, object]] = []
+    for _ in range(draw(st.integers(8, 25))):
+        name = draw(STEP)
+        if name == "submit":
+            steps.append((name, draw_request(draw, cluster.projects)))
+        else:
+            steps.append((name, draw(STEP_ARGUMENTS.get(name, PICK))))
+    return Scenario(cluster, policy, lease, steps)
+
+
+# ---- the store: a crash keeps what its rows keep ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Store:
+    """One SQLite database, written by one engine and read back by another, as a
+    restarted process would: the reader shares nothing with the writer but the file."""
+
+    writer: Engine
+    reader: Engine
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """One migrated database for the module: each crash rewrites its slice rows."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('props') / 'broker.sqlite'}"
+    writer = make_engine(url)
+    migrate(writer)
+    reader = make_engine(url)
+    # A process crash, not a power cut: the commit need not wait for the disk (the
+    # store's own choice for writes a power cut may lose), which keeps a crash cheap.
+    yield Store(writer.execution_options(**{NOT_DURABLE_OPTION: True}), reader)
+    writer.dispose()
+    reader.dispose()
+
+
+def through_the_store(store: Store, live: dict[int, Slice]) -> dict[int, Slice]:
+    """Commit ``live`` as the store's rows; what another process reads back of them."""
+    with Session(store.writer) as session, session.begin():
+        session.execute(delete(SliceEventRow))
+        session.execute(delete(SliceRow))
+        for slice_ in live.values():
+            row = SliceRow(
+                id=slice_.id,
+                project=slice_.project,
+                user=slice_.user,
+                gpus=slice_.gpus,
+                gpu_type=slice_.gpu_type,
+                kind=slice_.kind.value,
+                min_runtime=slice_.contract.min_runtime,
+                resumable=slice_.contract.resumable,
+                max_runtime=slice_.contract.max_runtime,
+                priority=slice_.priority,
+                submitted_at=slice_.submitted_at,
+                charged_gpu_seconds=0.0,
+            )
+            _write_state(row, slice_)
+            session.add(row)
+    with Session(store.reader) as session:
+        rows = session.scalars(
+            select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
         )
-        decisions = schedule(snap, tree)
-        assert decisions == schedule(snap), "same snapshot, same decisions"
-        for p in decisions.preemptions:
-            victim = live[p.slice_id]
-            assert not victim.is_protected(now), f"protected slice {victim.id} preempted"
-            assert p.deadline >= now
-        for g in decisions.grants:
-            assert sum(len(pl.gpu_indices) for pl in g.placements) == live[g.slice_id].gpus
-            for pl in g.placements:
-                assert nodes[pl.node].state is NodeState.READY
-                assert all(0 <= i < nodes[pl.node].gpu_count for i in pl.gpu_indices)
-                if live[g.slice_id].gpu_type:
-                    assert nodes[pl.node].gpu_type == live[g.slice_id].gpu_type
-        applied = apply(live, nodes, decisions, now, WEIGHTS)
-        ledger.extend(applied.charges)
-        live, nodes = applied.slices, applied.nodes
-        check_no_gpu_held_twice(live)
+        return {row.id: _to_slice(row) for row in rows}
 
-    def advance(seconds):
-        nonlocal now
-        for s in live.values():
+
+# ---- one example's world ---------------------------------------------------------------
+
+
+@dataclass
+class World:
+    """The cluster as plain values, moved by steps; :meth:`run_pass` checks every pass."""
+
+    cluster: Cluster
+    policy: Policy
+    lease: float | None
+    store: Store
+    now: float = 1_000_000.0
+    nodes: dict[str, Node] = field(default_factory=dict)
+    live: dict[int, Slice] = field(default_factory=dict)
+    ledger: list[LedgerEntry] = field(default_factory=list)
+    held_seconds: dict[int, float] = field(default_factory=dict)  # independent record
+    ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self.nodes = {n.name: n for n in self.cluster.nodes}
+        self.tree = ProjectTree(self.cluster.accounts)
+
+    # -- steps
+
+    def submit(self, request: dict) -> None:
+        """Queue ``request`` if the broker's own validation accepts it, as the API does."""
+        contract = request["contract"]
+        try:
+            validate_slice_request(
+                gpus=request["gpus"],
+                kind=request["kind"],
+                min_runtime=contract.min_runtime,
+                max_runtime=contract.max_runtime,
+                gpu_type=request["gpu_type"],
+                priority=request["priority"],
+                project=request["project"],
+                tree=self.tree,
+                nodes=self.cluster.nodes,
+                policy=self.policy,
+                known_gpu_types=WEIGHTS,
+            )
+        except InvalidRequest:
+            event("request refused by validation")
+            return
+        slice_id = next(self.ids)
+        self.live[slice_id] = Slice(id=slice_id, submitted_at=self.now, **request)
+
+    def advance(self, seconds: float) -> None:
+        for s in self.live.values():
             if s.holds_gpus and s.allocated:
                 rate = sum(
-                    len(p.gpu_indices) * WEIGHTS[nodes[p.node].gpu_type] for p in s.placements
+                    len(p.gpu_indices) * WEIGHTS[self.nodes[p.node].gpu_type] for p in s.placements
                 )
-                held_seconds[s.id] = held_seconds.get(s.id, 0.0) + rate * seconds
-        now += seconds
+                self.held_seconds[s.id] = self.held_seconds.get(s.id, 0.0) + rate * seconds
+        self.now += seconds
 
-    for _ in range(data.draw(st.integers(5, 25))):
-        event = data.draw(events)
-        if event == "submit":
-            project, gpus, kind, min_rt, resumable, max_rt, prio, user, gtype = data.draw(
-                requests(projects)
-            )
-            if max_rt is not None and max_rt < min_rt:
-                max_rt = None
-            slice_id = next(ids)
-            live[slice_id] = Slice(
-                id=slice_id,
-                project=project,
-                user=user,
-                gpus=gpus,
-                kind=kind,
-                contract=Contract(min_rt, resumable, max_rt),
-                gpu_type=gtype,
-                priority=prio,
-                submitted_at=now,
-            )
-        elif event == "advance":
-            advance(data.draw(st.sampled_from([10.0, 60.0, 600.0, 3600.0])))
-        elif event == "release" and live:
-            slice_ = live.pop(data.draw(st.sampled_from(sorted(live))))
-            entry = end_slice(slice_, now, {n: v.gpu_type for n, v in nodes.items()}, WEIGHTS)
-            if entry is not None:
-                ledger.append(entry)
-        elif event in ("drain", "down"):
-            name = data.draw(st.sampled_from(sorted(nodes)))
-            state = NodeState.DRAINING if event == "drain" else NodeState.DOWN
-            if nodes[name].state is NodeState.READY:
-                nodes[name] = replace(nodes[name], state=state)
-        elif event == "crash":
-            # Only committed state survives: rebuild every value from scratch.
-            live = {k: replace(v) for k, v in live.items()}
-        run_pass()
+    def next_deadline(self) -> float | None:
+        """The earliest future time at which a contract term falls due."""
+        times = []
+        for s in self.live.values():
+            ends = (s.protected_until, s.ends_at(), s.lease_expires_at)
+            times += [t for t in ends if t is not None and t > self.now]
+        return min(times, default=None)
 
-    # Close everything still held, then compare the ledger with the independent record.
-    node_types = {n: v.gpu_type for n, v in nodes.items()}
-    for slice_ in live.values():
-        entry = end_slice(slice_, now, node_types, WEIGHTS)
+    def release(self, slice_id: int) -> None:
+        slice_ = self.live.pop(slice_id)
+        entry = end_slice(slice_, self.now, self.node_types(), WEIGHTS)
         if entry is not None:
-            ledger.append(entry)
-    charged: dict[int, float] = {}
-    for entry in ledger:
-        charged[entry.slice_id] = charged.get(entry.slice_id, 0.0) + entry.weighted_gpu_seconds
-    for slice_id in set(charged) | set(held_seconds):
-        assert abs(charged.get(slice_id, 0.0) - held_seconds.get(slice_id, 0.0)) < 1e-6
+            self.ledger.append(entry)
+
+    def heartbeat(self, slice_id: int) -> None:
+        if self.lease is not None:
+            self.live[slice_id] = replace(
+                self.live[slice_id], lease_expires_at=self.now + self.lease
+            )
+
+    def set_node(self, name: str, state: NodeState) -> None:
+        self.nodes[name] = replace(self.nodes[name], state=state)
+
+    def crash(self) -> None:
+        """The broker restarts: the next pass sees only what the store's rows kept, and
+        decides as the process that wrote them would have."""
+        before = self.snapshot()
+        rebuilt = through_the_store(self.store, self.live)
+        assert rebuilt == self.live, "the store keeps every field a pass reads"
+        self.live = rebuilt
+        assert schedule(self.snapshot()) == schedule(before, self.tree), (
+            "same state, same decisions"
+        )
+
+    def node_types(self) -> dict[str, str]:
+        return {n: v.gpu_type for n, v in self.nodes.items()}
+
+    # -- the pass and its checks
+
+    def snapshot(self) -> Snapshot:
+        running = [
+            e
+            for s in self.live.values()
+            if (e := end_slice(s, self.now, self.node_types(), WEIGHTS)) is not None
+        ]
+        usage = usage_by_project(self.ledger, running, self.now, self.policy.window)
+        for project, amount in self.cluster.base_usage.items():
+            usage[project] = usage.get(project, 0.0) + amount
+        return Snapshot(
+            now=self.now,
+            nodes=tuple(self.nodes.values()),
+            accounts=tuple(self.cluster.accounts),
+            slices=tuple(self.live.values()),
+            usage=usage,
+            gpu_type_weights=WEIGHTS,
+            policy=self.policy,
+        )
+
+    def run_pass(self) -> None:
+        snap = self.snapshot()
+        decisions = schedule(snap, self.tree)
+        check_endings(snap, decisions)
+        check_preemptions(snap, decisions)
+        check_grants(snap, decisions)
+        check_borrowers(snap, decisions)
+        check_liveness(snap, decisions, self.tree)
+        count_reach(snap, decisions)
+        applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
+        self.ledger.extend(applied.charges)
+        granted = {g.slice_id for g in decisions.grants}
+        self.live = {
+            i: replace(s, lease_expires_at=self.now + self.lease)
+            if i in granted and self.lease is not None
+            else s
+            for i, s in applied.slices.items()
+        }
+        self.nodes = applied.nodes
+        check_after(self.now, self.live, self.nodes, self.policy)
+
+    def close_and_compare_charges(self) -> None:
+        """Close everything still held; each slice's charges equal the time it held GPUs."""
+        for slice_id in list(self.live):
+            self.release(slice_id)
+        charged: dict[int, float] = {}
+        for entry in self.ledger:
+            charged[entry.slice_id] = charged.get(entry.slice_id, 0.0) + entry.weighted_gpu_seconds
+        for slice_id in set(charged) | set(self.held_seconds):
+            assert abs(charged.get(slice_id, 0.0) - self.held_seconds.get(slice_id, 0.0)) < 1e-6
 
 
-def check_no_gpu_held_twice(live: dict[int, Slice]) -> None:
+@settings(settings.get_profile(PROFILE))
+@given(scenario=scenarios())
+def test_the_contract_holds_after_every_pass(scenario: Scenario, store: Store) -> None:
+    world = World(scenario.cluster, scenario.policy, scenario.lease, store)
+    node_names = sorted(world.nodes)
+    for step, arg in scenario.steps:
+        if step == "submit":
+            world.submit(arg)
+        elif step == "advance":
+            world.advance(arg)
+        elif step == "to_deadline":
+            due = world.next_deadline()
+            world.advance(arg if due is None else due - world.now)
+        elif step in ("release", "heartbeat") and world.live:
+            slice_id = sorted(world.live)[arg % len(world.live)]
+            if step == "release":
+                world.release(slice_id)
+            else:
+                world.heartbeat(slice_id)
+        elif step in ("drain", "down", "restore"):
+            name = node_names[arg % len(node_names)]
+            state = {"drain": NodeState.DRAINING, "down": NodeState.DOWN}.get(step, NodeState.READY)
+            if (world.nodes[name].state is NodeState.READY) != (state is NodeState.READY):
+                world.set_node(name, state)
+        elif step == "crash":
+            event("crash through the store")
+            world.crash()
+        world.run_pass()
+    world.close_and_compare_charges()
+
+
+# ---- checks ---------------------------------------------------------------------------
+
+
+def check_endings(snap: Snapshot, decisions: Decisions) -> None:
+    """Every term that fell due by ``now`` (grace, ``max_runtime``, lease) ends the slice."""
+    ended = {e.slice_id for e in decisions.endings}
+    for slice_ in snap.slices:
+        ends = slice_.ends_at() if slice_.holds_gpus else None
+        if ends is not None and ends <= snap.now:
+            assert slice_.id in ended, f"slice {slice_.id} outlived its end at {ends}"
+        lease = slice_.lease_expires_at
+        if lease is not None and lease <= snap.now:
+            assert slice_.id in ended, f"slice {slice_.id} outlived its lease at {lease}"
+
+
+def check_preemptions(snap: Snapshot, decisions: Decisions) -> None:
+    live = {s.id: s for s in snap.slices}
+    nodes = {n.name: n for n in snap.nodes}
+    ended = {e.slice_id for e in decisions.endings}
+    requeued = {e.slice_id for e in decisions.endings if e.requeue}
+    victims = [p.slice_id for p in decisions.preemptions]
+    assert len(victims) == len(set(victims)), "a slice preempted twice in one pass"
+    for p in decisions.preemptions:
+        victim = live[p.slice_id]
+        assert p.slice_id not in ended
+        assert victim.state is SliceState.GRANTED, (
+            f"slice {victim.id} preempted while {victim.state}"
+        )
+        assert not victim.is_protected(snap.now), f"protected slice {victim.id} preempted"
+        assert p.deadline == snap.now + snap.policy.grace_period
+        if p.reason is PreemptReason.DRAIN:
+            assert any(nodes[pl.node].state is NodeState.DRAINING for pl in victim.placements)
+            continue
+        requester = live[p.for_slice] if p.for_slice is not None else None
+        assert requester is not None and requester.allocated, "only allocated work preempts"
+        assert requester.state is SliceState.PENDING or p.for_slice in requeued
+        assert p.for_slice in {r.slice_id for r in decisions.reservations if r.promised}
+        if p.reason is PreemptReason.UNALLOCATED:
+            assert not victim.allocated
+        elif p.reason is PreemptReason.PRIORITY:
+            assert victim.project == requester.project and victim.allocated
+            assert within_project_key(victim) > within_project_key(requester)
+        elif p.reason is PreemptReason.FAIR_SHARE:
+            assert victim.project != requester.project and victim.allocated
+        elif p.reason is PreemptReason.DEBUG_LANE:
+            assert victim.kind is SliceKind.BATCH and is_debug(requester, snap.policy)
+
+
+def check_grants(snap: Snapshot, decisions: Decisions) -> None:
+    live = {s.id: s for s in snap.slices}
+    nodes = {n.name: n for n in snap.nodes}
+    for g in decisions.grants:
+        slice_ = live[g.slice_id]
+        assert sum(len(pl.gpu_indices) for pl in g.placements) == slice_.gpus
+        if len(g.placements) > 1 and slice_.kind is not SliceKind.BATCH:
+            assert known_interactive_gang(slice_, snap), "only batch work spans nodes"
+        for pl in g.placements:
+            assert nodes[pl.node].state is NodeState.READY
+            assert all(0 <= i < nodes[pl.node].gpu_count for i in pl.gpu_indices)
+            assert slice_.gpu_type in (None, nodes[pl.node].gpu_type)
+    for r in decisions.reservations:
+        assert r.due_at is None or r.due_at >= snap.now
+        for pl in r.placements:
+            assert nodes[pl.node].state is NodeState.READY
+
+
+def known_interactive_gang(slice_: Slice, snap: Snapshot) -> bool:
+    """The one known way interactive work comes to span nodes (a reported bug, pinned by
+    ``test_boundaries.test_an_interactive_slice_is_never_promised_several_nodes``): it is
+    larger than every ready node of its type, as when its node is down, and the pass
+    claims several smaller nodes for it as if it were a gang. Remove once fixed."""
+    ready = [
+        n.gpu_count
+        for n in snap.nodes
+        if n.state is NodeState.READY and slice_.gpu_type in (None, n.gpu_type)
+    ]
+    known = slice_.gpus > max(ready, default=0)
+    if known:
+        event("known bug: interactive slice on several nodes")
+    return known
+
+
+def _gpus(placements: tuple[Placement, ...]) -> set[tuple[str, int]]:
+    return {(p.node, i) for p in placements for i in p.gpu_indices}
+
+
+def check_borrowers(snap: Snapshot, decisions: Decisions) -> None:
+    """Work granted on GPUs reserved for a blocked slice must be gone, or preemptible,
+    by the reservation's due time: it never delays the reservation."""
+    live = {s.id: s for s in snap.slices}
+    grace = snap.policy.grace_period
+    for r in decisions.reservations:
+        if r.promised or r.due_at is None:
+            continue
+        reserved = _gpus(r.placements)
+        for g in decisions.grants:
+            if not _gpus(g.placements) & reserved:
+                continue
+            event("grant on reserved GPUs")
+            borrower = live[g.slice_id]
+            max_runtime = borrower.contract.max_runtime
+            assert (
+                not borrower.allocated
+                or (max_runtime is not None and snap.now + max_runtime <= r.due_at)
+                or snap.now + borrower.contract.min_runtime + grace <= r.due_at
+            ), f"slice {borrower.id} borrows GPUs reserved for {r.slice_id} past {r.due_at}"
+
+
+def fits(slice_: Slice, free: dict[str, set[int]], nodes: dict[str, Node], headroom: int) -> bool:
+    """Whether ``slice_`` could be placed on ``free`` GPUs now, leaving ``headroom`` free:
+    on one node, or, for batch work larger than any node of its type, on several."""
+    if sum(map(len, free.values())) - headroom < slice_.gpus:
+        return False
+    types = {n.gpu_type for n in nodes.values() if slice_.gpu_type in (None, n.gpu_type)}
+    for gpu_type in types:
+        of_type = [name for name, n in nodes.items() if n.gpu_type == gpu_type]
+        if any(len(free[name]) >= slice_.gpus for name in of_type):
+            return True
+        largest = max(nodes[name].gpu_count for name in of_type)
+        spans = slice_.kind is SliceKind.BATCH and slice_.gpus > largest
+        if spans and sum(len(free[name]) for name in of_type) >= slice_.gpus:
+            return True
+    return False
+
+
+def check_liveness(snap: Snapshot, decisions: Decisions, tree: ProjectTree) -> None:
+    """The highest-ranked pending slice under its cap that fits the GPUs left free after
+    this pass's endings and kept promises is granted or reserved: a pass that
+    drops or forgets work fails here."""
+    live = {s.id: s for s in snap.slices}
+    requeued = {e.slice_id for e in decisions.endings if e.requeue}
+    gone = {e.slice_id for e in decisions.endings}
+    holding = [s for s in live.values() if s.holds_gpus and s.id not in gone]
+    pending = [s for s in live.values() if s.state is SliceState.PENDING and s.id not in gone]
+    pending += [replace(live[i], state=SliceState.PENDING, promised=()) for i in sorted(requeued)]
+    kept = {
+        s.id
+        for s in pending
+        if s.promised
+        and any(
+            o.slice_id == s.id and o.placements == s.promised
+            for o in (*decisions.grants, *decisions.reservations)
+        )
+    }
+    ready = {n.name: n for n in snap.nodes if n.state is NodeState.READY}
+    free = {name: set(range(n.gpu_count)) for name, n in ready.items()}
+    taken = [p for s in holding for p in s.placements]
+    taken += [p for s in pending if s.id in kept for p in s.promised]
+    for p in taken:
+        free.get(p.node, set()).difference_update(p.gpu_indices)
+    held_by: dict[str, int] = {}
+    for s in [*holding, *(s for s in pending if s.id in kept)]:
+        held_by[s.project] = held_by.get(s.project, 0) + s.gpus
+    caps = snap.policy.project_gpu_caps
+    rank = {name: i for i, name in enumerate(tree.project_order(snap.usage))}
+    for head in queue_order([s for s in pending if s.id not in kept], rank):
+        if head.project in caps and held_by.get(head.project, 0) + head.gpus > caps[head.project]:
+            event("cap holds back work")
+            continue  # takes nothing: the next one is ranked behind nothing
+        if fits(head, free, ready, snap.policy.debug_headroom):
+            event("liveness: the head of the queue fits")
+            answered = {g.slice_id for g in decisions.grants}
+            answered |= {r.slice_id for r in decisions.reservations}
+            assert head.id in answered, f"slice {head.id} fits, ranks first, and was left waiting"
+        return
+
+
+def check_after(now: float, live: dict[int, Slice], nodes: dict[str, Node], policy: Policy) -> None:
+    """After the pass: nothing held twice, caps kept, and drained nodes empty."""
     owners: dict[tuple[str, int], int] = {}
     for slice_ in live.values():
-        gpus = slice_.placements if slice_.holds_gpus else ()
-        for placement in gpus:
-            for index in placement.gpu_indices:
-                key = (placement.node, index)
-                assert key not in owners, f"GPU {key} held by {owners[key]} and {slice_.id}"
-                owners[key] = slice_.id
+        for key in _gpus(slice_.placements if slice_.holds_gpus else ()):
+            assert key not in owners, f"GPU {key} held by {owners[key]} and {slice_.id}"
+            owners[key] = slice_.id
     # promised GPUs belong to one pending slice each, and only held by leaving slices
     promised: dict[tuple[str, int], int] = {}
     for slice_ in live.values():
         if slice_.state is SliceState.PENDING:
-            for placement in slice_.promised:
-                for index in placement.gpu_indices:
-                    key = (placement.node, index)
-                    assert key not in promised, f"GPU {key} promised twice"
-                    promised[key] = slice_.id
-                    holder = owners.get(key)
-                    if holder is not None:
-                        assert live[holder].state is SliceState.PREEMPTING
+            for key in _gpus(slice_.promised):
+                assert key not in promised, f"GPU {key} promised twice"
+                promised[key] = slice_.id
+                holder = owners.get(key)
+                if holder is not None:
+                    assert live[holder].state is SliceState.PREEMPTING
+    claimed: dict[str, int] = {}
+    for slice_ in live.values():
+        if slice_.holds_gpus or slice_.promised:
+            claimed[slice_.project] = claimed.get(slice_.project, 0) + slice_.gpus
+    for project, cap in policy.project_gpu_caps.items():
+        assert claimed.get(project, 0) <= cap, f"{project} holds {claimed[project]} > cap {cap}"
+    for node in nodes.values():
+        if node.state is NodeState.DRAINED:
+            assert all(key[0] != node.name for key in owners), f"{node.name} drained while held"
 
 
-def test_unallocated_slices_are_never_charged():
+def count_reach(snap: Snapshot, decisions: Decisions) -> None:
+    """Tell hypothesis which states this pass reached, for --hypothesis-show-statistics."""
+    live = {s.id: s for s in snap.slices}
+    for p in decisions.preemptions:
+        event(f"preempted: {p.reason.value}")
+    for e in decisions.endings:
+        event(f"ended: {e.reason.value}" + (", requeued" if e.requeue else ""))
+    for r in decisions.reservations:
+        event("reservation: promised" if r.promised else "reservation: backfill")
+        if len(r.placements) > 1:
+            event("reservation: gang")
+    for g in decisions.grants:
+        event("granted")
+        if len(g.placements) > 1:
+            event("granted: gang over several nodes")
+        if live[g.slice_id].promised:
+            event("granted: a kept promise")
+        if is_debug(live[g.slice_id], snap.policy):
+            event("granted: debug session")
+    for change in decisions.node_changes:
+        event(f"node {change.state.value}")
+
+
+def test_unallocated_slices_are_never_charged() -> None:
     nodes = {"n0": Node("n0", "h100", 8)}
     free = Slice(1, "a", "u", 8, SliceKind.BATCH, Contract(0.0))
     snap = Snapshot(0.0, tuple(nodes.values()), (Account("a"),), (free,))
