@@ -5,19 +5,30 @@ invalid ones, with a bounded number of examples per operation) and sends them
 to a real ``python -m broker.service`` with an admin token: no answer may be a
 5xx, every answer must match the document (status, content type, schema), and
 every error must have the ``{"error": {"code", "message"}}`` shape.
+
+On top of schemathesis' cases, hypothesis fuzzes every path parameter, query
+parameter and body field with unicode-heavy text (other scripts' digits,
+control characters, NUL, bidi marks, astral characters) and oversized values
+(thousands of digits, tens of kilobytes, bodies over the 1 MiB limit), with the
+same acceptance: never a 5xx, the JSON error shape on every error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import pytest
+import requests
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from servicefixtures import REPO_ROOT, BrokerService, running_service
@@ -45,6 +56,8 @@ def api_schema(service):
         max_examples=MAX_EXAMPLES,
         deterministic=True,
         with_security_parameters=False,
+        allow_x00=True,
+        codec="utf-8",
     )
     return schema
 
@@ -79,6 +92,118 @@ def test_the_service_matches_its_openapi_document(case, service):
         excluded_checks=[positive_data_acceptance],
         timeout=10,
     )
+
+
+# ---- unicode-heavy and oversized fuzzing ------------------------------------------------
+
+#: Examples per fuzz test: each is one request to a random operation.
+FUZZ_EXAMPLES = 300
+DOCUMENT = build_document(default_handlers)
+#: (method, path template, operation) of every operation of the API.
+OPERATIONS = [
+    (method.upper(), path, operation)
+    for path, methods in DOCUMENT["paths"].items()
+    for method, operation in methods.items()
+]
+#: Strings that have broken parsers: digits of other scripts, superscripts, circled and
+#: fullwidth digits, controls, NUL, bidi overrides, a BOM, astral and combining characters.
+TRICKY = [
+    "\u00b2", "\u2460", "\u0661", "\uff11", "\U0001d7cf", "\u2162", "1\u0301", "\ufeff1",
+    "\u0000", "a\u0000", "\n", "a\n", "\r\n", "\t", "\u001b[31m", "\u007f", "\u202e1",
+    "\u200b", "\U0001f600", "\ufdfa", " ", "", ".", "..", "%", "%00", "\\", "'", '"', "{}",
+]  # fmt: skip
+UNICODE = st.text(st.characters(codec="utf-8"), max_size=40)
+OVERSIZED = st.one_of(
+    st.integers(11, 6000).map(lambda n: "7" * n),  # ids past 2**31 - 1, and past int()'s limit
+    st.integers(256, 70_000).map(lambda n: "\u00e9" * n),
+    st.text(st.characters(codec="utf-8"), min_size=256, max_size=2000),
+)
+TEXT = st.one_of(st.sampled_from(TRICKY), UNICODE, OVERSIZED)
+
+
+def send(service: BrokerService, method: str, path: str, **kwargs: Any) -> requests.Response:
+    headers = {"Authorization": f"token {service.admin_token}", **kwargs.pop("headers", {})}
+    return service.session.request(
+        method, service.api_url + path, headers=headers, timeout=30, **kwargs
+    )
+
+
+def assert_survived(response: requests.Response) -> None:
+    """No 5xx; an error has the JSON shape."""
+    assert response.status_code < 500, (response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        assert response.headers["Content-Type"].startswith("application/json"), response.headers
+        error = response.json()["error"]
+        assert set(error) == {"code", "message"} and all(error.values()), error
+        assert len(error["message"]) <= 1100, "the error echoes too much of the request"
+
+
+def fill_path(template: str, values: dict[str, str]) -> str:
+    return re.sub(r"\{(\w+)\}", lambda m: quote(values[m.group(1)], safe=""), template)
+
+
+WITH_PATH_PARAMS = [op for op in OPERATIONS if "{" in op[1]]
+
+
+@settings(deadline=None, max_examples=FUZZ_EXAMPLES, derandomize=True,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(data=st.data())
+def test_every_path_parameter_survives_unicode_and_oversized_values(service, data):
+    method, template, _ = data.draw(st.sampled_from(WITH_PATH_PARAMS))
+    names = re.findall(r"\{(\w+)\}", template)
+    values = {name: data.draw(TEXT, label=name) for name in names}
+    body = {"share": 1} if method == "PUT" else None
+    assert_survived(send(service, method, fill_path(template, values), json=body))
+
+
+WITH_QUERY = [
+    (method, path, op) for method, path, op in OPERATIONS
+    if any(p["in"] == "query" for p in op.get("parameters", []))
+]  # fmt: skip
+
+
+@settings(deadline=None, max_examples=FUZZ_EXAMPLES, derandomize=True,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(data=st.data())
+def test_every_query_parameter_survives_unicode_and_oversized_values(service, data):
+    method, template, operation = data.draw(st.sampled_from(WITH_QUERY))
+    query = [p["name"] for p in operation["parameters"] if p["in"] == "query"]
+    chosen = data.draw(st.lists(st.sampled_from(query), min_size=1, unique=True))
+    params = {name: data.draw(TEXT, label=name) for name in chosen}
+    path = fill_path(template, {"id": "1", "name": "vision"})
+    assert_survived(send(service, method, path, params=params))
+
+
+WITH_BODY = [op for op in OPERATIONS if "requestBody" in op[2]]
+
+
+def body_schema(operation: dict) -> dict:
+    ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return DOCUMENT["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+
+
+@settings(deadline=None, max_examples=FUZZ_EXAMPLES, derandomize=True,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(data=st.data())
+def test_every_body_field_survives_unicode_and_oversized_values(service, data):
+    method, template, operation = data.draw(st.sampled_from(WITH_BODY))
+    fields = list(body_schema(operation)["properties"])
+    chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, unique=True))
+    value = st.one_of(TEXT, st.lists(TEXT, max_size=5))
+    body = {name: data.draw(value, label=name) for name in chosen}
+    # the name is a valid one, so that the body's checks are reached
+    path = fill_path(template, {"id": "1", "name": data.draw(st.sampled_from(["vision", "n0"]))})
+    assert_survived(send(service, method, path, json=body))
+
+
+@pytest.mark.parametrize("size", [1024 * 1024 + 1, 3 * 1024 * 1024])
+@pytest.mark.parametrize(("method", "template"), [(m, p) for m, p, _ in WITH_BODY])
+def test_every_body_over_the_limit_is_a_json_413(service, method, template, size):
+    path = fill_path(template, {"name": "vision"})
+    body = b'{"share": 1, "pad": "' + b"x" * size + b'"}'
+    response = send(service, method, path, data=body)
+    assert_survived(response)
+    assert response.status_code == 413
 
 
 def test_the_service_log_shows_no_tracebacks(service):

@@ -462,7 +462,7 @@ def _convert(raw: str, schema: Mapping[str, Any], name: str) -> Any:
     except ValueError:
         expected = {"integer": "a whole number", "number": "a number"}.get(kind, "true or false")
         raise InvalidRequest(
-            f"the query parameter {name!r} must be {expected}, got {raw!r}"
+            f"the query parameter {name!r} must be {expected}, got {bounded(raw, 100)!r}"
         ) from None
     return raw
 
