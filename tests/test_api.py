@@ -312,9 +312,12 @@ async def test_a_user_may_not_act_for_another_or_claim_a_group(api, alice):
 # ---- long polls and deadlines ---------------------------------------------------------
 
 
-async def test_a_long_poll_answers_within_a_second_of_the_release_that_frees_gpus(
-    api, alice, bob, carol
-):
+@pytest.mark.parametrize("quick", [120], indirect=True)
+async def test_a_long_poll_is_answered_by_the_release_that_frees_gpus(quick):
+    # The timer runs a pass only every 60 s, longer than the poll waits: a grant within
+    # the wait can only come from the pass that the release itself runs.
+    api = quick
+    alice, bob, carol = api.token("alice"), api.token("bob"), api.token("carol")
     first = await submit(api, alice, gpus=4)
     second = await submit(api, bob, gpus=4)
     await granted(api, alice, first["id"])
@@ -330,9 +333,7 @@ async def test_a_long_poll_answers_within_a_second_of_the_release_that_frees_gpu
     )
     await until(lambda: len(api.runner.watchers) == 1)
     ok(await api.call("DELETE", f"/slices/{first['id']}", token=alice))
-    released_at = time.monotonic()
     answer = ok(await poll)
-    assert time.monotonic() - released_at < 1.0
     assert answer["state"] == "granted"
     assert (
         answer["placements"][0]["node"]
@@ -367,13 +368,14 @@ async def test_a_long_poll_without_news_answers_after_the_wait_capped_by_max_wai
     started = time.monotonic()
     reply = await api.call("GET", f"/slices/{made['id']}", token=alice, params={"wait": 0.3})
     assert ok(reply)["state"] == "granted"
-    assert 0.3 <= time.monotonic() - started < 1.0
+    # At its own wait, not at max_wait (bounds generous for a loaded machine).
+    assert 0.3 <= time.monotonic() - started < MAX_WAIT
     started = time.monotonic()
     capped = await api.call(
         "GET", f"/slices/{made['id']}", token=alice, params={"wait": 10_000, "state": "granted"}
     )
     assert ok(capped)["state"] == "granted"
-    assert api.max_wait <= time.monotonic() - started < api.max_wait + 1
+    assert api.max_wait <= time.monotonic() - started < 30  # capped: not 10,000 s
 
 
 async def test_a_long_poll_on_a_state_already_left_answers_at_once(api, alice):
@@ -381,9 +383,10 @@ async def test_a_long_poll_on_a_state_already_left_answers_at_once(api, alice):
     await granted(api, alice, made["id"])
     started = time.monotonic()
     reply = await api.call(
-        "GET", f"/slices/{made['id']}", token=alice, params={"wait": 30, "state": "pending"}
+        "GET", f"/slices/{made['id']}", token=alice, params={"wait": 60, "state": "pending"}
     )
-    assert ok(reply)["state"] == "granted" and time.monotonic() - started < 0.5
+    # At once, not after its wait (the bound is generous for a loaded machine).
+    assert ok(reply)["state"] == "granted" and time.monotonic() - started < 10
     bad = await api.call("GET", f"/slices/{made['id']}", token=alice, params={"wait": "soon"})
     assert error_code(bad, 400) == "invalid_request"
 
@@ -407,7 +410,9 @@ async def test_a_lapsed_lease_ends_the_slice_as_lost_on_time_without_any_request
     await until(lambda: quick.runner.passes > passes)  # a pass that no request asked for
     slice_ = await quick.runner.run(quick.broker.get_slice, made["id"])
     assert (slice_["state"], slice_["end_reason"]) == ("ended", "lost")
-    assert 0 <= slice_["ended_at"] - held["lease_expires_at"] < 0.25
+    # On time: the lease's own deadline ran the pass, not the 60 s timer (the bound is
+    # generous for a loaded machine).
+    assert 0 <= slice_["ended_at"] - held["lease_expires_at"] < 2.0
 
 
 @pytest.mark.parametrize("quick", [120], indirect=True)
@@ -427,14 +432,14 @@ async def test_max_runtime_and_grace_periods_end_on_time(quick):
     )
     ended = ok(reply)
     assert ended["end_reason"] == "preempted"
-    assert 0 <= ended["ended_at"] - preempting["preempt_deadline"] < 0.25
+    assert 0 <= ended["ended_at"] - preempting["preempt_deadline"] < 2.0  # timer: 60 s
     held = await granted(quick, carol, short["id"])
     reply = await quick.call(
         "GET", f"/slices/{short['id']}", token=carol, params={"wait": 5, "state": "granted"}
     )
     expired = ok(reply)
     assert expired["end_reason"] == "expired"
-    assert 0 <= expired["ended_at"] - (held["granted_at"] + 0.6) < 0.25
+    assert 0 <= expired["ended_at"] - (held["granted_at"] + 0.6) < 2.0
 
 
 async def test_a_failed_pass_is_counted_and_the_next_one_carries_on(api, alice, caplog):

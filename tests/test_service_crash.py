@@ -3,9 +3,11 @@
 Two client threads send streams of requests (submit, release, heartbeat, long
 poll, list) for three users in two projects, with short contracts so that
 grants, preemptions, grace periods, requeues, max runtimes and lost leases all
-happen. Meanwhile the service is killed with
-SIGKILL after a random time and started again, 20 times. Afterwards the
-database must tell a consistent story:
+happen. Meanwhile the service is killed with SIGKILL at a random moment once
+it has answered a few requests, and started again, 20 times; the stream then
+runs on until it has granted, charged, released and preempted enough for the
+checks (counts, not a set time). Afterwards the database must tell a
+consistent story:
 
 - every slice a client was told about (201) exists;
 - no GPU was ever held by two slices at once (holds rebuilt from slice_events);
@@ -23,16 +25,18 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 import requests
 from servicefixtures import TEST_CONFIG, BrokerService, make_service
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from broker.orm import LedgerRow, SliceEventRow, SliceRow, make_engine
+from broker.orm import READ_ONLY_OPTION, LedgerRow, SliceEventRow, SliceRow, make_engine
 
 KILLS = 20
+ANSWERS_PER_LIFE = 6  # requests the service answers after each start before it may be killed
 SEED = 20240611
 
 CONFIG = TEST_CONFIG.replace('grace_period = "2s"', 'grace_period = "0.3s"')
@@ -238,6 +242,36 @@ def _check_charges(slices, holds, ledger) -> int:
     return charged
 
 
+def _answered(clients: list[Client]) -> int:
+    return sum(client.answered for client in clients)
+
+
+def _until(clients: list[Client], condition: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` s or once a client failed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        errors = [client.error for client in clients if client.error is not None]
+        assert not errors, errors
+        assert time.monotonic() < deadline, f"not reached in {timeout} s"
+        time.sleep(0.05)
+
+
+def _exercised(db_url: str) -> bool:
+    """Whether the database shows what the test's checks need: many grants and charges,
+    and both releases and preemptions."""
+    engine = make_engine(db_url).execution_options(**{READ_ONLY_OPTION: True})
+    try:
+        with engine.connect() as connection:
+            grants = connection.scalar(
+                select(func.count()).where(SliceEventRow.to_state == "granted")
+            )
+            charges = connection.scalar(select(func.count()).select_from(LedgerRow))
+            ends = set(connection.scalars(select(SliceRow.end_reason).distinct()))
+    finally:
+        engine.dispose()
+    return grants > 20 and charges > 10 and {"released", "preempted"} <= ends
+
+
 def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path, db_url):
     rng = random.Random(SEED)
     service = make_service(tmp_path, config=CONFIG, db_url=db_url, lease=2, pass_interval=1)
@@ -251,12 +285,19 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path, db_url):
     service.start()
     for thread in threads:
         thread.start()
+    answered = 0
     try:
         for _ in range(KILLS):
+            # Each kill meets load, however slow the machine: the service first answers
+            # a few requests after its start, then dies at a random moment.
+            target = answered + ANSWERS_PER_LIFE
+            _until(clients, lambda target=target: _answered(clients) >= target)
             time.sleep(rng.uniform(0.2, 1.0))  # the random moment of the kill
             service.kill()
+            answered = _answered(clients)
             service.start()
-        time.sleep(0.5)
+        # Run on until the stream has done what the checks below need: counts, not a time.
+        _until(clients, lambda: _exercised(db_url), timeout=120)
     finally:
         stop.set()
         for thread in threads:
@@ -264,7 +305,7 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path, db_url):
         service.stop()
     assert [client.error for client in clients] == [None, None]
     assert "Traceback" not in service.log_text()
-    answered = sum(client.answered for client in clients)
+    answered = _answered(clients)
     failed = sum(client.failed for client in clients)
     assert answered > 100 and failed > 0  # requests did meet the kills
 
