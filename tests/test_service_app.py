@@ -142,8 +142,11 @@ def _stop_and_restart(service) -> None:
     with ThreadPoolExecutor(1) as pool:
         params = {"wait": 30, "state": "granted"}
         poll = pool.submit(service.get, f"/slices/{made['id']}", token=alice, params=params)
+        deadline = time.monotonic() + 10
         while "slicebroker_long_polls 1.0" not in service.get("/metrics", token=alice).text:
             assert not poll.done()  # the poll has not reached the service yet
+            assert time.monotonic() < deadline, "the long poll never reached the service"
+            time.sleep(0.01)
         started = time.monotonic()
         assert service.stop() == 0
         assert poll.result().status_code == 200  # answered, not cut off
