@@ -26,18 +26,22 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 from .batch import BatchError, BatchRequest, run_batch
 from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
-from .config import ClusterConfig, format_duration, load_config, parse_duration
+from .config import DEMO_CONFIG, ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
 from .sim.cli import add_parser as add_simulate
 
 PROG = "slicebroker"
 USAGE_ERROR = 2
 API_ERROR = 1
+#: The status after the reader of the output went away, as a shell reports SIGPIPE.
+BROKEN_PIPE = 128 + 13
 DB_URL_ENV = "SLICEBROKER_DB_URL"
 #: Retries of a request after a connection failure (0.25 s, then 0.5 s apart).
 CLI_RETRIES = 2
@@ -82,6 +86,28 @@ def check_config(args: argparse.Namespace) -> int:
         return _fail(f"{args.file}: {err}", USAGE_ERROR)
     print(f"{args.file}: ok")
     print("\n".join(summarise(config)))
+    return 0
+
+
+def add_demo_config(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo-config",
+        help="print the demo cluster's configuration file (a starting point)",
+        description="Print the demo cluster's configuration file, as installed with "
+        "slicebroker: one node of 8 H100 GPUs and a small project tree. Save it, edit it, "
+        "check it with 'slicebroker check-config FILE'.",
+    )
+    parser.add_argument(
+        "--path", action="store_true", help="print where the installed file is instead"
+    )
+    parser.set_defaults(handler=demo_config)
+
+
+def demo_config(args: argparse.Namespace) -> int:
+    if args.path:
+        print(DEMO_CONFIG)
+    else:
+        sys.stdout.write(DEMO_CONFIG.read_text())
     return 0
 
 
@@ -158,6 +184,7 @@ def _api_command(
 
 def _run_api(work: ApiWork, args: argparse.Namespace) -> int:
     try:
+        _check_url(args.url or os.environ.get(URL_ENV, ""))
         client = BrokerClient(args.url, args.token, timeout=args.timeout, retries=CLI_RETRIES)
     except ValueError as err:
         return _fail(f"{err} (see '{PROG} {args.command} --help')", USAGE_ERROR)
@@ -176,6 +203,17 @@ def _run_api(work: ApiWork, args: argparse.Namespace) -> int:
         return _fail(str(err), err.status)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+
+
+def _check_url(url: str) -> None:
+    """Raise :class:`ValueError` unless ``url`` (if given) is an http(s) URL with a host."""
+    if not url:
+        return  # the client says which variable to set
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(
+            f"invalid broker URL {url!r}: expected http://HOST:PORT/ or https://HOST/PATH/"
+        )
 
 
 def _describe_api_error(err: BrokerAPIError) -> str:
@@ -686,17 +724,31 @@ async def usage(client: BrokerClient, args: argparse.Namespace) -> int:
         )
         sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
         return 0
-    answer = await client.usage(args.project, since=args.since, until=args.until, by=args.by)
-    _print(usage_table(answer, by=args.by))
+    # The period is fixed here so that the title can show it even when no row does.
+    until = time.time() if args.until is None else args.until
+    answer = await client.usage(args.project, since=args.since, until=until, by=args.by)
+    _print(usage_table(answer, by=args.by, since=args.since, until=until))
     return 0
 
 
-def usage_table(answer: Mapping[str, Any], *, by: str) -> list[str]:
-    """The ``usage`` report: a title line with the period, then one row per project (and user)."""
+def usage_table(
+    answer: Mapping[str, Any], *, by: str, since: float | None = None, until: float | None = None
+) -> list[str]:
+    """The ``usage`` report: a title line with the period, then one row per project (and user).
+
+    The period is the rows' own; with no rows, ``since`` (``None``: the lookback
+    window) and ``until``, the period asked for.
+    """
     rows = answer["usage"]
     title = f"usage of {answer['project']}"
     if rows:
-        title += f" from {_clock(rows[0]['since'], 0)} to {_clock(rows[0]['until'], 0)}"
+        since, until = rows[0]["since"], rows[0]["until"]
+    if since is not None:
+        title += f" from {_clock(since, 0)}"
+    else:
+        title += " in the lookback window"
+    if until is not None:
+        title += f" to {_clock(until, 0)}"
     lines = [title]
     names = ["project", "user"] if by == "user" else ["project"]
     cells = [
@@ -825,14 +877,69 @@ def _need_db(args: argparse.Namespace) -> str:
     return args.db
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite database URL; ``None`` for other databases, in memory or a bad URL."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return None  # opening it will say what is wrong
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def _database_problem(url: str, *, must_exist: bool, create_hint: bool = False) -> str | None:
+    """Why the database at ``url`` should not be opened, in one line, or ``None``.
+
+    SQLite creates a missing file on first use, so a mistyped path would
+    silently become a new, empty database: with ``must_exist`` a missing file
+    is refused (``create_hint``: say that ``--create`` makes one). A missing
+    directory is refused always: SQLite's own message does not name it.
+    """
+    file = _sqlite_file(url)
+    if file is None:
+        return None
+    if not file.parent.is_dir():
+        return f"cannot open {_safe_url(url)}: the directory {file.parent} does not exist"
+    if must_exist and not file.exists():
+        hint = ", or pass --create to make a new one" if create_hint else ""
+        return f"no database at {file}: check the path{hint}"
+    return None
+
+
+def _has_schema(url: str) -> bool:
+    """Whether the database at ``url`` was ever migrated (holds a slicebroker schema)."""
+    from .orm import current_revision, make_engine
+
+    engine = make_engine(url)
+    try:
+        return current_revision(engine) is not None
+    finally:
+        engine.dispose()
+
+
 def upgrade_db(args: argparse.Namespace) -> int:
-    from .orm import head_revision
+    from .orm import DatabaseSchemaError, DatabaseTooNew, check_schema, head_revision, make_engine
     from .orm import upgrade_db as upgrade
 
     url = _need_db(args)
+    problem = _database_problem(url, must_exist=False)
+    if problem:
+        return _fail(problem, USAGE_ERROR)
     try:
+        engine = make_engine(url)
+        try:
+            check_schema(engine)
+        except DatabaseTooNew as err:  # migrating would fail on a revision it cannot find
+            return _fail(str(err), API_ERROR)
+        except DatabaseSchemaError:
+            pass  # blank or older: what upgrading is for
+        finally:
+            engine.dispose()
         upgrade(url)
-    except Exception as err:  # a wrong URL, an unreachable server, a newer schema
+    except Exception as err:  # a wrong URL, an unreachable server
         return _fail(f"cannot upgrade {_safe_url(url)}: {_first_line(err)}", API_ERROR)
     print(f"{_safe_url(url)}: schema at revision {head_revision()}")
     return 0
@@ -857,6 +964,12 @@ def add_token(commands: argparse._SubParsersAction) -> None:
         "--agent",
         action="store_true",
         help="an agent token (a service acting for users, such as the spawner)",
+    )
+    create.add_argument(
+        "--create",
+        action="store_true",
+        help="create the database (and its schema) if it does not exist; without it a "
+        "missing database is refused, so that a mistyped path does not make a new one",
     )
     _db_option(create)
     create.set_defaults(handler=_token_action("create a token", token_create))
@@ -897,12 +1010,25 @@ def _token_action(doing: str, work: TokenWork) -> Callable[[argparse.Namespace],
 
     def handler(args: argparse.Namespace) -> int:
         url = _need_db(args)
+        create = getattr(args, "create", False)
+        problem = _database_problem(url, must_exist=not create, create_hint=hasattr(args, "create"))
+        if problem:
+            return _fail(problem, USAGE_ERROR)
         try:
             from .service import auth
         except ImportError as err:
             return _fail(f"the broker service is not installed: {err}", API_ERROR)
         try:
+            if not create and not _has_schema(url):
+                hint = " or pass --create" if hasattr(args, "create") else ""
+                return _fail(
+                    f"{_safe_url(url)} is not a slicebroker database: check the URL, "
+                    f"run '{PROG} upgrade-db'{hint}",
+                    USAGE_ERROR,
+                )
             return work(auth, args, url)
+        except BrokenPipeError:
+            raise  # the reader is gone: main() ends quietly
         except Exception as err:  # a wrong URL, an unmigrated database
             return _fail(f"cannot {doing} in {_safe_url(url)}: {_first_line(err)}", API_ERROR)
 
@@ -989,6 +1115,7 @@ def _first_line(err: BaseException) -> str:
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_check_config,
+    add_demo_config,
     add_projects,
     add_project,
     add_nodes,
@@ -1037,12 +1164,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if hasattr(args, "check_args"):
             args.check_args(args)
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
     except _UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_ERROR
     except SystemExit as done:  # --help
         return done.code if isinstance(done.code, int) else 0
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The status after the reader of standard output went away (``| head``): quiet.
+
+    What is still buffered goes nowhere, as for any command killed by SIGPIPE.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass  # standard output is not a file (inside a test): nothing will flush to it
+    return BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -520,3 +520,130 @@ def test_serve_help_is_the_service_help():
     done = run_script("serve", "--help")
     assert done.returncode == 0
     assert "--BrokerApp.pass_interval" in done.stdout or "--pass-interval" in done.stdout
+
+
+# ---- defects an admin met: one line and the right status, never a traceback -------------
+
+
+def test_a_broker_url_without_a_scheme_is_a_usage_error(capsys):
+    status, out, err = run_cli(capsys, "nodes", "--url", "127.0.0.1:18501", "--token", "x")
+    assert (status, out) == (2, "")
+    assert one_error_line(err).startswith("error: invalid broker URL '127.0.0.1:18501'")
+
+
+def test_token_commands_refuse_a_missing_database_unless_create(tmp_path, capsys):
+    typo = tmp_path / "brokr.sqlite"
+    url = f"sqlite:///{typo}"
+    status, out, err = run_cli(capsys, "token", "create", "--user", "root", "--db", url)
+    assert (status, out) == (2, "")
+    assert one_error_line(err) == (
+        f"error: no database at {typo}: check the path, or pass --create to make a new one"
+    )
+    status, _, err = run_cli(capsys, "token", "list", "--db", url)
+    assert status == 2
+    assert one_error_line(err) == f"error: no database at {typo}: check the path"
+    assert not typo.exists()  # nothing was made on the way
+
+    status, out, err = run_cli(capsys, "token", "create", "--user", "root", "--create", "--db", url)
+    assert status == 0, err
+    assert out.startswith("sb_1_") and typo.exists()
+    status, out, _ = run_cli(capsys, "token", "list", "--db", url)
+    assert status == 0 and out.splitlines()[1].split()[:2] == ["1", "root"]
+
+
+def test_token_commands_refuse_a_database_without_the_schema(tmp_path, capsys):
+    import sqlite3
+
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as connection:
+        connection.execute("CREATE TABLE unrelated (x INTEGER)")
+    url = f"sqlite:///{other}"
+    status, _, err = run_cli(capsys, "token", "create", "--user", "root", "--db", url)
+    assert status == 2
+    assert one_error_line(err) == (
+        f"error: {url} is not a slicebroker database: check the URL, "
+        "run 'slicebroker upgrade-db' or pass --create"
+    )
+
+
+def test_a_missing_database_directory_is_named(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'no-such-dir' / 'broker.sqlite'}"
+    expected = f"error: cannot open {url}: the directory {tmp_path / 'no-such-dir'} does not exist"
+    for argv in (["upgrade-db"], ["token", "create", "--user", "a", "--create"]):
+        status, out, err = run_cli(capsys, *argv, "--db", url)
+        assert (status, out) == (2, "")
+        assert one_error_line(err) == expected
+
+
+def test_upgrade_db_says_clearly_that_the_database_is_newer_than_the_code(tmp_path, capsys):
+    import sqlite3
+
+    file = tmp_path / "broker.sqlite"
+    url = f"sqlite:///{file}"
+    assert run_cli(capsys, "upgrade-db", "--db", url)[0] == 0
+    with sqlite3.connect(file) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = '0099'")
+
+    status, out, err = run_cli(capsys, "upgrade-db", "--db", url)
+
+    assert (status, out) == (1, "")
+    line = one_error_line(err)
+    assert (
+        f"is at schema revision 0099, unknown to this slicebroker (which expects {head_revision()})"
+        in line
+    )
+    assert line.endswith(
+        "Upgrade the slicebroker package, or restore a backup made before the upgrade."
+    )
+    with sqlite3.connect(file) as connection:
+        assert connection.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            ("0099",)
+        ]
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    import os
+
+    config = tmp_path / "cluster.toml"
+    config.write_text(TEST_CONFIG)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: `| head -0`
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "check-config", str(config)],
+            env=service_env(),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (cli.BROKEN_PIPE, "")
+
+
+def test_demo_config_prints_the_installed_demo_file(tmp_path, capsys):
+    from broker.config import DEMO_CONFIG
+
+    status, out, err = run_cli(capsys, "demo-config")
+    assert (status, err) == (0, "")
+    assert out == DEMO_CONFIG.read_text() and "[[nodes]]" in out
+    saved = tmp_path / "cluster.toml"
+    saved.write_text(out)
+    assert run_cli(capsys, "check-config", str(saved))[0] == 0
+
+    status, out, _ = run_cli(capsys, "demo-config", "--path")
+    assert status == 0 and Path(out.strip()) == DEMO_CONFIG and DEMO_CONFIG.is_file()
+
+
+def test_an_empty_usage_report_keeps_its_period(service, capsys):
+    status, out, err = run_cli(
+        capsys, "usage", "nlp", "--since", "2025-03-01", "--until", "2025-03-02T12:00"
+    )
+    assert status == 0, err
+    title, _, total = out.splitlines()
+    assert title == "usage of nlp from 2025-03-01 00:00 to 2025-03-02 12:00"
+    assert total.split() == ["total", "0", "0.00", "0.00"]
+
+    status, out, _ = run_cli(capsys, "usage", "nlp", "--until", "2025-03-02")
+    assert out.splitlines()[0] == "usage of nlp in the lookback window to 2025-03-02 00:00"
