@@ -3,6 +3,9 @@
 The backend is a minimal spawner (no processes), so these tests show what the
 mixin does for any spawner it sits on — the local one now, a Kubernetes one
 later: queue, progress, withdrawal on cancel, poll/stop/state, preemption.
+
+Every answer of the in-memory broker is checked against the service's OpenAPI
+document, so the fake cannot drift from the real API unnoticed.
 """
 
 from __future__ import annotations
@@ -17,15 +20,33 @@ import pytest
 from jupyterhub.spawner import Spawner, SpawnException
 
 from broker.client import BrokerAPIError
+from broker.errors import InvalidRequest
+from broker.service.apihandlers import default_handlers
+from broker.service.openapi import build_document
+from broker.service.schema import validate
 from spawner import mixin as mixin_module
 from spawner.local import SliceBrokerSpawner
 from spawner.mixin import SliceBrokerMixin
 
 PROJECTS = [
-    {"name": "root", "parent": None, "is_project": False, "usage": 100.0, "entitlement": 1.0},
+    {
+        "name": "root",
+        "parent": None,
+        "share": 1.0,
+        "entitlement": 1.0,
+        "is_project": False,
+        "usage": 100.0,
+        "fairshare_value": 100.0,
+        "rank": None,
+        "users": [],
+        "groups": [],
+        "pending": 0,
+        "gpus_held": 2,
+    },
     {
         "name": "vision",
         "parent": "root",
+        "share": 1.0,
         "is_project": True,
         "usage": 80.0,
         "entitlement": 0.5,
@@ -39,6 +60,7 @@ PROJECTS = [
     {
         "name": "nlp",
         "parent": "root",
+        "share": 1.0,
         "is_project": True,
         "usage": 20.0,
         "entitlement": 0.5,
@@ -50,7 +72,52 @@ PROJECTS = [
         "gpus_held": 0,
     },
 ]
-NODES = [{"name": "n0", "gpu_type": "h100", "gpu_count": 4, "state": "ready", "gpus_held": 2}]
+NODES = [
+    {
+        "name": "n0",
+        "gpu_type": "h100",
+        "gpu_count": 4,
+        "weight": 1.0,
+        "state": "ready",
+        "state_reason": "",
+        "state_changed_at": None,
+        "in_config": True,
+        "drained_by": None,
+        "gpus_held": 2,
+    }
+]
+DOCUMENT = build_document(default_handlers)
+
+
+def as_documented(method: str, path: str, answer: Any) -> Any:
+    """``answer`` if it is what the OpenAPI document says ``method path`` answers on
+    success; else the test fails, naming where the fake broker drifted."""
+    responses = DOCUMENT["paths"][path][method.lower()]["responses"]
+    (ok,) = [status for status in responses if status.startswith("2")]
+    schema = responses[ok]["content"]["application/json"]["schema"]
+    try:
+        validate(answer, schema, where=f"{method} {path}")
+    except InvalidRequest as err:
+        pytest.fail(f"the fake broker's answer breaks the OpenAPI document: {err}")
+    return answer
+
+
+def slice_answer(method: str, path: str, slice_: dict[str, Any]) -> dict[str, Any]:
+    return as_documented(method, path, dict(slice_))
+
+
+async def test_the_fake_broker_is_held_to_the_openapi_document():
+    broker = FakeBroker()
+    made = await broker.submit("vision", 1, "interactive", user="alice", min_runtime=900.0)
+    assert made["state"] == "pending"
+    drifted = {k: v for k, v in made.items() if k != "lease_expires_at"}
+    with pytest.raises(pytest.fail.Exception, match="lease_expires_at"):
+        as_documented("GET", "/slices/{id}", drifted)
+    with pytest.raises(pytest.fail.Exception, match="busy"):
+        as_documented("GET", "/nodes", {"nodes": [{**NODES[0], "busy": True}]})
+    broker.slices[made["id"]]["state"] = "running"  # not a state the API has
+    with pytest.raises(pytest.fail.Exception, match="state"):
+        await broker.get_slice(made["id"])
 
 
 class FakeBroker:
@@ -68,10 +135,10 @@ class FakeBroker:
         old.set()
 
     async def projects(self):
-        return PROJECTS
+        return as_documented("GET", "/projects", {"projects": PROJECTS})["projects"]
 
     async def nodes(self):
-        return NODES
+        return as_documented("GET", "/nodes", {"nodes": NODES})["nodes"]
 
     async def submit(self, project, gpus, kind, **terms):
         self.calls.append(("submit", (project, gpus, kind, terms)))
@@ -88,34 +155,39 @@ class FakeBroker:
             "gpu_type": terms.get("gpu_type"),
             "kind": kind,
             "min_runtime": terms.get("min_runtime"),
+            "resumable": bool(terms.get("resumable")),
+            "max_runtime": terms.get("max_runtime"),
+            "priority": terms.get("priority") or 0,
             "state": "pending",
             "end_reason": None,
             "placements": [],
+            "submitted_at": time.time(),
             "granted_at": None,
             "protected_until": None,
             "preempt_deadline": None,
             "preempt_reason": None,
             "ended_at": None,
+            "lease_expires_at": None,
             "queue_position": None,
             "fairshare_value": None,
             "estimated_start": None,
             "charged_gpu_seconds": 0.0,
         }
-        return dict(self.slices[slice_id])
+        return slice_answer("POST", "/slices", self.slices[slice_id])
 
     async def heartbeat(self, slice_id):
         self.calls.append(("heartbeat", slice_id))
-        return dict(self._get(slice_id))
+        return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
 
     async def get_slice(self, slice_id, **_):
-        return dict(self._get(slice_id))
+        return slice_answer("GET", "/slices/{id}", self._get(slice_id))
 
     async def wait_for_change(self, slice_id, known_state, timeout):
         changed = self.changed
         if self._get(slice_id)["state"] == known_state:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout)
-        return dict(self._get(slice_id))
+        return slice_answer("GET", "/slices/{id}", self._get(slice_id))
 
     async def release(self, slice_id):
         self.calls.append(("release", slice_id))
@@ -124,7 +196,7 @@ class FakeBroker:
             self.end(slice_id, "cancelled")
         elif s["state"] in ("granted", "preempting"):
             self.end(slice_id, "released")
-        return dict(s)
+        return slice_answer("DELETE", "/slices/{id}", s)
 
     def _get(self, slice_id):
         if slice_id not in self.slices:
