@@ -4,7 +4,8 @@ It starts, besides the hub and its proxy:
 
 - the broker as a hub-managed service on SQLite (``python -m broker.service``),
   reached by the spawner at ``http://127.0.0.1:$SLICEBROKER_PORT/services/slicebroker``
-  and by people at ``<hub>/services/slicebroker/api/v1``;
+  and by people at ``<hub>/services/slicebroker/`` (web pages, in the Services menu)
+  and ``<hub>/services/slicebroker/api/v1``;
 - notebook servers (JupyterLab) as local processes, each on the GPUs of its slice;
   the spawner stops idle sessions by the rule in ``spawner.culler``.
 
@@ -66,7 +67,13 @@ c.JupyterHub.services = [
         "url": broker_service_url,
         "command": [sys.executable, "-m", "broker.service"],
         "environment": {"SLICEBROKER_CONFIG": cluster_file, "SLICEBROKER_DB_URL": broker_db},
-        "display": False,
+        # The web pages (My GPUs, Queue, Projects, Cluster, Usage) in the Services menu;
+        # login through the hub without a consent page. The login's token carries the
+        # broker admin scope (admins only: the hub grants a user only scopes they hold)
+        # and the user's groups (project membership through groups).
+        "display": True,
+        "oauth_no_confirm": True,
+        "oauth_client_allowed_scopes": ["custom:slicebroker:admin", "read:users:groups!user"],
     },
     {"name": "slicebroker-spawner", "api_token": agent_token},
 ]

@@ -416,6 +416,7 @@ class SliceBrokerMixin(Configurable):
             notice_html=notices.notice_alert(self.notice),
             queue_total=queue,
             capacity=capacity_note(nodes, 1),
+            queue_url=notices.pages_url(self.broker_url),
         )
 
     async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:
@@ -695,7 +696,8 @@ class SliceBrokerMixin(Configurable):
         nodes = _NODES_SEEN.get(self.broker_url)
         if state == "pending" and self._starting:
             capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
-            self._add_progress(notices.queue_event(slice_, time.time(), capacity))
+            queue_url = notices.pages_url(self.broker_url)
+            self._add_progress(notices.queue_event(slice_, time.time(), capacity, queue_url))
         if state != previous and state in ("preempting", "ended") and not self._starting:
             self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:

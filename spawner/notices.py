@@ -24,6 +24,9 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+from broker.units import gpu_hours
 
 from .culler import CULLED_IDLE, Verdict
 
@@ -277,17 +280,30 @@ def wait_text(estimated_start: float | None, now: float) -> str:
     return f"in about {left / 3600:.1f} h"
 
 
-def queue_event(slice_: Mapping[str, Any], now: float, capacity: str = "") -> dict[str, Any]:
+def pages_url(broker_url: str, page: str = "queue") -> str:
+    """Where people see one of the broker's web pages: the service's path on the hub
+    (``/services/slicebroker/queue``) when the broker is a hub service, else the broker's
+    own URL."""
+    parsed = urlparse(broker_url)
+    root = parsed.path if "/services/" in parsed.path else broker_url
+    return f"{root.rstrip('/')}/{page}"
+
+
+def queue_event(
+    slice_: Mapping[str, Any], now: float, capacity: str = "", queue_url: str = ""
+) -> dict[str, Any]:
     """The progress event for a pending slice: queue position, fair-share value, wait, and
     ``capacity`` (what draining and down nodes mean for it, from
-    :func:`spawner.options.capacity_note`)."""
+    :func:`spawner.options.capacity_note`); with ``queue_url``, a link to the queue page."""
     gpus = slice_.get("gpus") or 0
     kind = f" {slice_['gpu_type']}" if slice_.get("gpu_type") else ""
     what = f"{gpus}{kind} GPU{'s' if gpus != 1 else ''} for project {slice_.get('project')}"
     position = slice_.get("queue_position")
     value = slice_.get("fairshare_value")
     where = f"{ordinal(position)} in the queue" if position else "in the queue"
-    fair = f"fair-share value {value:.3g}" if value is not None else "fair-share value pending"
+    fair = (
+        f"fair-share value {gpu_hours(value)}" if value is not None else "fair-share value pending"
+    )
     wait = wait_text(slice_.get("estimated_start"), now)
     message = (
         f"Waiting for {what}: {where}; {fair} (usage ÷ entitlement, lower goes first); "
@@ -300,6 +316,10 @@ def queue_event(slice_: Mapping[str, Any], now: float, capacity: str = "") -> di
     if capacity:
         message += f" {capacity}"
         html += f' <span id="sb-capacity">{escape(capacity)}</span>'
+    if queue_url:
+        html += (
+            f' <a id="sb-queue-link" href="{escape(queue_url)}" target="_blank">See the queue</a>'
+        )
     return {"progress": 20, "message": message, "html_message": html}
 
 

@@ -26,6 +26,7 @@ from html import escape
 from typing import Any
 
 from broker.config import format_duration, parse_duration
+from broker.units import gpu_hours
 
 #: The keys of ``user_options`` the spawner reads.
 OPTION_KEYS = ("project", "gpus", "gpu_type", "protected")
@@ -416,12 +417,13 @@ def render_form(
     notice_html: str = "",
     queue_total: int = 0,
     capacity: str = "",
+    queue_url: str = "",
 ) -> str:
     """The options form's HTML (the fields only; JupyterHub adds the ``<form>`` and Start).
 
     ``previous`` (the last user options) preselects values; ``notice_html``
     (why the last session ended) and ``capacity`` (:func:`capacity_note`: draining and
-    down nodes) are shown above the fields.
+    down nodes) are shown above the fields; ``queue_url`` links to the broker's queue page.
     """
     previous = previous or {}
     parts = ['<div class="slicebroker-options">']
@@ -437,7 +439,7 @@ def render_form(
         )
         return "".join(parts)
     parts.append(_project_field(projects, previous, choices))
-    parts.append(_budget_table(projects, queue_total))
+    parts.append(_budget_table(projects, queue_total, queue_url))
     parts.append(_gpus_field(choices, previous))
     parts.append(_gpu_type_field(gpu_types, choices, previous))
     parts.append(_protected_field(choices, previous))
@@ -496,14 +498,14 @@ _CAP_SCRIPT = """<script>
 </script>"""
 
 
-def _budget_table(projects: Sequence[ProjectView], queue_total: int) -> str:
+def _budget_table(projects: Sequence[ProjectView], queue_total: int, queue_url: str = "") -> str:
     rows = "".join(
         "<tr>"
         f"<td>{escape(p.name)}</td>"
         f"<td>{p.rank if p.rank is not None else '—'}</td>"
         f"<td>{percent(p.entitlement)}</td>"
         f"<td>{percent(p.used_fraction)}{' ▲' if p.over_share else ''}</td>"
-        f"<td>{p.fairshare_value:.3g}</td>"
+        f"<td>{gpu_hours(p.fairshare_value, unit=False)}</td>"
         f"<td>{p.pending}</td>"
         f"<td>{p.gpus_held}</td>"
         "</tr>"
@@ -517,13 +519,19 @@ def _budget_table(projects: Sequence[ProjectView], queue_total: int) -> str:
     return (
         '<div class="mb-3"><table class="table table-sm" id="sb-budget">'
         "<thead><tr><th>Your project</th><th>Rank</th><th>Entitled</th>"
-        "<th>Used (lookback window)</th><th>Fair-share value</th><th>Waiting</th>"
+        "<th>Used (lookback window)</th><th>Fair-share value (GPU-h)</th><th>Waiting</th>"
         "<th>GPUs in use</th></tr></thead>"
         f"<tbody>{rows}</tbody></table>"
         '<div class="form-text">Requests are served in fair-share order: the project with the '
         "lowest usage ÷ entitlement first (▲: over its share). "
-        f'<span id="sb-queue-total">{escape(queue)}</span></div></div>'
+        f'<span id="sb-queue-total">{escape(queue)}</span>{_queue_link(queue_url)}</div></div>'
     )
+
+
+def _queue_link(queue_url: str) -> str:
+    if not queue_url:
+        return ""
+    return f' <a id="sb-queue-link" href="{escape(queue_url)}" target="_blank">See the queue</a>'
 
 
 def _gpus_field(choices: Choices, previous: Mapping[str, Any]) -> str:

@@ -332,7 +332,7 @@ async def test_start_asks_for_a_slice_for_the_user_waits_in_the_queue_then_launc
     assert spawner.launched_env["SLICEBROKER_PROJECT"] == "vision"
     assert spawner.launched_env["SLICEBROKER_PROTECTED_UNTIL"].endswith("Z")
     messages = [e["message"] for e in spawner._progress_events]
-    assert any("fair-share value 160" in m and "in about 10 min" in m for m in messages)
+    assert any("fair-share value 0.04 GPU-h" in m and "in about 10 min" in m for m in messages)
     assert "Granted 2 GPUs on n0 [1, 2]" in messages[-1]
     await spawner.stop()
 

@@ -326,13 +326,13 @@ def test_the_queue_event_shows_position_value_and_wait():
             "gpu_type": "h100",
             "project": "nlp",
             "queue_position": 2,
-            "fairshare_value": 0.4215,
+            "fairshare_value": 1517.4,  # GPU-seconds: 0.42 GPU-hours
             "estimated_start": now + 1500,
         },
         now,
     )
     assert event["message"] == (
-        "Waiting for 1 h100 GPU for project nlp: 2nd in the queue; fair-share value 0.421 "
+        "Waiting for 1 h100 GPU for project nlp: 2nd in the queue; fair-share value 0.42 GPU-h "
         "(usage ÷ entitlement, lower goes first); estimated start: in about 25 min."
     )
     assert wait_text(None, now) == "no estimate yet"

@@ -23,7 +23,7 @@ import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from sqlalchemy.engine import make_url
@@ -42,6 +42,7 @@ from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
 from .openapi import path_regex
+from .pages import page_routes, page_settings
 from .runner import BrokerRunner
 
 if TYPE_CHECKING:
@@ -68,11 +69,13 @@ def make_app(
     authenticate_metrics: bool = True,
     handlers: Iterable[tuple[str, type]] = default_handlers,
     limits: Limits = DEFAULT_LIMITS,
+    hub_oauth: Any = None,
 ) -> web.Application:
-    """The tornado application serving ``handlers`` under ``{base_url}api/v1``."""
+    """The tornado application serving ``handlers`` under ``{base_url}api/v1``, and the
+    web pages under ``base_url`` (logging in through the hub with ``hub_oauth``)."""
     handlers = list(handlers)
     prefix = base_url.rstrip("/") + "/api/v1"
-    routes = []
+    routes: list[tuple[str, Any]] = page_routes(base_url)
     for path, handler in handlers:
         pattern = path_regex(prefix) + ("/?" if path == "/" else path_regex(path))
         routes.append((pattern, handler))
@@ -88,6 +91,7 @@ def make_app(
         api_prefix=prefix,
         api_handlers=handlers,
         limits=limits,
+        **page_settings(base_url, hub_oauth),
     )
 
 
@@ -464,6 +468,7 @@ class BrokerApp(Application):
             base_url=self.base_url,
             max_wait=self.max_wait,
             authenticate_metrics=self.authenticate_metrics,
+            hub_oauth=self._hub_oauth(),
         )
         server = make_server(app, idle_timeout=self.idle_timeout, body_timeout=self.body_timeout)
         try:
@@ -505,6 +510,14 @@ class BrokerApp(Application):
         await runner.stop()
         authenticator.close()
         return 0
+
+    def _hub_oauth(self) -> Any:
+        """The hub's OAuth login for the web pages, when JupyterHub runs the broker."""
+        if not self.hub_managed:
+            return None
+        from jupyterhub.services.auth import HubOAuth
+
+        return HubOAuth(cache_max_age=self.token_cache_max_age)
 
     def _authenticator(self, runner: BrokerRunner, admins: Iterable[str]) -> Authenticator:
         if self.hub_managed:

@@ -1,0 +1,538 @@
+"""The pages' handlers: login, the five pages, their fragments, and the actions.
+
+Who is calling is decided as for the API, by the service's authenticator, from
+a token the browser holds in a cookie: JupyterHub's OAuth token in hub mode
+(the hub's login, :class:`jupyterhub.services.auth.HubOAuth`), or a broker
+token pasted into :class:`LoginHandler`'s form standalone. Every POST carries an
+XSRF token (tornado's ``_xsrf`` cookie and the ``X-XSRFToken`` header), and
+actions check roles themselves: a non-admin gets 403, button or not.
+
+Pages are rendered whole on the server (the first paint has the data); each
+then polls ``ui/fragment/<page>`` every few seconds, and tornado's ETag lets an
+unchanged fragment cost a 304 without a body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+from urllib.parse import urlencode
+
+from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
+from tornado import web
+
+from ... import __version__
+from ...accounting import usage_csv
+from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
+from ..apihandlers.base import MAX_ID
+from ..apihandlers.common import owner_filter
+from ..auth import Identity, parse_authorization
+from ..schema import ref, validate
+from . import views
+from .views import Cluster
+
+log = logging.getLogger("slicebroker.pages")
+
+#: The cookie holding a standalone login's broker token (signed, HTTP only).
+TOKEN_COOKIE = "slicebroker-token"
+#: The pages, in menu order: path, title.
+PAGES = (
+    ("gpus", "My GPUs"),
+    ("queue", "Queue"),
+    ("projects", "Projects"),
+    ("cluster", "Cluster"),
+    ("usage", "Usage"),
+)
+#: Seconds between two refreshes of a page's data.
+REFRESH_S = 3
+#: The longest date range of the usage page, in days.
+MAX_USAGE_DAYS = 92
+CSV_COLUMNS = (
+    "project", "user", "day", "since", "until", "slices", "gpu_seconds", "weighted_gpu_seconds",
+)  # fmt: skip
+
+
+class PageHandler(HubOAuthenticated, web.RequestHandler):
+    """Base of the pages: the caller's identity, XSRF on POST, errors as HTML or JSON."""
+
+    identity: Identity
+    _counted = False
+
+    @property
+    def hub_auth(self) -> Any:
+        return self.settings.get("hub_oauth")
+
+    @property
+    def base(self) -> str:
+        return self.settings["pages_base"]
+
+    @property
+    def runner(self):
+        return self.settings["runner"]
+
+    @property
+    def broker(self):
+        return self.settings["runner"].broker
+
+    @property
+    def is_json(self) -> bool:
+        return self.request.path.startswith(self.base + "ui/")
+
+    def set_default_headers(self) -> None:
+        self.set_header("Cache-Control", "no-cache")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.set_header("Referrer-Policy", "same-origin")
+        # Scripts and styles only from this server's static files: nothing inline runs.
+        self.set_header(
+            "Content-Security-Policy",
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+            "frame-ancestors 'self'; form-action 'self'",
+        )
+
+    def get_current_user(self) -> Identity | None:
+        # Set in prepare, asynchronously: never the mixin's blocking look-up.
+        return getattr(self, "identity", None)
+
+    @property
+    def xsrf_token(self) -> bytes:
+        # The hub's XSRF scheme (bound to the login) in hub mode, tornado's standalone.
+        if self.hub_auth is not None:
+            return HubOAuthenticated.xsrf_token.fget(self)
+        return web.RequestHandler.xsrf_token.fget(self)
+
+    def check_xsrf_cookie(self) -> None:
+        if self.hub_auth is not None:
+            self.hub_auth.check_xsrf_cookie(self)
+        else:
+            web.RequestHandler.check_xsrf_cookie(self)
+
+    def get_login_url(self) -> str:
+        if self.hub_auth is not None:
+            return super().get_login_url()
+        return f"{self.base}login?{urlencode({'next': self.request.uri})}"
+
+    def _token(self) -> str | None:
+        if self.hub_auth is not None:
+            return self.hub_auth.get_token(self) or None
+        token = parse_authorization(self.request.headers.get("Authorization"))
+        if token is None:
+            cookie = self.get_secure_cookie(TOKEN_COOKIE)
+            token = cookie.decode("ascii", "replace") if cookie else None
+        return token
+
+    async def prepare(self) -> None:
+        self.settings["in_flight"].enter()
+        self._counted = True
+        token = self._token()
+        identity = await self.settings["authenticator"].authenticate(token) if token else None
+        if identity is None:
+            if self.request.method == "GET" and not self.is_json:
+                self.redirect(self.get_login_url())
+                return
+            raise web.HTTPError(401, "log in first")
+        self.identity = identity
+        if self.request.method not in ("GET", "HEAD"):
+            self.check_xsrf_cookie()
+
+    def on_finish(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.settings["in_flight"].leave()
+
+    def require_admin(self, what: str) -> None:
+        if not self.identity.admin:
+            raise Forbidden(f"only admins may {what}")
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, BrokerError):
+            status, code, message = exc.status, exc.code, exc.message
+        elif isinstance(exc, web.HTTPError):
+            status, code = exc.status_code, "error"
+            message = exc.log_message or self._reason
+            if status == 403 and "XSRF" in message:
+                code = "xsrf"
+        else:
+            status, code, message = 500, "internal_error", "internal error; see the broker's log"
+        self.set_status(status)
+        if self.is_json:
+            self.set_header("Content-Type", "application/json; charset=UTF-8")
+            self.finish(json.dumps({"error": {"code": code, "message": message}}))
+            return
+        self.finish(self.render_page("error.html", status=status, message=message))
+
+    def render_page(self, name: str, **context: Any) -> str:
+        template = self.settings["pages_templates"].get_template(name)
+        identity = getattr(self, "identity", None)
+        return template.render(
+            base=self.base,
+            static=self.static_url,
+            identity=identity,
+            pages=PAGES,
+            version=__version__,
+            refresh_ms=REFRESH_S * 1000,
+            xsrf=self.xsrf_token.decode("ascii") if identity is not None else "",
+            hub=self.hub_auth is not None,
+            **context,
+        )
+
+    # ---- what each page shows ---------------------------------------------------------
+
+    async def cluster(self) -> Cluster:
+        live = await self.runner.read(self.broker.list_slices, state="live")
+        nodes = await self.runner.read(self.broker.nodes)
+        projects = await self.runner.read_between_passes(self.broker.projects)
+        return Cluster(nodes, {p["name"]: p for p in projects}, live, self.broker.config.policy)
+
+    async def context(self, page: str) -> dict[str, Any]:
+        now = time.time()
+        if page == "gpus":
+            cluster = await self.cluster()
+            mine = await self.runner.read(self.broker.list_slices, user=self.identity.name)
+            live, ended = views.my_slices(mine, cluster, now)
+            return {"live": live, "ended": ended}
+        if page == "queue":
+            cluster = await self.cluster()
+            head = cluster.pending[0] if cluster.pending else None
+            return {
+                "rows": views.queue_rows(cluster, self.identity),
+                "head_why": views.why_waiting(head, cluster) if head else "",
+            }
+        if page == "cluster":
+            cluster = await self.cluster()
+            return {"nodes": views.node_rows(cluster, self.identity, now)}
+        if page == "projects":
+            return await self._projects_context(now)
+        if page == "usage":
+            return await self._usage_context(now)
+        raise NotFound(f"no page {page!r}")
+
+    async def _projects_context(self, now: float) -> dict[str, Any]:
+        projects = await self.runner.read_between_passes(self.broker.projects)
+        nodes = await self.runner.read(self.broker.nodes)
+        policy = self.broker.config.policy
+        capacity = sum(n["gpu_count"] * n["weight"] for n in nodes if n["in_config"])
+        days = views.day_bounds(now - 6 * views.DAY, now)
+        daily = await self._daily_usage(projects, days, by="project")
+        charts = []
+        by_name = {p["name"]: p for p in projects}
+        for project in projects:
+            if not (self.identity.admin or _member(self.identity, project)):
+                continue
+            subtree = _subtree(project["name"], projects)
+            values = [
+                sum(r["weighted_gpu_seconds"] for r in rows if r["project"] in subtree)
+                for rows in daily
+            ]
+            entitled = project["entitlement"] * capacity * views.DAY
+            charts.append(
+                {
+                    "name": project["name"],
+                    "svg": views.bar_chart(
+                        f"{project['name']}: usage per day, last 7 days",
+                        [views.day_label(d[0]) for d in days],
+                        values,
+                        line=entitled,
+                        line_label=f"entitled: {views.gpu_hours(entitled)} per day",
+                    ),
+                    "entitled": views.gpu_hours(entitled),
+                    "total": views.gpu_hours(sum(values)),
+                }
+            )
+        return {
+            "rows": views.project_rows(projects, policy),
+            "charts": charts,
+            "names": sorted(by_name),
+        }
+
+    async def _daily_usage(
+        self, projects: list[dict[str, Any]], days: list[tuple[float, float]], by: str
+    ) -> list[list[dict[str, Any]]]:
+        """Usage rows per day, for every project of the tree (one report per top account)."""
+        roots = [p["name"] for p in projects if p["parent"] is None]
+
+        def read() -> list[list[dict[str, Any]]]:
+            return [
+                [row for root in roots for row in self.broker.usage_report(root, a, b, by=by)]
+                for a, b in days
+            ]
+
+        return await self.runner.read(read)
+
+    def _usage_range(self, now: float) -> tuple[float, float, str, str]:
+        """``(since, until, since text, until text)`` from the query (UTC dates, inclusive)."""
+        from datetime import UTC, datetime
+
+        def day(name: str, default: float) -> float:
+            text = self.get_query_argument(name, "").strip()
+            if not text:
+                return default
+            try:
+                moment = datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=UTC)
+            except ValueError:
+                problem = f"{name} must be a date (YYYY-MM-DD), got {text[:40]!r}"
+                raise InvalidRequest(problem) from None
+            return moment.timestamp()
+
+        until = day("until", now) + views.DAY
+        since = day("since", now - 6 * views.DAY)
+        days = views.day_bounds(since, min(until, now + views.DAY))
+        if not days or since >= until:
+            raise InvalidRequest("since must not be after until")
+        if len(days) > MAX_USAGE_DAYS:
+            raise InvalidRequest(f"a usage report covers at most {MAX_USAGE_DAYS} days")
+        return days[0][0], days[-1][1], views.day_label(days[0][0]), views.day_label(days[-1][0])
+
+    async def usage_rows(self, now: float) -> tuple[list[dict[str, Any]], list[str], dict]:
+        """Project × user × day rows the caller may see, the projects offered, the range."""
+        since, until, since_text, until_text = self._usage_range(now)
+        projects = await self.runner.read_between_passes(self.broker.projects)
+        visible = [
+            p["name"]
+            for p in projects
+            if p["is_project"] and (self.identity.admin or _member(self.identity, p))
+        ]
+        chosen = self.get_query_argument("project", "")
+        if chosen and chosen not in visible:
+            raise Forbidden("only members of a project and admins may read its usage")
+        wanted = {chosen} if chosen else set(visible)
+        days = views.day_bounds(since, until)
+        daily = await self._daily_usage(projects, days, by="user")
+        rows = []
+        for (start, _end), day_rows in zip(days, daily, strict=True):
+            for row in day_rows:
+                if row["project"] in wanted:
+                    rows.append({**row, "day": views.day_label(start)})
+        rows.sort(key=lambda r: (r["project"], r["user"], r["day"]))
+        selection = {"since": since_text, "until": until_text, "project": chosen, "days": days}
+        return rows, visible, selection
+
+    async def _usage_context(self, now: float) -> dict[str, Any]:
+        rows, visible, selection = await self.usage_rows(now)
+        days = selection.pop("days")
+        labels = [views.day_label(d[0]) for d in days]
+        totals = dict.fromkeys(labels, 0.0)
+        for row in rows:
+            totals[row["day"]] += row["weighted_gpu_seconds"]
+        query = urlencode({k: v for k, v in selection.items() if v})
+        return {
+            "rows": [
+                {
+                    "project": r["project"],
+                    "user": r["user"],
+                    "day": r["day"],
+                    "slices": r["slices"],
+                    "hours": views.gpu_hours(r["gpu_seconds"]),
+                    "weighted": views.gpu_hours(r["weighted_gpu_seconds"]),
+                }
+                for r in rows
+            ],
+            "visible": visible,
+            "selection": selection,
+            "total": views.gpu_hours(sum(totals.values())),
+            "svg": views.bar_chart(
+                "Charged usage per day (weighted)", labels, list(totals.values()), width=640
+            ),
+            "csv_url": f"{self.base}ui/usage.csv" + (f"?{query}" if query else ""),
+            "query": query,
+        }
+
+
+def _member(identity: Identity, project: dict[str, Any]) -> bool:
+    return identity.name in project["users"] or not identity.groups.isdisjoint(project["groups"])
+
+
+def _subtree(name: str, projects: list[dict[str, Any]]) -> set[str]:
+    """``name`` and every account below it."""
+    found = {name}
+    for project in projects:  # parents come before children
+        if project["parent"] in found:
+            found.add(project["name"])
+    return found
+
+
+class RootHandler(web.RequestHandler):
+    """The service's root: to My GPUs."""
+
+    def get(self) -> None:
+        self.redirect(self.settings["pages_base"] + "gpus")
+
+
+class PageViewHandler(PageHandler):
+    """One page, rendered whole."""
+
+    async def get(self, page: str) -> None:
+        titles = dict(PAGES)
+        context = await self.context(page)
+        self.finish(self.render_page(f"{page}.html", page=page, title=titles[page], data=context))
+
+
+class FragmentHandler(PageHandler):
+    """A page's changing part, for the page's own refresh (304 when unchanged)."""
+
+    async def get(self, page: str) -> None:
+        if page not in dict(PAGES):
+            raise NotFound(f"no page {page!r}")
+        context = await self.context(page)
+        self.set_header("Content-Type", "text/html; charset=UTF-8")
+        self.finish(self.render_page(f"_{page}.html", page=page, data=context))
+
+
+class ReleaseHandler(PageHandler):
+    """Release (or cancel) one of the caller's slices; admins may release any."""
+
+    async def post(self, slice_id: str) -> None:
+        if not 1 <= int(slice_id) <= MAX_ID:
+            raise NotFound(f"no slice {slice_id}")
+        try:
+            released = await self.runner.change(
+                self.broker.release, int(slice_id), **owner_filter(self.identity)
+            )
+        except Forbidden:
+            raise NotFound(f"no slice {slice_id}") from None
+        verb = "cancelled" if released["end_reason"] == "cancelled" else "released"
+        cost = views.gpu_hours(released["charged_gpu_seconds"])
+        self.finish({"message": f"Slice {released['id']} {verb}; charged {cost}."})
+
+
+class NodeActionHandler(PageHandler):
+    """An admin's drain, undrain or down of a node."""
+
+    TARGETS = {"drain": "draining", "undrain": "ready", "down": "down"}
+
+    async def post(self, name: str, action: str) -> None:
+        self.require_admin(f"{action} nodes")
+        body = _json_body(self.request.body)
+        validate(body, ref("NodeChange"), "body")
+        node = await self.runner.change(
+            self.broker.set_node_state, name, self.TARGETS[action], body.get("reason") or ""
+        )
+        self.finish({"message": f"Node {node['name']} is {node['state']}."})
+
+
+class ProjectActionHandler(PageHandler):
+    """An admin's change to an account: share, parent, members, as ``PUT /projects/{name}``."""
+
+    async def post(self, name: str) -> None:
+        self.require_admin("change projects")
+        body = _json_body(self.request.body)
+        validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
+        validate(body, ref("ProjectUpdate"), "body")
+        project = await self.runner.change(
+            self.broker.put_project,
+            name,
+            share=body["share"],
+            parent=body.get("parent"),
+            users=body.get("users"),
+            groups=body.get("groups"),
+        )
+        self.finish({"message": f"Project {project['name']} saved."})
+
+
+class UsageCsvHandler(PageHandler):
+    """The usage page's rows as formula-safe CSV (the API's CSV writer)."""
+
+    async def get(self) -> None:
+        rows, _visible, selection = await self.usage_rows(time.time())
+        self.set_header("Content-Type", "text/csv; charset=UTF-8")
+        name = f"usage-{selection['since']}-{selection['until']}.csv"
+        self.set_header("Content-Disposition", f'attachment; filename="{name}"')
+        self.finish(usage_csv(rows, CSV_COLUMNS))
+
+
+class LoginHandler(PageHandler):
+    """Standalone: a form taking a broker token, kept in a signed HTTP-only cookie."""
+
+    async def prepare(self) -> None:
+        if self.hub_auth is not None:  # the hub logs people in
+            self.redirect(f"{self.base}gpus")
+            return
+        if self.request.method == "POST":
+            self.check_xsrf_cookie()
+
+    def get(self) -> None:
+        self.finish(self.render_login(""))
+
+    def render_login(self, problem: str) -> str:
+        return self.render_page(
+            "login.html",
+            title="Log in",
+            problem=problem,
+            next=self._next(),
+            xsrf_form=self.xsrf_form_html(),
+        )
+
+    def _next(self) -> str:
+        target = self.get_argument("next", "")
+        # Only pages of this service: never an open redirect.
+        if not target.startswith(self.base) or target.startswith("//"):
+            target = f"{self.base}gpus"
+        return target
+
+    async def post(self) -> None:
+        token = self.get_body_argument("token", "").strip()
+        try:
+            identity = await self.settings["authenticator"].authenticate(token) if token else None
+        except BrokerError as err:
+            identity, problem = None, err.message
+        else:
+            problem = "" if identity else "That token is not valid (or was revoked)."
+        if identity is None:
+            self.set_status(403)
+            self.finish(self.render_login(problem))
+            return
+        self.set_secure_cookie(
+            TOKEN_COOKIE, token, expires_days=None, httponly=True, samesite="Strict", path=self.base
+        )
+        self.redirect(self._next())
+
+
+class LogoutHandler(PageHandler):
+    async def prepare(self) -> None:
+        pass
+
+    def get(self) -> None:
+        if self.hub_auth is not None:
+            hub = self.hub_auth
+            self.clear_cookie(hub.cookie_name, path=hub.cookie_path)
+            self.redirect(self.hub_auth.hub_host + self.hub_auth.hub_prefix + "logout")
+            return
+        self.clear_cookie(TOKEN_COOKIE, path=self.base)
+        self.redirect(f"{self.base}login")
+
+
+class OAuthCallbackHandler(HubOAuthCallbackHandler):
+    """The end of the hub's OAuth login (hub mode)."""
+
+    @property
+    def hub_auth(self) -> Any:
+        return self.settings["hub_oauth"]
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise InvalidRequest("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def page_routes(base: str) -> list[tuple[str, type]]:
+    """The pages' routes under ``base`` (``/`` or ``/services/slicebroker/``)."""
+    names = "|".join(name for name, _ in PAGES)
+    return [
+        (f"{base}", RootHandler),
+        (f"{base}({names})", PageViewHandler),
+        (f"{base}ui/fragment/([a-z]+)", FragmentHandler),
+        (f"{base}ui/slices/([0-9]{{1,10}})/release", ReleaseHandler),
+        (f"{base}ui/nodes/([^/]+)/(drain|undrain|down)", NodeActionHandler),
+        (f"{base}ui/projects/([^/]+)", ProjectActionHandler),
+        (f"{base}ui/usage.csv", UsageCsvHandler),
+        (f"{base}login", LoginHandler),
+        (f"{base}logout", LogoutHandler),
+        (f"{base}oauth_callback", OAuthCallbackHandler),
+    ]

@@ -1,0 +1,39 @@
+"""Units shown to people: GPU time in GPU-hours, through one function everywhere.
+
+The broker counts in GPU-seconds (usage, charges, fair-share values); people
+read GPU-hours. Every place that shows GPU time to a person — the web pages,
+the spawn form, the pending page — formats it with :func:`gpu_hours`, so the
+same quantity reads the same wherever it appears.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Seconds in an hour: GPU-seconds per GPU-hour.
+HOUR = 3600.0
+#: How GPU-hours are written after a number.
+UNIT = "GPU-h"
+
+
+def gpu_hours(gpu_seconds: float | None, *, unit: bool = True) -> str:
+    """``gpu_seconds`` as GPU-hours for people: ``0.25 GPU-h``, ``12.5 GPU-h``, ``1,234 GPU-h``.
+
+    Two decimals below 100 GPU-hours, one below 1,000, none above (with thousands
+    separators), so that a value never reads in scientific notation. ``None`` (or
+    a value that is not finite) is ``—``. ``unit=False`` leaves out ``GPU-h``,
+    for tables whose header names the unit.
+    """
+    if gpu_seconds is None or not math.isfinite(gpu_seconds):
+        return "—"
+    hours = gpu_seconds / HOUR
+    size = abs(hours)
+    if size >= 1000:
+        text = f"{hours:,.0f}"
+    elif size >= 100:
+        text = f"{hours:.1f}"
+    else:
+        text = f"{hours:.2f}"
+    if text.lstrip("-").strip("0.,") == "" and text.startswith("-"):
+        text = text[1:]  # no "-0.00"
+    return f"{text} {UNIT}" if unit else text
