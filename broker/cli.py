@@ -447,20 +447,31 @@ def add_project(commands: argparse._SubParsersAction) -> None:
         "set",
         project_set,
         help="create an account or change its share, parent or members",
-        description="Create an account, or change its share, parent or members. Options "
-        "left out keep their value (a new account goes at the top of the tree).",
+        description="Create an account, or change its share, parent or members. Every "
+        "option is optional: what is left out keeps its value (a new account needs "
+        "--share and goes at the top of the tree unless --parent names one). A change "
+        "of share or parent moves entitlements: the command shows each account's "
+        "entitlement before and after and asks before applying it (--yes applies without "
+        "asking; without a terminal, --yes is needed). A change of members only is "
+        "applied at once.",
     )
     put.add_argument("name", metavar="NAME", help="the account")
     put.add_argument(
         "--share",
         type=_positive_float,
-        required=True,
-        help="weight among its siblings (a number > 0)",
+        help="weight among its siblings (a number > 0; default: unchanged)",
     )
-    put.add_argument(
+    where = put.add_mutually_exclusive_group()
+    where.add_argument(
         "--parent",
         metavar="PARENT",
-        help="the parent account ('' for the top of the tree; default: unchanged)",
+        type=_parent_name,
+        help="move the account under PARENT (default: where it is)",
+    )
+    where.add_argument(
+        "--top-level",
+        action="store_true",
+        help="move the account to the top of the tree, beside the other top-level accounts",
     )
     put.add_argument(
         "--users",
@@ -474,16 +485,217 @@ def add_project(commands: argparse._SubParsersAction) -> None:
         metavar="G,H",
         help="JupyterHub groups whose members may charge it, replacing the list ('' for none)",
     )
+    for option, metavar, what in (
+        ("--add-user", "USER", "add users (repeat it, or A,B)"),
+        ("--remove-user", "USER", "remove users (repeat it, or A,B)"),
+        ("--add-group", "GROUP", "add JupyterHub groups (repeat it, or G,H)"),
+        ("--remove-group", "GROUP", "remove JupyterHub groups (repeat it, or G,H)"),
+    ):
+        put.add_argument(option, type=_names, action="append", metavar=metavar, help=what)
+    confirm = put.add_mutually_exclusive_group()
+    confirm.add_argument(
+        "--yes", "-y", action="store_true", help="apply a change of entitlements without asking"
+    )
+    confirm.add_argument(
+        "--dry-run", action="store_true", help="show what would change, change nothing"
+    )
+    put.set_defaults(check_args=_check_project_set)
+
+
+def _parent_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "'' is not an account: pass --top-level to move the account to the top of the tree"
+        )
+    return text.strip()
+
+
+def _check_project_set(args: argparse.Namespace) -> None:
+    """Refuse member options that contradict each other; flatten the repeated ones."""
+    for key in ("add_user", "remove_user", "add_group", "remove_group"):
+        setattr(args, key, [name for names in getattr(args, key) or [] for name in names])
+    for kind in ("user", "group"):
+        listed = getattr(args, f"{kind}s")
+        added, removed = getattr(args, f"add_{kind}"), getattr(args, f"remove_{kind}")
+        if listed is not None and (added or removed):
+            raise _UsageError(
+                f"--{kind}s replaces the list: give it, or --add-{kind}/--remove-{kind}, "
+                f"not both (see '{PROG} project set --help')"
+            )
+        both = sorted(set(added) & set(removed))
+        if both:
+            raise _UsageError(f"{', '.join(both)}: both added and removed")
+
+
+@dataclasses.dataclass(frozen=True)
+class _AccountState:
+    """What ``project set`` may change about one account."""
+
+    share: float
+    parent: str | None
+    users: tuple[str, ...]
+    groups: tuple[str, ...]
+
+
+class _Refused(Exception):
+    """A ``project set`` that cannot be applied as asked, in one line; nothing changed."""
+
+
+def planned_account(
+    rows: Sequence[Mapping[str, Any]], args: argparse.Namespace
+) -> tuple[_AccountState | None, _AccountState]:
+    """The account ``args.name`` now (``None`` if new) and as ``args`` would make it.
+
+    Raises :class:`_Refused` for a new account without a share, a member to
+    remove who is not one, or an unknown parent.
+    """
+    current = {row["name"]: row for row in rows}
+    row = current.get(args.name)
+    before = None
+    if row is not None:
+        before = _AccountState(
+            row["share"], row["parent"], tuple(row.get("users", ())), tuple(row.get("groups", ()))
+        )
+    elif args.share is None:
+        raise _Refused(f"no account {args.name!r}: a new account needs --share")
+    base = before or _AccountState(args.share, None, (), ())
+    parent = None if args.top_level else args.parent or base.parent
+    if parent is not None and parent not in current:
+        raise _Refused(f"no account {parent!r} to put {args.name!r} under")
+    members = {}
+    for kind in ("users", "groups"):
+        names = list(getattr(base, kind))
+        if getattr(args, kind) is not None:
+            names = getattr(args, kind)
+        singular = kind[:-1]
+        for name in getattr(args, f"remove_{singular}"):
+            if name not in names:
+                raise _Refused(f"{name} is not one of the {kind} of {args.name!r}")
+            names.remove(name)
+        names += [n for n in getattr(args, f"add_{singular}") if n not in names]
+        members[kind] = tuple(sorted(set(names)))
+    after = _AccountState(
+        base.share if args.share is None else args.share,
+        parent,
+        members["users"],
+        members["groups"],
+    )
+    return before, after
+
+
+def entitlements_after(
+    rows: Sequence[Mapping[str, Any]], name: str, after: _AccountState
+) -> dict[str, float]:
+    """Every account's entitlement once ``name`` is ``after``, computed as the broker does.
+
+    Raises :class:`_Refused` if the tree would not be valid (a cycle, say).
+    """
+    from .fairshare import ProjectTree
+    from .model import Account
+
+    accounts = {row["name"]: Account(row["name"], row["share"], row["parent"]) for row in rows}
+    accounts[name] = Account(name, after.share, after.parent)
+    try:
+        return ProjectTree(accounts.values()).entitlements
+    except InvalidConfig as err:
+        raise _Refused(f"cannot change {name!r}: {err}") from None
+
+
+def entitlement_preview(
+    rows: Sequence[Mapping[str, Any]], name: str, after: Mapping[str, float]
+) -> list[str]:
+    """A table of the entitlements of ``name`` and of every account whose entitlement
+    changes: before, after, the difference in percentage points."""
+    before = {row["name"]: row["entitlement"] for row in rows}
+    changed = {n for n in after if abs(after[n] - before.get(n, 0.0)) >= 0.0005 / 100}
+    order = [name] + [row["name"] for row in rows if row["name"] in changed - {name}]
+    cells = []
+    for account in order:
+        old = before.get(account)
+        cells.append(
+            [
+                account,
+                "-" if old is None else f"{100 * old:.1f}%",
+                f"{100 * after[account]:.1f}%",
+                f"{100 * (after[account] - (old or 0.0)):+.1f}",
+            ]
+        )
+    lines = table(["ACCOUNT", "BEFORE", "AFTER", "CHANGE (points)"], cells, "lrrr")
+    unchanged = len(after) - len(order)
+    if unchanged:
+        lines.append(f"({unchanged} other account{'s' * (unchanged != 1)} unchanged)")
+    return lines
+
+
+def _describe_change(name: str, before: _AccountState | None, after: _AccountState) -> str:
+    """One line: what changes about the account (``name: share 1 -> 3; users a -> a,b``)."""
+    if before is None:
+        where = f"under {after.parent}" if after.parent else "at the top"
+        return f"{name}: new account, share {after.share:g} {where}"
+    parts = []
+    if before.share != after.share:
+        parts.append(f"share {before.share:g} -> {after.share:g}")
+    if before.parent != after.parent:
+        parts.append(f"parent {before.parent or '(top)'} -> {after.parent or '(top)'}")
+    for kind in ("users", "groups"):
+        old, new = getattr(before, kind), getattr(after, kind)
+        if old != new:
+            parts.append(f"{kind} {','.join(old) or '(none)'} -> {','.join(new) or '(none)'}")
+    return f"{name}: " + ("; ".join(parts) if parts else "no change")
+
+
+class _NeedsYes(Exception):
+    """Entitlements would change, nobody can be asked, and ``--yes`` was not given."""
+
+
+def _confirmed(args: argparse.Namespace) -> bool:
+    """Whether to apply a change of entitlements: ``--yes``, or a 'y' typed at the terminal.
+
+    Raises :class:`_NeedsYes` when there is no terminal to ask at.
+    """
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise _NeedsYes
+    print("apply? [y/N] ", end="", flush=True)
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
 
 
 async def project_set(client: BrokerClient, args: argparse.Namespace) -> int:
-    parent = args.parent
-    if parent is None:  # keep the account where it is
-        current = {row["name"]: row for row in await client.projects()}
-        parent = current[args.name]["parent"] if args.name in current else None
-    row = await client.put_project(
-        args.name, share=args.share, parent=parent or None, users=args.users, groups=args.groups
-    )
+    rows = await client.projects()
+    try:
+        before, after = planned_account(rows, args)
+        moves = before is None or (before.share, before.parent) != (after.share, after.parent)
+        entitlements = entitlements_after(rows, args.name, after) if moves else {}
+    except _Refused as err:
+        return _fail(str(err), USAGE_ERROR)
+    print(_describe_change(args.name, before, after))
+    if before == after:
+        return 0
+    if moves:
+        _print(entitlement_preview(rows, args.name, entitlements))
+    if args.dry_run:
+        print("not applied (--dry-run)")
+        return 0
+    if moves:
+        try:
+            if not _confirmed(args):
+                return _fail("not applied", API_ERROR)
+        except _NeedsYes:
+            return _fail(
+                "not applied: entitlements would change; pass --yes to apply without asking",
+                USAGE_ERROR,
+            )
+    members = {}
+    if before is None or before.users != after.users:
+        members["users"] = list(after.users)
+    if before is None or before.groups != after.groups:
+        members["groups"] = list(after.groups)
+    row = await client.put_project(args.name, share=after.share, parent=after.parent, **members)
     where = f"under {row['parent']}" if row.get("parent") else "at the top"
     line = (
         f"{row['name']}: share {row['share']:g} {where}, "

@@ -150,10 +150,17 @@ def test_projects_json_is_the_api_answer(service, capsys):
 
 def test_project_set_changes_share_and_members_and_keeps_the_parent(service, capsys):
     status, out, err = run_cli(
-        capsys, "project", "set", "vision", "--share", "3", "--users", "alice,dave"
+        capsys, "project", "set", "vision", "--share", "3", "--users", "alice,dave", "--yes"
     )
     assert status == 0, err
-    assert out.strip() == "vision: share 3 under lab, entitlement 75.0%; members: users alice,dave"
+    assert out.splitlines() == [
+        "vision: share 1 -> 3; users alice,bob -> alice,dave",
+        "ACCOUNT  BEFORE  AFTER  CHANGE (points)",
+        "vision    50.0%  75.0%            +25.0",
+        "nlp       50.0%  25.0%            -25.0",
+        "(1 other account unchanged)",
+        "vision: share 3 under lab, entitlement 75.0%; members: users alice,dave",
+    ]
     projects = {
         p["name"]: p for p in service.get("/projects", token=service.admin_token).json()["projects"]
     }
@@ -164,12 +171,128 @@ def test_project_set_changes_share_and_members_and_keeps_the_parent(service, cap
 
 def test_project_set_creates_an_account_under_a_parent(service, capsys):
     status, out, err = run_cli(
-        capsys, "project", "set", "audio", "--share", "2", "--parent", "lab", "--groups", "sound"
+        capsys,
+        "project",
+        "set",
+        "audio",
+        "--share",
+        "2",
+        "--parent",
+        "lab",
+        "--groups",
+        "sound",
+        "-y",
     )
     assert status == 0, err
-    assert out.strip() == "audio: share 2 under lab, entitlement 50.0%; members: groups sound"
+    assert out.splitlines()[0] == "audio: new account, share 2 under lab"
+    assert (
+        out.splitlines()[-1] == "audio: share 2 under lab, entitlement 50.0%; members: groups sound"
+    )
     status, out, _ = run_cli(capsys, "projects")
     assert rows_of(out)["audio"][1:3] == ["2", "50.0%"]
+
+
+def projects_now(service: BrokerService) -> dict[str, dict]:
+    answer = service.get("/projects", token=service.admin_token).json()["projects"]
+    return {p["name"]: p for p in answer}
+
+
+def test_project_set_adds_and_removes_members_and_keeps_the_rest(service, capsys):
+    status, out, err = run_cli(
+        capsys, "project", "set", "vision", "--add-user", "dave,erin", "--add-user", "alice",
+        "--remove-user", "bob", "--add-group", "cv-team",
+    )  # fmt: skip
+    assert status == 0, err
+    assert out.splitlines() == [  # no entitlement moves: applied without asking
+        "vision: users alice,bob -> alice,dave,erin; groups (none) -> cv-team",
+        "vision: share 1 under lab, entitlement 50.0%; members: users alice,dave,erin; "
+        "groups cv-team",
+    ]
+    vision = projects_now(service)["vision"]
+    assert (vision["share"], vision["parent"]) == (1, "lab")
+    assert (vision["users"], vision["groups"]) == (["alice", "dave", "erin"], ["cv-team"])
+
+    status, out, err = run_cli(capsys, "project", "set", "vision", "--remove-user", "bob")
+    assert (status, out) == (2, "")
+    assert one_error_line(err) == "error: bob is not one of the users of 'vision'"
+    status, out, _ = run_cli(capsys, "project", "set", "vision", "--add-user", "alice")
+    assert (status, out) == (0, "vision: no change\n")
+
+
+def test_project_set_without_a_terminal_needs_yes_to_move_entitlements(service, capsys):
+    status, out, err = run_cli(capsys, "project", "set", "vision", "--share", "3")
+    assert status == 2
+    assert one_error_line(err) == (
+        "error: not applied: entitlements would change; pass --yes to apply without asking"
+    )
+    assert "vision    50.0%  75.0%" in out  # the preview was shown
+    assert projects_now(service)["vision"]["share"] == 1
+
+    status, out, _ = run_cli(capsys, "project", "set", "vision", "--share", "3", "--dry-run")
+    assert status == 0 and out.splitlines()[-1] == "not applied (--dry-run)"
+    assert projects_now(service)["vision"]["share"] == 1
+
+
+def test_project_set_asks_at_a_terminal(service):
+    import os
+    import pty
+
+    env = {"SLICEBROKER_URL": service.url, "SLICEBROKER_TOKEN": service.admin_token}
+    for answer, status, share in (("n\n", 1, 1), ("y\n", 0, 2)):
+        controller, terminal = pty.openpty()
+        os.write(controller, answer.encode())  # typed ahead: read once the prompt is shown
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "broker.cli", "project", "set", "nlp", "--share", "2"],
+                env=service_env(env),
+                stdin=terminal,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(terminal)
+            os.close(controller)
+        assert done.returncode == status, done.stderr
+        assert (
+            "nlp       50.0%  66.7%            +16.7\n"
+            "vision    50.0%  33.3%            -16.7\n"
+            "(1 other account unchanged)\n"
+            "apply? [y/N] "
+        ) in done.stdout
+        assert projects_now(service)["nlp"]["share"] == share
+
+
+def test_project_set_moves_an_account_to_the_top_only_when_asked(service, capsys):
+    status, _, err = run_cli(capsys, "project", "set", "vision", "--parent", "", "--yes")
+    assert status == 2
+    assert "pass --top-level" in one_error_line(err)
+    assert projects_now(service)["vision"]["parent"] == "lab"
+
+    status, out, err = run_cli(capsys, "project", "set", "vision", "--top-level", "--yes")
+    assert status == 0, err
+    # vision keeps its half; lab, the only top-level account before, gives up half
+    assert out.splitlines()[:5] == [
+        "vision: parent lab -> (top)",
+        "ACCOUNT  BEFORE  AFTER  CHANGE (points)",
+        "vision    50.0%  50.0%             +0.0",
+        "lab      100.0%  50.0%            -50.0",
+        "(1 other account unchanged)",
+    ]
+    projects = projects_now(service)
+    assert projects["vision"]["parent"] is None
+    assert projects["vision"]["entitlement"] == pytest.approx(0.5)
+    assert projects["lab"]["entitlement"] == pytest.approx(0.5)
+
+
+def test_project_set_refuses_a_new_account_without_a_share_or_an_unknown_parent(service, capsys):
+    status, _, err = run_cli(capsys, "project", "set", "audio", "--users", "dave")
+    assert status == 2
+    assert one_error_line(err) == "error: no account 'audio': a new account needs --share"
+    status, _, err = run_cli(capsys, "project", "set", "audio", "--share", "1", "--parent", "lb")
+    assert status == 2
+    assert one_error_line(err) == "error: no account 'lb' to put 'audio' under"
+    assert "audio" not in projects_now(service)
 
 
 # ---- nodes and drains -------------------------------------------------------------
@@ -333,7 +456,10 @@ def test_parse_time_reads_dates_durations_and_epochs():
     ("argv", "expected"),
     [
         (["release", "not-a-number"], "argument ID: expected a whole number >= 1"),
-        (["project", "set", "x"], "the following arguments are required: --share"),
+        (["project", "set", "x", "--parent", ""], "pass --top-level to move the account"),
+        (["project", "set", "x", "--parent", "a", "--top-level"], "not allowed with argument"),
+        (["project", "set", "x", "--users", "a", "--add-user", "b"], "--users replaces the list"),
+        (["project", "set", "x", "--add-group", "g", "--remove-group", "g"], "g: both added"),
         (["project", "set", "x", "--share", "-1"], "expected a number > 0, got '-1'"),
         (["usage", "lab", "--since", "last tuesday"], "invalid time 'last tuesday'"),
         (["run", "--project", "p", "--gpus", "1", "--min-runtime", "1x", "--", "true"], "1x"),
