@@ -54,6 +54,13 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
+class XsrfRefused(BrokerError):
+    """A POST without the page's XSRF token: it may come from another site."""
+
+    status = 403
+    code = "xsrf"
+
+
 class PageHandler(HubOAuthenticated, web.RequestHandler):
     """Base of the pages: the caller's identity, XSRF on POST, errors as HTML or JSON."""
 
@@ -103,10 +110,15 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         return web.RequestHandler.xsrf_token.fget(self)
 
     def check_xsrf_cookie(self) -> None:
-        if self.hub_auth is not None:
-            self.hub_auth.check_xsrf_cookie(self)
-        else:
-            web.RequestHandler.check_xsrf_cookie(self)
+        try:
+            if self.hub_auth is not None:
+                self.hub_auth.check_xsrf_cookie(self)
+            else:
+                web.RequestHandler.check_xsrf_cookie(self)
+        except web.HTTPError as err:
+            raise XsrfRefused(
+                f"{err.log_message}: send the page's XSRF token (X-XSRFToken header)"
+            ) from None
 
     def get_login_url(self) -> str:
         if self.hub_auth is not None:
@@ -152,8 +164,6 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         elif isinstance(exc, web.HTTPError):
             status, code = exc.status_code, "error"
             message = exc.log_message or self._reason
-            if status == 403 and "XSRF" in message:
-                code = "xsrf"
         else:
             status, code, message = 500, "internal_error", "internal error; see the broker's log"
         self.set_status(status)

@@ -1,0 +1,257 @@
+"""The web pages in a real browser (Playwright on the system Chromium) against a real broker
+service, standalone (token login form) and as a hub service (the hub's OAuth login).
+
+``SLICEBROKER_SCREENSHOTS=docs/screenshots`` refreshes the documentation's screenshots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from hubfixtures import PASSWORD, HubProcess, wait_until
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+from servicefixtures import BrokerService, running_service
+
+CHROMIUM = "/usr/bin/chromium"
+HOSTILE = "<script>window.pwned=1</script>\"x='1'=2"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory) -> Path:
+    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
+    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory) -> Iterator[BrokerService]:
+    with running_service(tmp_path_factory.mktemp("pages"), pass_interval=1) as service:
+        yield service
+
+
+def new_page(browser: Browser) -> Page:
+    page = browser.new_context(viewport={"width": 1280, "height": 860}).new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    return page
+
+
+def log_in(page: Page, service: BrokerService, token: str, path: str = "gpus") -> None:
+    page.goto(service.url + path)
+    expect(page).to_have_url(re.compile(r"/login\?next="))
+    page.get_by_label("Token").fill(token)
+    page.get_by_role("button", name="Log in").click()
+    expect(page).to_have_url(service.url + path)
+
+
+def submit(service: BrokerService, token: str, project: str, gpus: int, kind="batch") -> dict:
+    reply = service.post(
+        "/slices", token=token, json={"project": project, "gpus": gpus, "kind": kind}
+    )
+    assert reply.status_code == 201, reply.text
+    return reply.json()
+
+
+def page_post(page: Page, path: str, body: dict, xsrf: bool = True) -> dict:
+    """POST from the page's own origin and cookies, as its script does; status and JSON."""
+    return page.evaluate(
+        """async ([path, body, xsrf]) => {
+            const headers = {"Content-Type": "application/json"};
+            if (xsrf) headers["X-XSRFToken"] = document.body.dataset.xsrf;
+            const r = await fetch(document.body.dataset.base + path,
+                {method: "POST", headers, body: JSON.stringify(body)});
+            return {status: r.status, json: await r.json()};
+        }""",
+        [path, body, xsrf],
+    )
+
+
+def test_a_researcher_sees_only_their_own_slices_live_and_may_release_them(
+    service, browser, screenshots
+):
+    alice, carol = service.token("alice"), service.token("carol")
+    held = submit(service, alice, "vision", 4)
+    theirs = submit(service, carol, "nlp", 4)
+    page = new_page(browser)
+    log_in(page, service, alice)
+
+    row = page.locator(f"#slice-{held['id']}")
+    expect(row).to_contain_text("vision")
+    expect(row).to_contain_text("GPU-h")
+    expect(page.locator(f"#slice-{theirs['id']}")).to_have_count(0)
+    expect(row.locator(".countdown")).to_contain_text("left")  # protected-until, counting
+
+    # A new request shows up without a reload, with its queue position and why it waits.
+    waiting = submit(service, alice, "vision", 4)
+    pending = page.locator(f"#slice-{waiting['id']}")
+    expect(pending).to_contain_text("pending", timeout=15_000)
+    expect(page.locator(f"#slice-{waiting['id']} + tr.why")).to_contain_text("GPUs")
+    page.screenshot(path=screenshots / "web-my-gpus.png", full_page=True)
+
+    page.goto(service.url + "queue")
+    queue = page.locator("#queue")
+    expect(queue).to_contain_text("alice")
+    expect(page.locator("#head-why")).to_contain_text("Why the head of the queue waits")
+    assert "carol" not in page.locator("main").inner_text()
+    page.screenshot(path=screenshots / "web-queue.png", full_page=True)
+
+    page.goto(service.url + "gpus")
+    page.locator(f"#release-{waiting['id']}").click()  # Cancel (the dialog is accepted)
+    expect(page.locator("#flash")).to_contain_text(f"Slice {waiting['id']} cancelled")
+    expect(page.locator(f"#slice-{waiting['id']}")).to_have_count(0)
+    assert service.get(f"/slices/{waiting['id']}", token=alice).json()["state"] == "ended"
+    # Someone else's slice cannot be released from the pages either.
+    refused = page_post(page, f"ui/slices/{theirs['id']}/release", {})
+    assert refused["status"] == 404
+    assert service.get(f"/slices/{theirs['id']}", token=carol).json()["state"] == "granted"
+    for slice_ in (held, theirs):
+        service.delete(f"/slices/{slice_['id']}", token=service.admin_token)
+
+
+def test_a_non_admin_gets_no_admin_action_neither_button_nor_post(service, browser):
+    page = new_page(browser)
+    log_in(page, service, service.token("bob"), "cluster")
+    expect(page.locator("#nodes")).to_contain_text("n0")
+    expect(page.locator("#node-form")).to_have_count(0)
+    assert page.get_by_role("button", name="Drain", exact=True).count() == 0
+    refused = page_post(page, "ui/nodes/n0/drain", {"reason": "mine"})
+    assert refused["status"] == 403, refused
+    assert "only admins" in refused["json"]["error"]["message"]
+    page.goto(service.url + "projects")
+    expect(page.locator("#projects")).to_contain_text("vision")
+    expect(page.locator("#project-form")).to_have_count(0)
+    assert page_post(page, "ui/projects/vision", {"share": 5})["status"] == 403
+    nodes = service.get("/nodes", token=service.admin_token).json()["nodes"]
+    assert {n["name"]: n["state"] for n in nodes}["n0"] == "ready"
+
+
+def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
+    page = new_page(browser)
+    log_in(page, service, service.admin_token, "cluster")
+    refused = page_post(page, "ui/nodes/n1/drain", {"reason": "disk"}, xsrf=False)
+    assert refused["status"] == 403 and refused["json"]["error"]["code"] == "xsrf", refused
+    assert service.get("/nodes", token=service.admin_token).json()["nodes"][1]["state"] == "ready"
+
+    page.get_by_label("Node").fill("n1")
+    page.get_by_label("Reason").fill("disk replacement")
+    page.get_by_role("button", name="Drain", exact=True).click()
+    expect(page.locator("#flash")).to_contain_text("Node n1 is")
+    expect(page.locator("#nodes")).to_contain_text("drained")  # nothing ran there
+    page.screenshot(path=screenshots / "web-cluster.png", full_page=True)
+    page.get_by_role("button", name="Undrain").click()
+    expect(page.locator("#flash")).to_contain_text("Node n1 is ready")
+
+    # The same validation as the API: a share of 0 is refused, with the API's words.
+    page.goto(service.url + "projects")
+    bad = page_post(page, "ui/projects/vision", {"share": 0})
+    assert bad["status"] == 400 and "share" in bad["json"]["error"]["message"], bad
+    page.get_by_label("Name").fill("vision")
+    page.get_by_label("Share").fill("3")
+    page.get_by_label("Parent").fill("lab")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#flash")).to_contain_text("Project vision saved")
+    shares = {
+        p["name"]: p["share"]
+        for p in service.get("/projects", token=service.admin_token).json()["projects"]
+    }
+    assert shares["vision"] == 3
+    expect(page.locator("svg.chart").first).to_be_visible()
+    page.screenshot(path=screenshots / "web-projects.png", full_page=True)
+
+
+def test_names_with_markup_quotes_and_equals_render_inert(service, browser, screenshots):
+    admin = service.admin_token
+    reply = service.put(
+        "/projects/evil", token=admin, json={"share": 1, "parent": "lab", "users": [HOSTILE]}
+    )
+    assert reply.status_code == 200, reply.text
+    held = submit(service, service.token(HOSTILE), "evil", 1)
+    page = new_page(browser)
+    log_in(page, service, admin, "cluster")
+    for path, where in (("cluster", "#nodes"), ("projects", "#projects"), ("usage", "#usage")):
+        page.goto(service.url + path)
+        expect(page.locator(where)).to_contain_text(HOSTILE)
+        assert page.evaluate("window.pwned") is None
+    csv = page.evaluate("fetch(document.getElementById('csv').href).then(r => r.text())")
+    assert '"=2' not in csv and HOSTILE.replace('"', '""') in csv
+    page.screenshot(path=screenshots / "web-usage.png", full_page=True)
+    service.delete(f"/slices/{held['id']}", token=admin)
+
+
+def test_the_login_form_refuses_a_bad_token_and_goes_nowhere_else(service, browser):
+    page = new_page(browser)
+    page.goto(service.url + "login?next=https://evil.example/")
+    page.get_by_label("Token").fill("sb_1_nope")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator(".problem")).to_contain_text("not valid")
+    page.get_by_label("Token").fill(service.token("alice"))
+    page.get_by_role("button", name="Log in").click()
+    expect(page).to_have_url(service.url + "gpus")
+    assert requests.get(service.url + "ui/fragment/gpus", timeout=10).status_code == 401
+
+
+# ---- as a hub service ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Iterator[HubProcess]:
+    hub = HubProcess(tmp_path_factory.mktemp("pages-hub"))
+    try:
+        yield hub.start()
+    finally:
+        hub.shutdown()
+
+
+def hub_login(page: Page, hub: HubProcess, name: str) -> None:
+    page.goto(f"{hub.url}/hub/login")
+    page.locator("#username_input").fill(name)
+    page.locator("#password_input").fill(PASSWORD)
+    page.locator("#login_submit").click()
+    expect(page).not_to_have_url(re.compile(r"/hub/login"))
+
+
+def test_the_hub_logs_people_in_and_lists_the_pages(hub, browser, screenshots):
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice")
+    mine = hub.slice_of("alice")
+    page = new_page(browser)
+    hub_login(page, hub, "alice")
+    page.goto(f"{hub.url}/hub/home")
+    menu = page.locator("a[href$='/services/slicebroker/']")
+    assert menu.count() >= 1  # the Services menu
+    page.goto(f"{hub.url}/services/slicebroker/")  # OAuth: to the hub and back, no question
+    expect(page).to_have_url(f"{hub.url}/services/slicebroker/gpus")
+    expect(page.locator(".who")).to_contain_text("alice")
+    expect(page.locator(f"#slice-{mine['id']}")).to_contain_text("granted")
+    page.goto(f"{hub.url}/services/slicebroker/cluster")
+    expect(page.locator("#node-form")).to_have_count(0)
+    assert page_post(page, "ui/nodes/test-0/drain", {})["status"] == 403
+
+    admin = new_page(browser)
+    hub_login(admin, hub, "admin")
+    admin.goto(f"{hub.url}/services/slicebroker/cluster")
+    expect(admin.locator(".who")).to_contain_text("admin")
+    expect(admin.locator("#node-form")).to_be_visible()
+    assert page_post(admin, "ui/nodes/test-0/drain", {}, xsrf=False)["status"] == 403
+    drained = page_post(admin, "ui/nodes/test-0/drain", {"reason": "test"})
+    assert drained["status"] == 200, drained
+    wait_until(lambda: hub.broker("GET", "/nodes")["nodes"][0]["state"] != "ready", 10, "drain")
+    assert page_post(admin, "ui/nodes/test-0/undrain", {})["status"] == 200
+    hub.stop_server("alice")
