@@ -1,4 +1,4 @@
-"""``python -m broker.bench [pass|api|spawn|kube] ...``: print benchmark figures as JSON."""
+"""``python -m broker.bench [pass|api|spawn|kube|pages] ...``: print benchmark figures as JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..orm import SCRATCH_POSTGRES_URL
-from . import api, kube, scheduling, spawn
+from . import api, kube, pages, scheduling, spawn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         "kube", help="inventory sync and a pass with nodes served by a Kubernetes API fake"
     )
     cluster.add_argument("--nodes", type=int, default=1000, help="GPU nodes in the fake")
+    web = sub.add_parser("pages", help="the web pages: time to first paint, bytes per update")
+    web.add_argument("--slices", type=int, default=1000, help="live slices")
+    web.add_argument("--nodes", type=int, default=128, help="nodes of 8 GPUs")
+    web.add_argument("--repeat", type=int, default=10, help="loads timed per page")
     args = parser.parse_args(argv)
-    if args.which == "kube":
+    if args.which == "pages":
+        report = pages.run(slices=args.slices, nodes=args.nodes, repeat=args.repeat)
+    elif args.which == "kube":
         report = kube.run(nodes=args.nodes)
     elif args.which == "spawn":
         report = spawn.run(repeat=args.repeat)
