@@ -6,7 +6,7 @@ pass deterministic: two slices never compare equal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from operator import attrgetter
 
 from .model import Node, Slice, SliceKind
@@ -20,6 +20,19 @@ def within_project_key(slice_: Slice) -> tuple[int, int]:
     slices its pending slice may preempt (strictly lower key only).
     """
     return (-slice_.priority, 0 if slice_.kind is SliceKind.INTERACTIVE else 1)
+
+
+def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> dict[str, int]:
+    """Which project's pending work is served first from free GPUs:
+
+    1. projects holding no more than their fair share now (design.md §5.2)
+       before those holding more — a grant the preemption rule would take
+       back once its protection ends only churns;
+    2. the window's fair-share order (:meth:`~broker.fairshare.ProjectTree.project_order`),
+       which ends on the project name.
+    """
+    ordered = sorted(window_order, key=lambda name: name in over_share)  # stable: keeps 2.
+    return {name: rank for rank, name in enumerate(ordered)}
 
 
 def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> list[Slice]:

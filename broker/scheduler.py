@@ -33,7 +33,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import queue_order, within_project_key
+from .ordering import project_rank, queue_order, within_project_key
 from .placement import FreeGpus
 from .preemption import DebugLane, Preemptor, Victims, is_debug, preempt_reason
 from .standing import Standings
@@ -117,7 +117,7 @@ class _Pass:
         self.endings.append(Ending(slice_.id, reason, requeue))
         if requeue:
             # Back in the queue at once, so this very pass may grant it again.
-            self.live[slice_.id] = requeued(slice_)
+            self.live[slice_.id] = requeued(slice_, reason)
         else:
             self.ended.add(slice_.id)
 
@@ -215,8 +215,12 @@ class _Pass:
             weights=self.snap.gpu_type_weights,
             running=[s for s in self.holding if s.id not in self.leaving],
         )
-        order = self.tree.project_order(self.snap.usage)
-        self.project_rank = {name: rank for rank, name in enumerate(order)}
+        over_share = {
+            project
+            for project in self.tree.projects
+            if any(self.standings.standing(a) > 1.0 for a in self.tree.paths[project])
+        }
+        self.project_rank = project_rank(self.tree.project_order(self.snap.usage), over_share)
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
         """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""

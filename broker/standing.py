@@ -71,22 +71,23 @@ class Standings:
         """Whether project ``mine`` may take running GPUs from project ``theirs``.
 
         Compared where their paths part in the tree (so GPUs never move from an
-        organisation below its share to one above it), after ``mine`` gains
-        ``gained`` weighted GPUs and ``theirs`` loses ``lost``, either
+        organisation below its share to one above it): after ``mine`` gains
+        ``gained`` weighted GPUs and ``theirs`` loses ``lost``, ``mine``'s standing
+        must still be at or below ``theirs``' (Kueue's LessThanOrEqualToFinalShare,
+        on GPUs held now). So a move only narrows the gap between the two and
+        keeps their order: the same GPUs never go back. Two projects at the same
+        standing never take from each other.
 
-        1. ``mine``'s standing is still at or below ``theirs``' (Kueue's
-           LessThanOrEqualToFinalShare, on GPUs held now): the move narrows the
-           gap between the two, so the same GPUs never go back; or
-        2. ``mine``'s standing is strictly below ``theirs``' before the move
-           (Kueue's LessThanInitialShare): a victim of many GPUs may go for a
-           request of few, where rule 1 alone would let one large job hold a
-           project's GPUs against every smaller request. Two projects at the
-           same standing never take from each other under either rule.
+        Kueue's other strategy, LessThanInitialShare (``mine`` with the request
+        below ``theirs`` before the move), is left out on purpose: with a victim
+        of many GPUs for a request of few it lets the move overshoot, and the two
+        then take the victims back and forth (measured on Helios: one 8-GPU job
+        preempted 96 times in 3,000 jobs).
 
         A ``gang`` (a request larger than any node) is bigger than most projects'
-        fair share, so neither rule would ever let it in: it may also take from
-        an account holding more than its fair share now (its standing above 1),
-        once the nodes reserved for it fall due.
+        fair share, so that rule would never let it in. Once the nodes reserved
+        for it fall due, it may also take them while ``mine`` holds less than its
+        fair share now and ``theirs`` more than its own.
 
         Larger ``gained`` or ``lost`` only make it harder: with both 0 it is at
         its most lenient.
@@ -97,8 +98,6 @@ class Standings:
             level = self._partings[key] = self.tree.parting(mine, theirs)
         if level is None:
             return False  # one project: its own order decides, not fair share
-        theirs_now = self.standing(level.theirs)
-        if gang and theirs_now > 1.0:
+        if gang and self.standing(level.mine) < 1.0 < self.standing(level.theirs):
             return True
-        mine_after = self.standing(level.mine, gained)
-        return mine_after <= self.standing(level.theirs, -lost) or mine_after < theirs_now
+        return self.standing(level.mine, gained) <= self.standing(level.theirs, -lost)

@@ -844,7 +844,7 @@ class Broker:
         row.promised = []
         row.queue_position = row.fairshare_value = row.estimated_start = None
         if requeue and before in HELD_STATES:
-            _write_state(row, transitions.requeued(_to_slice(row)))
+            _write_state(row, transitions.requeued(_to_slice(row), reason))
             row.preempt_reason = None
             why += ", requeued"
         else:
@@ -879,6 +879,7 @@ def _write_state(row: SliceRow, slice_: Slice) -> None:
     _update(
         row,
         state=slice_.state.value,
+        min_runtime=slice_.contract.min_runtime,
         placements=_placement_json(slice_.placements),
         granted_at=slice_.granted_at,
         preempt_deadline=slice_.preempt_deadline,

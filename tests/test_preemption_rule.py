@@ -4,15 +4,18 @@ preemption."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from broker.fairshare import ProjectTree
-from broker.model import Account, Policy, PreemptReason, SliceKind
+from broker.model import Account, EndReason, Policy, PreemptReason, SliceKind, SliceState
 from broker.preemption import DebugLane, Preemptor, preempt_reason
 from broker.scheduler import schedule
 from broker.standing import Standings
+from broker.transitions import REPREEMPTION_BACKOFF, requeued
 
 # ---- fair share now --------------------------------------------------------------------
 
@@ -180,3 +183,28 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
             assert not victim.allocated
         if reason is PreemptReason.FAIR_SHARE:
             assert victim.project != requester.project
+
+
+def test_each_preemption_protects_the_jobs_next_run_longer():
+    job = running("a", "n0", (0,), min_runtime=HOUR, resumable=True)
+    once = requeued(job, EndReason.PREEMPTED)
+    twice = requeued(once, EndReason.PREEMPTED)
+    assert once.state is SliceState.PENDING
+    assert (once.contract.min_runtime, twice.contract.min_runtime) == (
+        REPREEMPTION_BACKOFF * HOUR,
+        REPREEMPTION_BACKOFF**2 * HOUR,
+    )
+    # a node going down is no preemption: its protection stays as it was
+    assert requeued(job, EndReason.NODE_DOWN).contract.min_runtime == HOUR
+    # free work stays free
+    free = running("a", "n0", (0,), min_runtime=0.0, resumable=True)
+    assert requeued(free, EndReason.PREEMPTED).contract.min_runtime == 0.0
+
+
+def test_the_pass_requeues_a_preempted_job_with_its_longer_protection():
+    leaving = running("a", "n0", tuple(range(8)), min_runtime=HOUR, resumable=True)
+    leaving = replace(leaving, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [leaving]))
+    assert [(e.slice_id, e.requeue) for e in d.endings] == [(leaving.id, True)]
+    (grant,) = d.grants  # granted again at once: the cluster is free
+    assert grant.slice_id == leaving.id

@@ -180,15 +180,17 @@ def test_protected_slice_is_never_preempted_even_for_a_far_better_ranked_project
 
 def test_past_protection_slice_of_an_over_served_project_is_preempted_with_grace():
     # hog holds all 8 GPUs against a fair share of 4: a request of starving's
-    # fair share (4 GPUs) may take them; one of 8 could not (design.md §5.2).
-    hog = running("hog", "n0", tuple(range(8)), granted_ago=2 * HOUR, min_runtime=HOUR)
+    # fair share (4 GPUs) may take one of its two jobs, which leaves both at
+    # their share; one of 8 could not (design.md §5.2).
+    hog = running("hog", "n0", (0, 1, 2, 3), granted_ago=2 * HOUR, min_runtime=HOUR)
+    rest = running("hog", "n0", (4, 5, 6, 7), granted_ago=MIN, min_runtime=HOUR)
     starving = pending("starving", 4, min_runtime=HOUR)
     policy = Policy(grace_period=90)
     d = schedule(
         snapshot(
             nodes(1),
             flat_tree("hog", "starving"),
-            [hog, starving],
+            [hog, rest, starving],
             usage={"hog": 1e6},
             policy=policy,
         )
@@ -221,12 +223,25 @@ def test_promised_gpus_go_to_the_requester_once_the_grace_period_ends():
 
 
 def test_debug_slice_of_under_used_project_preempts_past_protection_batch_of_over_used():
-    batch = running("heavy", "n0", tuple(range(8)), granted_ago=3 * HOUR, min_runtime=HOUR)
+    batch = running("heavy", "n0", (0, 1, 2, 3), granted_ago=3 * HOUR, min_runtime=HOUR)
+    more = running("heavy", "n0", (4, 5, 6, 7), granted_ago=3 * HOUR, min_runtime=4 * HOUR)
     debug = pending("light", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
     d = schedule(
-        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug], usage={"heavy": 1e6})
+        snapshot(nodes(1), flat_tree("heavy", "light"), [batch, more, debug], usage={"heavy": 1e6})
     )
     assert preempted(d) == {batch.id: PreemptReason.FAIR_SHARE}
+
+
+def test_a_single_large_victim_is_left_alone_by_fair_share_but_not_by_the_debug_lane():
+    # Taking all 8 of heavy's GPUs for 1 would leave light above heavy: fair
+    # share refuses, and only a debug session may take them.
+    batch = running("heavy", "n0", tuple(range(8)), granted_ago=3 * HOUR, min_runtime=HOUR)
+    work = pending("light", 1, min_runtime=HOUR)
+    debug = pending("light", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = schedule(snapshot(nodes(1), flat_tree("heavy", "light"), [batch, work]))
+    assert d.preemptions == ()
+    d = schedule(snapshot(nodes(1), flat_tree("heavy", "light"), [batch, debug]))
+    assert preempted(d) == {batch.id: PreemptReason.DEBUG_LANE}
 
 
 def heavy_holds(node: str = "n1"):

@@ -354,6 +354,7 @@ def test_a_requeued_slice_is_charged_for_its_held_time_and_keeps_its_place(open_
     assert again["placements"] == [] and again["granted_at"] is None
     assert again["submitted_at"] == made["submitted_at"]
     assert again["end_reason"] is None
+    assert again["min_runtime"] == 2 * made["min_runtime"]  # its next run is protected longer
     assert again["charged_gpu_seconds"] == pytest.approx(2 * 250)
     assert broker.usage_report("vision", 0, clock.now)[0]["weighted_gpu_seconds"] == (
         pytest.approx(500)
@@ -471,6 +472,7 @@ def test_a_down_node_requeues_resumable_batch_work_and_ends_sessions(broker, clo
     broker.run_pass()
     again, gone = broker.get_slice(batch["id"]), broker.get_slice(session["id"])
     assert again["state"] == "pending" and again["charged_gpu_seconds"] == pytest.approx(240)
+    assert again["min_runtime"] == batch["min_runtime"]  # not preempted: protection as it was
     assert (gone["state"], gone["end_reason"]) == ("ended", "node_down")
 
 
