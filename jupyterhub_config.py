@@ -17,8 +17,12 @@ node of 8 H100s, for trying things out). Users log in with the demo password.
 Environment it reads (all optional):
 
 - ``SLICEBROKER_CONFIG``: your cluster file instead of the discovered/demo one;
-- ``SLICEBROKER_DB_URL``: the broker's database (default ``sqlite:///slicebroker.sqlite``);
-- ``SLICEBROKER_PORT``: the broker service's port (default 10101);
+- ``SLICEBROKER_DB_URL``: the broker's database (default ``slicebroker.sqlite`` in the
+  state folder);
+- ``SLICEBROKER_PORT``: the broker service's port (default 10101 + the offset);
+- ``SLICEBROKER_PORT_OFFSET``: added to every port (hub 8000, 8081, proxy API 8001,
+  broker 10101), so that a second hub fits on the machine (default 0);
+- ``SLICEBROKER_STATE_DIR``: the folder of every file it writes (default: the current one);
 - ``SLICEBROKER_DEMO_PASSWORD``: the demo users' password (default printed at start).
 
 Lines marked "REAL DEPLOYMENT" say what a real deployment changes; see docs/hub-admin.md.
@@ -34,27 +38,40 @@ from spawner.notices import TEMPLATE_PATH, template_vars
 
 c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 
+# ---- ports and files: one offset moves every port, one folder holds every file -----------
+
+port_offset = int(os.environ.get("SLICEBROKER_PORT_OFFSET", "0"))
+state_dir = os.path.abspath(os.environ.get("SLICEBROKER_STATE_DIR", "."))
+os.makedirs(state_dir, exist_ok=True)
+if port_offset:  # else JupyterHub's own defaults, which a bind_url set later may replace
+    c.JupyterHub.port = 8000 + port_offset
+    c.JupyterHub.hub_port = 8081 + port_offset
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{8001 + port_offset}"
+c.JupyterHub.db_url = "sqlite:///" + os.path.join(state_dir, "jupyterhub.sqlite")
+c.JupyterHub.cookie_secret_file = os.path.join(state_dir, "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.pid_file = os.path.join(state_dir, "jupyterhub-proxy.pid")
+
 # ---- the cluster: GPUs and projects ----------------------------------------------------
 
 cluster_file = os.environ.get("SLICEBROKER_CONFIG")
 if cluster_file:
     print(f"slicebroker: cluster configuration {cluster_file} (SLICEBROKER_CONFIG)")
 else:
-    inventory = discover(os.path.abspath("slicebroker-cluster.toml"))
+    inventory = discover(os.path.join(state_dir, "slicebroker-cluster.toml"))
     cluster_file = str(inventory.config_path)
     c.SliceBrokerSpawner.node_gpus = inventory.node_gpus
     c.SliceBrokerSpawner.local_nodes = [node.name for node in inventory.nodes]
     print(f"slicebroker: {inventory.describe()}")
 cluster = load_config(cluster_file)
-broker_db = os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///" + os.path.abspath(
-    "slicebroker.sqlite"
+broker_db = os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///" + os.path.join(
+    state_dir, "slicebroker.sqlite"
 )
 # REAL DEPLOYMENT: your own cluster file (SLICEBROKER_CONFIG) and PostgreSQL, e.g.
 # SLICEBROKER_DB_URL=postgresql+psycopg://broker:secret@db.example.org/slicebroker
 
 # ---- the broker, as a hub-managed service -------------------------------------------------
 
-broker_port = int(os.environ.get("SLICEBROKER_PORT", "10101"))
+broker_port = int(os.environ.get("SLICEBROKER_PORT", str(10101 + port_offset)))
 broker_service_url = f"http://127.0.0.1:{broker_port}"
 broker_url = f"{broker_service_url}/services/slicebroker"
 # The spawner's identity with the broker: a service token with the agent role, new at
