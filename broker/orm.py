@@ -246,6 +246,16 @@ class LedgerRow(Base):
     gpu_seconds: Mapped[float]
 
 
+class BrokerAliveRow(Base):
+    """When a broker last ran a pass (one row, ``id`` 1): how long the brokers
+    were away, for the leases (design.md §8)."""
+
+    __tablename__ = "broker_alive"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    alive_at: Mapped[float]
+
+
 class ApiTokenRow(Base):
     """The broker's own API tokens (standalone mode); only a hash is stored."""
 

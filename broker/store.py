@@ -47,6 +47,7 @@ from .orm import (
     NOT_DURABLE_OPTION,
     READ_ONLY_OPTION,
     AccountRow,
+    BrokerAliveRow,
     DatabaseNotInitialized,
     DatabaseOutOfDate,
     GpuTypeRow,
@@ -408,9 +409,9 @@ class Broker:
         Once a slice is heartbeated it must keep being heartbeated, also while it
         waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
         """
-        # Not durable: a heartbeat lost to a power failure harms nothing, since a
-        # restarted service gives every leased slice a full lease before its
-        # first pass (BrokerRunner._extend_leases). Saves an fsync per heartbeat.
+        # Not durable: a heartbeat lost to a power failure costs its holder one
+        # heartbeat's worth of lease, and the restarted service extends every
+        # lease by the time it was away (_cover_absence). Saves an fsync per heartbeat.
         with self._write(durable=False) as session:
             row = _owned_row(session, slice_id, user, admin)
             now = self._clock()
@@ -677,13 +678,17 @@ class Broker:
         """Snapshot, schedule and apply, in one transaction under the write lock."""
         return self.run_pass_and_list()[0]
 
-    def run_pass_and_list(self) -> tuple[Decisions, list[dict[str, Any]]]:
+    def run_pass_and_list(
+        self, usual_gap: float | None = None
+    ) -> tuple[Decisions, list[dict[str, Any]]]:
         """:meth:`run_pass`, and the live slices right after it (as ``list_slices``
         shows them, oldest first), read in the same transaction.
 
         The scheduling loop needs both; the pass has the live rows loaded
         already, so this saves reloading them (about as costly as the pass's
-        own snapshot load).
+        own snapshot load). ``usual_gap`` (seconds) is the longest time between
+        two passes of a broker at work: past it, see :meth:`_cover_absence`
+        (``None``: passes are driven by hand, as in tests; leases are left alone).
         """
         with self._write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
@@ -695,6 +700,8 @@ class Broker:
                     select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
                 )
             }
+            if usual_gap is not None:
+                self._cover_absence(session, rows.values(), now, usual_gap)
             snapshot = Snapshot(
                 now=now,
                 nodes=tuple(_nodes(session)),
@@ -711,6 +718,44 @@ class Broker:
                 _slice_dict(row, now, costs) for row in rows.values() if row.state in LIVE_STATES
             ]
         return decisions, live
+
+    def _cover_absence(
+        self, session: Session, live: Iterable[SliceRow], now: float, usual_gap: float
+    ) -> None:
+        """Extend every live lease by the time no broker could take heartbeats.
+
+        That is the time since the last pass, when it is longer than
+        ``usual_gap``: the broker was restarting, or the database was out. A
+        lease never lapses for the broker's own trouble, yet a crash loop does
+        not keep a dead holder alive for ever (each restart adds only the
+        seconds it was away, not a fresh lease). With no record of a last pass
+        (a database from before revision 0004), every leased slice gets a full lease.
+        """
+        alive = session.get(BrokerAliveRow, 1)
+        if alive is None:
+            session.add(BrokerAliveRow(id=1, alive_at=now))
+            away, renew = None, True
+        else:
+            away, renew = now - alive.alive_at, False
+            alive.alive_at = max(alive.alive_at, now)
+        if not renew and (away is None or away <= usual_gap):
+            return
+        leased = [row for row in live if row.lease_expires_at is not None]
+        for row in leased:
+            if renew:
+                row.lease_expires_at = max(row.lease_expires_at, now + self.lease)
+            else:
+                row.lease_expires_at += away
+        if leased:
+            if renew:
+                log.info("gave %d live slices a full lease: no record of a last pass", len(leased))
+            else:
+                log.warning(
+                    "no pass for %.1f s (a restart or a database outage): extended the "
+                    "leases of %d live slices by as much",
+                    away,
+                    len(leased),
+                )
 
     def _usage(
         self,

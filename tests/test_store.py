@@ -854,3 +854,78 @@ def test_a_live_inventory_adds_changes_and_removes_nodes(broker):
     broker.sync_inventory([mig, cordoned])  # still cordoned: stays drained
     assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "drained"
     assert ask(broker, gpus=7, gpu_type="h100-1g.10gb")["state"] == "pending"
+
+
+# ---- leases across the broker's own absences (design.md §8) ------------------------
+# A pass that finds the last one long gone (a restart, a database outage) first extends
+# every live lease by that long; a crash loop does not keep a dead holder's GPUs for ever.
+
+USUAL_GAP = 15.0
+LEASE = 60.0
+
+
+def run_passes(broker, clock, seconds: float, every: float = 5.0) -> None:
+    """The scheduling loop at work for ``seconds``: a pass every ``every`` seconds."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.advance(min(every, end - clock.now))
+        broker.run_pass_and_list(usual_gap=USUAL_GAP)
+
+
+def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
+    broker = open_broker(lease=LEASE)
+    held = ask(broker)
+    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    before = broker.heartbeat(held["id"], admin=True)["lease_expires_at"]
+
+    clock.advance(3 * LEASE)  # no pass and no heartbeat could get through meanwhile
+    _, live = broker.run_pass_and_list(usual_gap=USUAL_GAP)
+
+    (again,) = [s for s in live if s["id"] == held["id"]]
+    assert again["state"] == "granted"
+    assert again["lease_expires_at"] == pytest.approx(before + 3 * LEASE)
+    # Once the broker is back at work, a holder that stays silent loses it as usual.
+    run_passes(broker, clock, LEASE)
+    ended = broker.get_slice(held["id"], admin=True)
+    assert (ended["state"], ended["end_reason"]) == ("ended", "lost")
+
+
+def test_passes_at_their_usual_pace_extend_nothing(open_broker, clock):
+    broker = open_broker(lease=LEASE)
+    held = ask(broker)
+    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    lease = broker.heartbeat(held["id"], admin=True)["lease_expires_at"]
+    run_passes(broker, clock, LEASE / 2, every=USUAL_GAP)  # exactly the usual gap
+    assert broker.get_slice(held["id"], admin=True)["lease_expires_at"] == lease
+
+
+def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
+    """Each restart adds the seconds the broker was away, not a fresh lease: the
+    lease runs out over the time the brokers were up."""
+    broker = open_broker(lease=LEASE)
+    held = ask(broker)
+    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    broker.heartbeat(held["id"], admin=True)  # then the holder dies
+    restarts = 0
+    while broker.get_slice(held["id"], admin=True)["state"] != "ended":
+        broker.close()
+        clock.advance(20)  # down for 20 s
+        broker = open_broker(lease=LEASE)
+        restarts += 1
+        broker.run_pass_and_list(usual_gap=USUAL_GAP)  # the first pass, at start
+        run_passes(broker, clock, 10)  # up for 10 s, then it crashes again
+        assert restarts < 20, "the lease never ran out"
+    # 60 s of lease, 10 s of it used up per restart
+    assert restarts == LEASE / 10
+    assert broker.get_slice(held["id"], admin=True)["end_reason"] == "lost"
+
+
+def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
+    """Without ``usual_gap`` (tests, tools), time between passes is not an absence."""
+    broker = open_broker(lease=LEASE)
+    held = ask(broker)
+    broker.run_pass()
+    broker.heartbeat(held["id"], admin=True)
+    clock.advance(LEASE)
+    broker.run_pass()
+    assert broker.get_slice(held["id"], admin=True)["end_reason"] == "lost"

@@ -252,8 +252,10 @@ class BrokerApp(Application):
         help="""How long a heartbeat keeps a slice alive, in seconds (default 120).
 
         A granted slice (or a waiting one that was heartbeated) whose holder does not
-        heartbeat within this time ends with reason `lost`. On start the broker grants
-        every live slice a fresh lease, so its own downtime costs nobody a slice.
+        heartbeat within this time ends with reason `lost`. After a restart or a
+        database outage (no pass for 3 pass intervals), every live lease is first
+        extended by the time the broker was away, so its own trouble costs nobody a
+        slice; a broker in a crash loop still lets a dead holder's lease run out.
         """,
     ).tag(config=True)
 

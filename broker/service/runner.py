@@ -20,7 +20,8 @@ The scheduling loop (:meth:`BrokerRunner.run_forever`) runs a pass
 
 After every pass, long-poll waiters (:class:`SliceWatchers`) hear which slices
 changed. Nothing here is needed to recover from a crash: the database is the
-truth, and a restarted service carries on from it.
+truth, and a restarted service carries on from it; its first pass extends the
+live leases by the time it was away (``Broker.run_pass_and_list``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ DEADLINE_SLACK_S = 0.01
 #: thread; waiting this long lets a burst of changes share one pass, at the cost of
 #: at most this much more time to a grant.
 PASS_GAP_S = 0.05
+#: Passes further apart than this many pass intervals mean the broker was away.
+USUAL_GAP_PASSES = 3
 #: Keys of a slice that are deadlines at which a pass may have something to do.
 DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
@@ -228,10 +231,6 @@ class BrokerRunner:
         self.broker.close()
 
     async def run_forever(self) -> None:
-        try:
-            await self._extend_leases()
-        except Exception:
-            log.exception("could not extend the leases of live slices after the restart")
         loop = asyncio.get_running_loop()
         while True:
             self._wanted.clear()
@@ -285,22 +284,8 @@ class BrokerRunner:
         return decisions
 
     def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
-        # One transaction: no request slips between the pass and the list.
-        return self.broker.run_pass_and_list()
-
-    async def _extend_leases(self) -> None:
-        """After a (re)start, give every leased slice a full lease.
-
-        Holders could not heartbeat while the service was down; without this,
-        the first pass would end their slices as ``lost`` for the broker's absence.
-        """
-        count = await self.run(self._extend_leases_job)
-        if count:
-            log.info("extended the leases of %d live slices after the start", count)
-
-    def _extend_leases_job(self) -> int:
-        live = self.broker.list_slices(state="live")
-        leased = [s["id"] for s in live if s["lease_expires_at"] is not None]
-        for slice_id in leased:
-            self.broker.heartbeat(slice_id, admin=True)
-        return len(leased)
+        # One transaction: no request slips between the pass and the list. A pass
+        # further from the last one than the loop ever waits means nobody could
+        # heartbeat meanwhile (a restart, a database outage): leases are extended.
+        usual_gap = USUAL_GAP_PASSES * self.pass_interval
+        return self.broker.run_pass_and_list(usual_gap=usual_gap)
