@@ -6,7 +6,8 @@ one line per GPU::
     0, NVIDIA H100 80GB HBM3, 81559 MiB
 
 :func:`parse_gpus` reads that text; :func:`local_nodes` groups the GPUs by
-model into nodes (one node named after the host when all GPUs are alike, else
+model into nodes (both from :mod:`broker.nvidia_smi`, which the broker's own
+local inventory uses too) (one node named after the host when all GPUs are alike, else
 ``<host>-<type>`` per model, with :func:`node_gpu_map` saying which of the
 machine's GPUs each node's indices stand for); :func:`cluster_toml` writes a
 broker configuration: the project tree and policy of a template file (the
@@ -22,9 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import shutil
-import socket
-import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -33,100 +31,34 @@ from pathlib import Path
 from typing import Any
 
 from broker.config import DEMO_CONFIG, parse_config
+from broker.nvidia_smi import (
+    QUERY,
+    Gpu,
+    LocalNode,
+    gpu_type_name,
+    host_name,
+    local_nodes,
+    parse_gpus,
+    query_gpus,
+)
 
-QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"]
-#: Seconds ``nvidia-smi`` may take.
-QUERY_TIMEOUT_S = 20.0
+__all__ = [
+    "QUERY",
+    "Gpu",
+    "Inventory",
+    "LocalNode",
+    "cluster_toml",
+    "discover",
+    "dumps_toml",
+    "gpu_type_name",
+    "host_name",
+    "local_nodes",
+    "node_gpu_map",
+    "parse_gpus",
+    "query_gpus",
+]
 
-_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
-_JOINED_PREFIXES = {"rtx", "gtx", "titan"}
-_NAME_CHARS = re.compile(r"[^a-z0-9._-]+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class Gpu:
-    """One GPU as ``nvidia-smi`` lists it."""
-
-    index: int
-    name: str
-    memory_mib: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class LocalNode:
-    """A broker node made of this machine's GPUs of one type; ``indices`` are the
-    machine's (``nvidia-smi``) indices of the node's GPUs 0, 1, ..."""
-
-    name: str
-    gpu_type: str
-    indices: tuple[int, ...]
-
-
-def query_gpus(run: Callable[..., Any] = subprocess.run) -> str | None:
-    """``nvidia-smi``'s answer, or ``None`` when it is missing or fails (no GPU, no driver)."""
-    if run is subprocess.run and shutil.which(QUERY[0]) is None:
-        return None
-    try:
-        done = run(QUERY, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout
-
-
-def parse_gpus(text: str) -> list[Gpu]:
-    """The GPUs in ``nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader``.
-
-    Blank lines are skipped; a line that is not ``index, name, memory`` raises
-    :class:`ValueError` naming it. Memory that is not ``<n> MiB`` (``[N/A]``) is ``None``.
-    """
-    gpus = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        fields = [field.strip() for field in line.split(",")]
-        if len(fields) < 3 or not fields[0].isdigit():
-            raise ValueError(
-                f"line {number} of nvidia-smi's answer is not 'index, name, memory': {line!r}"
-            )
-        memory_text = fields[-1]
-        name = ",".join(fields[1:-1]).strip()
-        match = re.fullmatch(r"(\d+)\s*MiB", memory_text)
-        gpus.append(Gpu(int(fields[0]), name, int(match.group(1)) if match else None))
-    return gpus
-
-
-def gpu_type_name(model: str) -> str:
-    """A short GPU type for a model name: ``NVIDIA H100 80GB HBM3`` -> ``h100``,
-    ``NVIDIA A100-SXM4-40GB`` -> ``a100``, ``NVIDIA GeForce RTX 4090`` -> ``rtx4090``."""
-    words = [w for w in re.split(r"\s+", model.strip().lower()) if w and w not in _VENDOR_WORDS]
-    if not words:
-        return "gpu"
-    first = words[0]
-    if first in _JOINED_PREFIXES and len(words) > 1:
-        first += words[1]
-    first = first.split("-")[0]
-    return _NAME_CHARS.sub("", first) or "gpu"
-
-
-def host_name(name: str | None = None) -> str:
-    """A node name for this host: its short host name, in the broker's account characters."""
-    raw = (name or socket.gethostname() or "localhost").split(".")[0].lower()
-    return _NAME_CHARS.sub("-", raw).strip("-._") or "localhost"
-
-
-def local_nodes(gpus: Sequence[Gpu], host: str | None = None) -> list[LocalNode]:
-    """This machine's GPUs as nodes: one per GPU type, in order of first appearance."""
-    host = host_name(host)
-    by_type: dict[str, list[int]] = {}
-    for gpu in sorted(gpus, key=lambda g: g.index):
-        by_type.setdefault(gpu_type_name(gpu.name), []).append(gpu.index)
-    if len(by_type) == 1:
-        ((gpu_type, indices),) = by_type.items()
-        return [LocalNode(host, gpu_type, tuple(indices))]
-    return [LocalNode(f"{host}-{t}", t, tuple(ix)) for t, ix in by_type.items()]
 
 
 def node_gpu_map(nodes: Sequence[LocalNode]) -> dict[str, list[int]]:
