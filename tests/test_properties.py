@@ -57,7 +57,7 @@ from broker.model import (
     SliceState,
     Snapshot,
 )
-from broker.ordering import queue_order, within_project_key
+from broker.ordering import within_project_key
 from broker.orm import NOT_DURABLE_OPTION, SliceEventRow, SliceRow, make_engine, migrate
 from broker.preemption import is_debug
 from broker.scheduler import schedule
@@ -133,8 +133,9 @@ def clusters(draw: st.DrawFn) -> Cluster:
     nodes = [Node(f"n{i}", draw(GPU_TYPE), draw(NODE_SIZE)) for i in range(draw(st.integers(1, 4)))]
     # a random tree: every account's parent is an earlier account or the root
     accounts: list[Account] = []
-    for i in range(draw(st.integers(1, 6))):
-        parent = draw(st.integers(-1, i - 1))
+    for i in range(draw(st.integers(2, 6))):
+        # Half the accounts at the top: more projects, so fair share has work to do.
+        parent = draw(st.integers(-1, i - 1)) if draw(st.booleans()) else -1
         accounts.append(Account(f"a{i}", draw(SHARE), f"a{parent}" if parent >= 0 else None))
     projects = ProjectTree(accounts).projects
     return Cluster(nodes, accounts, projects, {p: draw(START_USAGE) for p in projects})
@@ -181,6 +182,19 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     policy = draw_policy(draw, cluster.projects)
     lease = draw(one_of_these(None, None, 120.0, 600.0))
     steps: list[tuple[str, object]] = []
+    if draw(st.booleans()):
+        # Contention by construction: one project fills the cluster with batch work
+        # protected for a minute, which has run out when the random script starts.
+        hog = cluster.projects[draw(PICK) % len(cluster.projects)]
+        for _ in range(draw(st.integers(2, 5))):
+            request = draw_request(draw, cluster.projects)
+            contract = replace(request["contract"], min_runtime=60.0, max_runtime=None)
+            # Often top priority: then the project's own debug sessions may take its GPUs
+            # only through the debug lane.
+            priority = draw(one_of_these(0, 100, 100))
+            request.update(project=hog, kind=SliceKind.BATCH, contract=contract, priority=priority)
+            steps.append(("submit", request))
+        steps += [("advance", 61.0)]
     for _ in range(draw(st.integers(8, 25))):
         name = draw(STEP)
         if name == "submit":
@@ -366,7 +380,7 @@ class World:
         check_preemptions(snap, decisions)
         check_grants(snap, decisions)
         check_borrowers(snap, decisions)
-        check_liveness(snap, decisions, self.tree)
+        check_liveness(snap, decisions)
         count_reach(snap, decisions)
         applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
         self.ledger.extend(applied.charges)
@@ -547,10 +561,16 @@ def fits(slice_: Slice, free: dict[str, set[int]], nodes: dict[str, Node], headr
     return False
 
 
-def check_liveness(snap: Snapshot, decisions: Decisions, tree: ProjectTree) -> None:
-    """The highest-ranked pending slice under its cap that fits the GPUs left free after
-    this pass's endings and kept promises is granted or reserved: a pass that
-    drops or forgets work fails here."""
+def check_liveness(snap: Snapshot, decisions: Decisions) -> None:
+    """The slice the pass ranks first (past any over its cap), if it fits the GPUs left
+    free after this pass's endings and kept promises, is granted (or promised GPUs): a
+    pass that drops or forgets work fails here.
+
+    Whom the pass ranks first is its own business (fair share decides it); where it
+    ranked each slice it left waiting is in its queue, whose positions count the
+    slices it granted too. So the first position after the kept promises' is the
+    head: granted if the queue has no entry there.
+    """
     live = {s.id: s for s in snap.slices}
     requeued = {e.slice_id for e in decisions.endings if e.requeue}
     gone = {e.slice_id for e in decisions.endings}
@@ -576,17 +596,24 @@ def check_liveness(snap: Snapshot, decisions: Decisions, tree: ProjectTree) -> N
     for s in [*holding, *(s for s in pending if s.id in kept)]:
         held_by[s.project] = held_by.get(s.project, 0) + s.gpus
     caps = snap.policy.project_gpu_caps
-    rank = {name: i for i, name in enumerate(tree.project_order(snap.usage))}
-    for head in queue_order([s for s in pending if s.id not in kept], rank):
+    waiting = {e.position: e.slice_id for e in decisions.queue if e.slice_id not in kept}
+    # A backfill reservation is no answer for a slice that fits now: it waits on it.
+    answered = {g.slice_id for g in decisions.grants}
+    answered |= {r.slice_id for r in decisions.reservations if r.promised}
+    by_id = {s.id: s for s in pending}
+    position = 1 + sum(1 for e in decisions.queue if e.slice_id in kept)
+    while position in waiting:
+        head = by_id[waiting[position]]
         if head.project in caps and held_by.get(head.project, 0) + head.gpus > caps[head.project]:
             event("cap holds back work")
-            continue  # takes nothing: the next one is ranked behind nothing
+            position += 1  # it takes nothing: the next one is ranked behind nothing
+            continue
         if fits(head, free, ready, snap.policy.debug_headroom):
             event("liveness: the head of the queue fits")
-            answered = {g.slice_id for g in decisions.grants}
-            answered |= {r.slice_id for r in decisions.reservations}
             assert head.id in answered, f"slice {head.id} fits, ranks first, and was left waiting"
         return
+    if any(s.id not in kept for s in pending):
+        event("liveness: the head of the queue was granted")
 
 
 def check_after(now: float, live: dict[int, Slice], nodes: dict[str, Node], policy: Policy) -> None:
