@@ -23,6 +23,10 @@ current: it lists the nodes, then watches from the list's resource version;
 on ``410 Gone`` it lists again; on API errors, timeouts and dropped streams it
 backs off and starts over. It pushes the whole inventory after every list and
 after every event that changes it.
+
+:class:`KubernetesInventory` is the broker service's inventory backend
+(``--BrokerApp.inventory_class=kubernetes``): the watcher, the drain reports and
+the cleanup of pods of ended slices, configured by its own traits.
 """
 
 from __future__ import annotations
@@ -30,11 +34,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from traitlets import Bool, Float, Unicode, validate
+
+from broker.inventory import Inventory, InventoryError
 from broker.model import Node, NodeState
+
+if TYPE_CHECKING:
+    from .service import KubernetesTasks
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,8 @@ MIG_PREFIX = "nvidia.com/mig-"
 MIG_SEPARATOR = ":"
 
 _VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+#: A Kubernetes namespace name (an RFC 1123 label).
+NAMESPACE_PATTERN = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
 
 
 @dataclass(frozen=True)
@@ -298,12 +311,158 @@ class InventoryWatcher:
         self.pushes += 1
 
 
+# ---- the service's inventory backend --------------------------------------------------
+
+
+class KubernetesInventory(Inventory):
+    """Nodes from the Kubernetes API, kept current with a watch; drained nodes labelled
+    for repair automation; pods of ended slices deleted.
+
+    GPU nodes, cordons, taints and NotReady map to node states as
+    docs/kubernetes.md says; the cluster file still gives projects, members,
+    weights and policy, and its own ``[[nodes]]`` go ``down``. Needs the
+    ``kubernetes`` extra and RBAC to list and watch nodes (``patch`` them with a
+    ``drained_label``; list and delete pods in ``pod_namespace``).
+    """
+
+    watch_nodes = Bool(
+        True,
+        help="""Take the nodes from the Kubernetes API (default: yes). No: the nodes are
+        the cluster file's, and only the pod cleanup (`pod_namespace`) runs, for
+        notebooks on Kubernetes with a declared inventory.
+        """,
+    ).tag(config=True)
+
+    api_url = Unicode(
+        "",
+        help="""The Kubernetes API server's URL, used without credentials (e.g. a
+        `kubectl proxy`). Default: empty, the pod's service account inside a
+        cluster, else the local kubeconfig.
+        """,
+    ).tag(config=True)
+
+    node_selector = Unicode(
+        "",
+        help="""A label selector limiting the nodes taken from Kubernetes, e.g.
+        `nvidia.com/gpu.present=true` (default: empty, every node; nodes
+        without GPUs are left out anyway).
+        """,
+    ).tag(config=True)
+
+    drained_label = Unicode(
+        "slicebroker.io/drained",
+        help="""The label (value `true`) put on a Kubernetes node once the broker
+        has drained it, so repair automation can proceed; removed when the node
+        is back. Empty: no label is written (and no `patch` on nodes is needed).
+        """,
+    ).tag(config=True)
+
+    report_interval = Float(
+        30.0,
+        help="""Seconds between two checks for drained nodes to label (default 30).""",
+    ).tag(config=True)
+
+    pod_namespace = Unicode(
+        "",
+        help="""The Kubernetes namespace of the notebook pods (zero-to-jupyterhub: the
+        hub's). Pods there labelled `slicebroker.io/slice-id` whose slice has ended
+        are deleted: the safety net for a pod the spawner could not stop (hub down,
+        state lost, a failed stop). Default: empty, no pod is ever deleted. Needs
+        RBAC to list and delete pods in the namespace.
+        """,
+    ).tag(config=True)
+
+    reap_interval = Float(
+        60.0,
+        help="""Seconds between two rounds of deleting pods of ended slices (default 60).""",
+    ).tag(config=True)
+
+    reap_min_age = Float(
+        120.0,
+        help="""Seconds a pod must have existed before it may be deleted as the pod of an
+        ended slice (default 120), so that a pod being created is never raced.
+        """,
+    ).tag(config=True)
+
+    @validate("pod_namespace")
+    def _check_namespace(self, proposal):
+        if proposal.value and not re.fullmatch(NAMESPACE_PATTERN, proposal.value):
+            raise ValueError(
+                f"pod_namespace must be a Kubernetes namespace name (lower-case letters, "
+                f"digits and '-', at most 63), got {proposal.value!r}"
+            )
+        return proposal.value
+
+    @validate("report_interval", "reap_interval")
+    def _check_positive(self, proposal):
+        if not proposal.value > 0:
+            raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
+        return proposal.value
+
+    @validate("reap_min_age")
+    def _check_not_negative(self, proposal):
+        if not proposal.value >= 0:
+            raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
+        return proposal.value
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tasks: KubernetesTasks | None = None
+
+    async def setup(self, runner: Any) -> None:
+        """Make the client and the tasks, not started yet: importing the Kubernetes
+        client takes about a second, during which a listening server would leave
+        requests unanswered."""
+        if not (self.watch_nodes or self.pod_namespace):
+            return
+        try:
+            from .service import KubernetesTasks, core_api
+
+            api = await core_api(self.api_url)
+        except Exception as err:  # the extra not installed, no kubeconfig nor service account
+            raise InventoryError(f"cannot set up the Kubernetes client: {err}") from None
+        self.tasks = KubernetesTasks(
+            runner,
+            api,
+            inventory=self.watch_nodes,
+            node_selector=self.node_selector,
+            drained_label=self.drained_label,
+            report_interval=self.report_interval,
+            pod_namespace=self.pod_namespace,
+            reap_interval=self.reap_interval,
+            reap_min_age=self.reap_min_age,
+        )
+
+    def start(self) -> None:
+        if self.tasks is not None:
+            self.tasks.start()
+
+    async def stop(self) -> None:
+        if self.tasks is not None:
+            await self.tasks.stop()
+
+    def describe(self) -> str:
+        parts = [
+            f"nodes from Kubernetes (selector {self.node_selector!r})"
+            if self.watch_nodes
+            else "nodes from the cluster file"
+        ]
+        if self.pod_namespace:
+            parts.append(
+                f"deleting pods of ended slices in namespace {self.pod_namespace} "
+                f"every {self.reap_interval:g} s"
+            )
+        return "; ".join(parts)
+
+
 __all__ = [
     "GPU_RESOURCE",
     "MIG_PREFIX",
+    "NAMESPACE_PATTERN",
     "Backoff",
     "InventoryRules",
     "InventoryWatcher",
+    "KubernetesInventory",
     "gpu_resource",
     "gpu_type_of",
     "inventory",
