@@ -215,6 +215,8 @@ class Ending:
     slice_id: int
     reason: EndReason
     requeue: bool = False  # resumable batch work goes back to the queue
+    # The protected period (min_runtime) of a requeued slice's next run; None: as it was.
+    protect_next: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

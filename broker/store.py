@@ -89,7 +89,10 @@ class Broker:
     scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
     alive. ``upgrade`` lets an out-of-date database be migrated on open;
     otherwise that raises :class:`~broker.orm.DatabaseOutOfDate` (a blank
-    database is always initialised).
+    database is always initialised). ``grant_at_once``: a submission that
+    finds nothing else waiting runs the pass in its own transaction, so it is
+    answered granted when it fits (the service; tests drive passes by hand).
+    ``usual_gap``: see :meth:`run_pass_and_list`.
     """
 
     def __init__(
@@ -101,11 +104,17 @@ class Broker:
         schedule: Schedule = default_schedule,
         lease: float = DEFAULT_LEASE_S,
         upgrade: bool = False,
+        grant_at_once: bool = False,
+        usual_gap: float | None = None,
     ):
         self.config = config
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
+        self.grant_at_once = grant_at_once
+        self.usual_gap = usual_gap
+        # Passes run by submissions (grant_at_once): decisions, live slices, seconds.
+        self._side_passes: list[tuple[Decisions, list[dict[str, Any]], float]] = []
         self._engine = make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
@@ -385,6 +394,13 @@ class Broker:
             session.add(row)
             session.flush()
             _event(session, row, None, "submitted", now)
+            if self.grant_at_once and not _others_waiting(session, row.id):
+                # The pass itself, not a copy of its rules: with nothing else
+                # waiting, this request is the head of the queue.
+                started = time.perf_counter()
+                decisions, live = self._pass(session, now, self.usual_gap)
+                self._side_passes.append((decisions, live, time.perf_counter() - started))
+                return _slice_dict(row, now, _Costs.load(session)), True
             return _slice_dict(row, now, _Costs()), True
 
     def release(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
@@ -674,6 +690,11 @@ class Broker:
 
     # ---- the scheduling pass ------------------------------------------------------
 
+    def take_side_passes(self) -> list[tuple[Decisions, list[dict[str, Any]], float]]:
+        """The passes submissions ran since the last call (for metrics), oldest first."""
+        passes, self._side_passes = self._side_passes, []
+        return passes
+
     def run_pass(self) -> Decisions:
         """Snapshot, schedule and apply, in one transaction under the write lock."""
         return self.run_pass_and_list()[0]
@@ -688,35 +709,40 @@ class Broker:
         already, so this saves reloading them (about as costly as the pass's
         own snapshot load). ``usual_gap`` (seconds) is the longest time between
         two passes of a broker at work: past it, see :meth:`_cover_absence`
-        (``None``: passes are driven by hand, as in tests; leases are left alone).
+        (``None``: the Broker's own ``usual_gap``; ``None`` there too: passes are
+        driven by hand, as in tests, and leases are left alone).
         """
         with self._write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
-            costs = _Costs.load(session)
-            rows = {
-                row.id: row
-                for row in session.scalars(
-                    select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-                )
-            }
-            if usual_gap is not None:
-                self._cover_absence(session, rows.values(), now, usual_gap)
-            snapshot = Snapshot(
-                now=now,
-                nodes=tuple(_nodes(session)),
-                accounts=tuple(_accounts(session)),
-                slices=tuple(_to_slice(row) for row in rows.values()),
-                usage=self._usage(session, now, costs, rows.values()),
-                gpu_type_weights=costs.weights,
-                policy=self.config.policy,
+            return self._pass(session, now, usual_gap or self.usual_gap)
+
+    def _pass(
+        self, session: Session, now: float, usual_gap: float | None
+    ) -> tuple[Decisions, list[dict[str, Any]]]:
+        """Snapshot, schedule and apply in ``session``; the live slices after it."""
+        costs = _Costs.load(session)
+        rows = {
+            row.id: row
+            for row in session.scalars(
+                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
             )
-            decisions = self._schedule(snapshot)
-            nodes = {node.name: node for node in snapshot.nodes}
-            self._apply(session, decisions, rows, nodes, now, costs)
-            live = [
-                _slice_dict(row, now, costs) for row in rows.values() if row.state in LIVE_STATES
-            ]
+        }
+        if usual_gap is not None:
+            self._cover_absence(session, rows.values(), now, usual_gap)
+        snapshot = Snapshot(
+            now=now,
+            nodes=tuple(_nodes(session)),
+            accounts=tuple(_accounts(session)),
+            slices=tuple(_to_slice(row) for row in rows.values()),
+            usage=self._usage(session, now, costs, rows.values()),
+            gpu_type_weights=costs.weights,
+            policy=self.config.policy,
+        )
+        decisions = self._schedule(snapshot)
+        nodes = {node.name: node for node in snapshot.nodes}
+        self._apply(session, decisions, rows, nodes, now, costs)
+        live = [_slice_dict(row, now, costs) for row in rows.values() if row.state in LIVE_STATES]
         return decisions, live
 
     def _cover_absence(
@@ -808,7 +834,16 @@ class Broker:
             row = _live(rows, ending.slice_id, LIVE_STATES, "end")
             if row is not None:
                 why = ending.reason.value
-                self._end(session, row, ending.reason, now, costs, why=why, requeue=ending.requeue)
+                self._end(
+                    session,
+                    row,
+                    ending.reason,
+                    now,
+                    costs,
+                    why=why,
+                    requeue=ending.requeue,
+                    protect_next=ending.protect_next,
+                )
         for preemption in decisions.preemptions:
             row = _live(rows, preemption.slice_id, (SliceState.GRANTED,), "preempt")
             if row is None:
@@ -867,8 +902,10 @@ class Broker:
         *,
         why: str,
         requeue: bool = False,
+        protect_next: float | None = None,
     ) -> None:
-        """End ``row`` (or requeue it), writing the ledger entry for what it held."""
+        """End ``row`` (or requeue it, with ``protect_next`` its next protected
+        period), writing the ledger entry for what it held."""
         before = SliceState(row.state)
         if before in HELD_STATES:
             entry = costs.entry(_to_slice(row), now)
@@ -889,7 +926,7 @@ class Broker:
         row.promised = []
         row.queue_position = row.fairshare_value = row.estimated_start = None
         if requeue and before in HELD_STATES:
-            _write_state(row, transitions.requeued(_to_slice(row), reason))
+            _write_state(row, transitions.requeued(_to_slice(row), protect_next))
             row.preempt_reason = None
             why += ", requeued"
         else:
@@ -917,6 +954,14 @@ class _Costs:
 
     def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
         return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
+
+
+def _others_waiting(session: Session, slice_id: int) -> bool:
+    """Whether any slice but ``slice_id`` is waiting in the queue."""
+    waiting = select(SliceRow.id).where(
+        SliceRow.state == SliceState.PENDING.value, SliceRow.id != slice_id
+    )
+    return session.scalars(waiting.limit(1)).first() is not None
 
 
 def _write_state(row: SliceRow, slice_: Slice) -> None:

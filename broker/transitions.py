@@ -26,22 +26,15 @@ class Applied:
     charges: list[LedgerEntry] = field(default_factory=list)
 
 
-#: A preempted job's next run is protected this many times longer (design.md §5.3).
-REPREEMPTION_BACKOFF = 2.0
-
-
-def requeued(slice_: Slice, reason: EndReason) -> Slice:
+def requeued(slice_: Slice, protect_next: float | None = None) -> Slice:
     """``slice_`` back in the queue, holding and promised nothing, with its place in
     it (``submitted_at``) kept; its lease starts again with its next heartbeat.
-
-    Preempted, its next run is protected :data:`REPREEMPTION_BACKOFF` times longer:
-    each preemption costs the job a restart and its work since its last
-    checkpoint, so the same job is not taken again and again (on Helios, one
-    8-GPU job was otherwise preempted every hour, 60 times in 3 days).
+    ``protect_next`` is its next run's protected period, where the pass chose a
+    new one (:attr:`~broker.model.Ending.protect_next`).
     """
     contract = slice_.contract
-    if reason is EndReason.PREEMPTED and contract.min_runtime > 0:
-        contract = replace(contract, min_runtime=contract.min_runtime * REPREEMPTION_BACKOFF)
+    if protect_next is not None:
+        contract = replace(contract, min_runtime=protect_next)
     return replace(
         slice_,
         contract=contract,
@@ -100,7 +93,7 @@ def apply(
         if entry is not None:
             result.charges.append(entry)
         if ending.requeue:
-            live[slice_.id] = requeued(slice_, ending.reason)
+            live[slice_.id] = requeued(slice_, ending.protect_next)
             result.requeued.append(live[slice_.id])
         else:
             result.ended.append((slice_, ending.reason))

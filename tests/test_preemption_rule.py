@@ -11,11 +11,19 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from broker.fairshare import ProjectTree
-from broker.model import Account, EndReason, Policy, PreemptReason, SliceKind, SliceState
+from broker.model import (
+    Account,
+    EndReason,
+    NodeState,
+    Policy,
+    PreemptReason,
+    SliceKind,
+    SliceState,
+)
 from broker.preemption import DebugLane, Preemptor, preempt_reason
-from broker.scheduler import schedule
+from broker.scheduler import REPREEMPTION_BACKOFF, schedule
 from broker.standing import Standings
-from broker.transitions import REPREEMPTION_BACKOFF, requeued
+from broker.transitions import requeued
 
 # ---- fair share now --------------------------------------------------------------------
 
@@ -185,20 +193,29 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
             assert victim.project != requester.project
 
 
-def test_each_preemption_protects_the_jobs_next_run_longer():
-    job = running("a", "n0", (0,), min_runtime=HOUR, resumable=True)
-    once = requeued(job, EndReason.PREEMPTED)
-    twice = requeued(once, EndReason.PREEMPTED)
-    assert once.state is SliceState.PENDING
-    assert (once.contract.min_runtime, twice.contract.min_runtime) == (
-        REPREEMPTION_BACKOFF * HOUR,
-        REPREEMPTION_BACKOFF**2 * HOUR,
-    )
-    # a node going down is no preemption: its protection stays as it was
-    assert requeued(job, EndReason.NODE_DOWN).contract.min_runtime == HOUR
-    # free work stays free
-    free = running("a", "n0", (0,), min_runtime=0.0, resumable=True)
-    assert requeued(free, EndReason.PREEMPTED).contract.min_runtime == 0.0
+def test_each_preemption_protects_the_jobs_next_run_longer_up_to_the_cap():
+    policy = Policy(max_min_runtime=4 * HOUR)
+    protected = []
+    job = running("a", "n0", tuple(range(8)), min_runtime=HOUR, resumable=True)
+    for _ in range(4):
+        leaving = replace(job, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+        d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [leaving], policy=policy))
+        (ending,) = d.endings
+        assert (ending.reason, ending.requeue) == (EndReason.PREEMPTED, True)
+        protected.append(ending.protect_next)
+        job = replace(job, contract=replace(job.contract, min_runtime=ending.protect_next))
+    # doubled each time, never past max_min_runtime, so that drains still end in time
+    assert protected == [REPREEMPTION_BACKOFF * HOUR, 4 * HOUR, 4 * HOUR, 4 * HOUR]
+    assert requeued(job, ending.protect_next).contract.min_runtime == 4 * HOUR
+
+
+def test_a_node_going_down_and_free_work_keep_their_protection():
+    down = running("a", "n0", (0,), min_runtime=HOUR, resumable=True)
+    free = running("a", "n1", (0,), min_runtime=0.0, resumable=True)
+    free = replace(free, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    cluster = [replace(n, state=NodeState.DOWN) if n.name == "n0" else n for n in nodes(2)]
+    d = schedule(snapshot(cluster, flat_tree("a"), [down, free]))
+    assert {e.slice_id: e.protect_next for e in d.endings} == {down.id: None, free.id: None}
 
 
 def test_the_pass_requeues_a_preempted_job_with_its_longer_protection():

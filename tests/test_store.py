@@ -342,10 +342,10 @@ def test_a_running_slice_counts_in_usage_reports_up_to_now(broker, clock):
 def test_a_requeued_slice_is_charged_for_its_held_time_and_keeps_its_place(open_broker, clock):
     script = Script(
         Decisions(grants=(Grant(1, (Placement("h0", (0, 1)),)),)),
-        Decisions(endings=(Ending(1, EndReason.PREEMPTED, requeue=True),)),
+        Decisions(endings=(Ending(1, EndReason.PREEMPTED, requeue=True, protect_next=7200.0),)),
     )
     broker = open_broker(schedule=script)
-    made = ask(broker, gpus=2, resumable=True)
+    made = ask(broker, gpus=2, resumable=True, min_runtime=3600)
     broker.run_pass()
     clock.advance(250)
     broker.run_pass()
@@ -354,7 +354,7 @@ def test_a_requeued_slice_is_charged_for_its_held_time_and_keeps_its_place(open_
     assert again["placements"] == [] and again["granted_at"] is None
     assert again["submitted_at"] == made["submitted_at"]
     assert again["end_reason"] is None
-    assert again["min_runtime"] == 2 * made["min_runtime"]  # its next run is protected longer
+    assert again["min_runtime"] == 7200.0  # its next run is protected as the pass chose
     assert again["charged_gpu_seconds"] == pytest.approx(2 * 250)
     assert broker.usage_report("vision", 0, clock.now)[0]["weighted_gpu_seconds"] == (
         pytest.approx(500)
@@ -929,3 +929,31 @@ def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
     clock.advance(LEASE)
     broker.run_pass()
     assert broker.get_slice(held["id"], admin=True)["end_reason"] == "lost"
+
+
+# ---- a submission granted at once ---------------------------------------------------
+
+
+def test_a_submission_with_nothing_else_waiting_is_granted_by_the_pass_at_once(open_broker):
+    broker = open_broker(grant_at_once=True)  # h0: 4 h100s, b0: 4 b200s
+    first = ask(broker, gpus=2, gpu_type="h100")
+    assert first["state"] == "granted" and first["placements"][0]["node"] == "h0"
+    second = ask(broker, gpus=2, gpu_type="h100")  # h0's other 2 GPUs, in the same request
+    assert second["state"] == "granted"
+    # no h100 left: it waits, and a request after it is not granted past it at once
+    # (whether it may go first is the next pass's to say, with the whole queue)
+    third = ask(broker, gpus=2, gpu_type="h100")
+    fourth = ask(broker, gpus=1, gpu_type="b200")
+    assert (third["state"], fourth["state"]) == ("pending", "pending")
+    passes = broker.take_side_passes()
+    assert [[g.slice_id for g in decisions.grants] for decisions, _, _ in passes] == [
+        [first["id"]],
+        [second["id"]],
+        [],
+    ]
+    assert broker.take_side_passes() == []
+
+
+def test_without_grant_at_once_a_submission_waits_for_the_pass(broker):
+    assert ask(broker)["state"] == "pending"
+    assert broker.take_side_passes() == []

@@ -156,6 +156,8 @@ class BrokerRunner:
     ):
         self.broker = broker
         self.pass_interval = pass_interval
+        # Passes further apart than this mean nobody could heartbeat meanwhile.
+        broker.usual_gap = USUAL_GAP_PASSES * pass_interval
         self.pass_gap = pass_gap
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
@@ -196,7 +198,15 @@ class BrokerRunner:
 
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         """A request that may change the schedule: run it, tell waiters, ask for a pass."""
-        slice_ = await self.run(fn, *args, **kwargs)
+
+        def job() -> tuple[dict, list]:
+            # On the database thread, like every Broker call: the passes the request
+            # ran itself (a submission granted at once) are counted as passes.
+            return fn(*args, **kwargs), self.broker.take_side_passes()
+
+        slice_, side_passes = await self.run(job)
+        for decisions, live, seconds in side_passes:
+            self.metrics.record_pass(decisions, {s["id"]: s for s in live}, seconds)
         self._between_passes.clear()
         self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
@@ -284,8 +294,5 @@ class BrokerRunner:
         return decisions
 
     def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
-        # One transaction: no request slips between the pass and the list. A pass
-        # further from the last one than the loop ever waits means nobody could
-        # heartbeat meanwhile (a restart, a database outage): leases are extended.
-        usual_gap = USUAL_GAP_PASSES * self.pass_interval
-        return self.broker.run_pass_and_list(usual_gap=usual_gap)
+        # One transaction: no request slips between the pass and the list.
+        return self.broker.run_pass_and_list()
