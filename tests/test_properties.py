@@ -1,11 +1,12 @@
 """The scheduler's contract as properties over random clusters, trees and workloads.
 
 Each example runs a stretch of time on a small, contended cluster: projects
-start with usage, slices arrive with mostly protected contracts, caps, leases,
-priorities and debug sessions; time moves (often exactly to the next deadline),
-holders release and heartbeat, nodes drain, go down and come back, and the
-broker "crashes": its live slices go through the SQLite store's rows and the
-next pass runs on what was read back. After every pass it checks:
+start with usage (and often one of them fills the cluster first), slices arrive
+with mostly protected contracts, caps, leases, priorities and debug sessions;
+time moves (often exactly to the next deadline), holders release and heartbeat,
+nodes drain, go down and come back, and the broker "crashes": its live slices
+go through the SQLite store's rows and the next pass runs on what was read
+back. After every pass it checks:
 
 - **safety**: no GPU is held (or promised) twice; grants are on ready nodes of
   the right type; no protected slice is preempted; caps are never exceeded;
@@ -16,10 +17,11 @@ next pass runs on what was read back. After every pass it checks:
   work; debug lane: a batch slice, for a debug session); grace periods,
   ``max_runtime`` and leases end no later than the first pass at or after them;
   work lent reserved GPUs is gone or preemptible by the reservation's due time;
-- **liveness**: the highest-ranked pending slice under its cap that fits the
-  free GPUs is granted or reserved in that pass;
-- **determinism** and **accounting**: the same snapshot gives the same decisions;
-  charges equal the weighted time each slice held its GPUs.
+- **liveness**: the slice the pass ranks first (past any over its cap), if it
+  fits the free GPUs, is granted in that pass (or promised GPUs);
+- **determinism** and **accounting**: a restart from the store's rows decides
+  as the process before it would have; charges equal the weighted time each
+  slice held its GPUs.
 
 None of these depends on which fair-share victim the pass picks, only on what
 any victim rule must respect. ``hypothesis.event`` counts what the examples
