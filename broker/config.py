@@ -160,6 +160,7 @@ _POLICY_KEYS = (
     "debug_lane_fraction",
     "debug_headroom",
     "max_reservations",
+    "preemption_backoff",
     "project_gpu_caps",
 )
 # Policy durations and whether zero is allowed.
@@ -357,6 +358,16 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
     for key in ("debug_max_gpus", "debug_headroom", "max_reservations"):
         if key in table:
             settings[key] = _whole(table[key], _at(where, key), minimum=0)
+    if "preemption_backoff" in table:
+        at = _at(where, "preemption_backoff")
+        backoff = _positive_number(table["preemption_backoff"], at, "a factor ≥ 1")
+        if backoff < 1:
+            raise InvalidConfig(
+                f"expected a factor ≥ 1 (1 keeps a preempted job's protection as it was, "
+                f"2 doubles it), got {backoff!r}",
+                at,
+            )
+        settings["preemption_backoff"] = backoff
     if "debug_lane_fraction" in table:
         at = _at(where, "debug_lane_fraction")
         fraction = _positive_number(table["debug_lane_fraction"], at, "a fraction in (0, 1]")

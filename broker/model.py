@@ -170,6 +170,9 @@ class Policy:
     # Free GPUs kept for debug sessions: other work is not placed on free GPUs
     # when that would leave fewer free (SPEC §1: a debug GPU in seconds).
     debug_headroom: int = 0
+    # A preempted job's next protected period is this many times its last, up to
+    # max_min_runtime (1: as before), so the same job is not taken again and again.
+    preemption_backoff: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

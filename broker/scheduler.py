@@ -125,7 +125,7 @@ class _Pass:
             self.ended.add(slice_.id)
 
     def _protect_next(self, slice_: Slice) -> float | None:
-        """A preempted job's next run is protected :data:`REPREEMPTION_BACKOFF` times
+        """A preempted job's next run is protected ``preemption_backoff`` times
         longer, up to ``max_min_runtime`` (so that drains still end in time).
 
         Each preemption costs the job a restart and its work since its last
@@ -135,7 +135,7 @@ class _Pass:
         protected = slice_.contract.min_runtime
         if protected <= 0:
             return None  # free work stays free
-        longer = min(protected * REPREEMPTION_BACKOFF, self.policy.max_min_runtime)
+        longer = min(protected * self.policy.preemption_backoff, self.policy.max_min_runtime)
         return max(protected, longer)
 
     def end_finished(self) -> None:
@@ -674,8 +674,6 @@ class _Pass:
 
 
 _NEVER = 1 << 62
-#: How much longer a preempted job's next protected period is (design.md §5.3).
-REPREEMPTION_BACKOFF = 2.0
 
 
 def _shape(slice_: Slice) -> tuple:

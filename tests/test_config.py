@@ -696,3 +696,11 @@ def test_a_retired_policy_key_loads_with_a_warning(caplog):
     assert config.policy == Policy()
     assert "policy.fairshare_horizon is retired" in caplog.text
     assert "GPUs projects hold now" in caplog.text
+
+
+@pytest.mark.parametrize(("value", "message"), [(0.5, "a factor ≥ 1"), ("2", "a factor ≥ 1")])
+def test_preemption_backoff_is_a_factor_of_at_least_one(value, message):
+    with pytest.raises(InvalidConfig, match=message) as err:
+        parse(MINIMAL + f"[policy]\npreemption_backoff = {value!r}\n".replace("'", '"'))
+    assert err.value.where == "policy.preemption_backoff"
+    assert parse(MINIMAL + "[policy]\npreemption_backoff = 1.5\n").policy.preemption_backoff == 1.5

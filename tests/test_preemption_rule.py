@@ -21,7 +21,7 @@ from broker.model import (
     SliceState,
 )
 from broker.preemption import DebugLane, Preemptor, preempt_reason
-from broker.scheduler import REPREEMPTION_BACKOFF, schedule
+from broker.scheduler import schedule
 from broker.standing import Standings
 from broker.transitions import requeued
 
@@ -194,7 +194,7 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
 
 
 def test_each_preemption_protects_the_jobs_next_run_longer_up_to_the_cap():
-    policy = Policy(max_min_runtime=4 * HOUR)
+    policy = Policy(max_min_runtime=4 * HOUR)  # preemption_backoff 2 by default
     protected = []
     job = running("a", "n0", tuple(range(8)), min_runtime=HOUR, resumable=True)
     for _ in range(4):
@@ -205,7 +205,7 @@ def test_each_preemption_protects_the_jobs_next_run_longer_up_to_the_cap():
         protected.append(ending.protect_next)
         job = replace(job, contract=replace(job.contract, min_runtime=ending.protect_next))
     # doubled each time, never past max_min_runtime, so that drains still end in time
-    assert protected == [REPREEMPTION_BACKOFF * HOUR, 4 * HOUR, 4 * HOUR, 4 * HOUR]
+    assert protected == [2 * HOUR, 4 * HOUR, 4 * HOUR, 4 * HOUR]
     assert requeued(job, ending.protect_next).contract.min_runtime == 4 * HOUR
 
 
@@ -225,3 +225,11 @@ def test_the_pass_requeues_a_preempted_job_with_its_longer_protection():
     assert [(e.slice_id, e.requeue) for e in d.endings] == [(leaving.id, True)]
     (grant,) = d.grants  # granted again at once: the cluster is free
     assert grant.slice_id == leaving.id
+
+
+def test_a_backoff_of_one_keeps_the_protection_as_it_was():
+    job = running("a", "n0", tuple(range(8)), min_runtime=HOUR, resumable=True)
+    leaving = replace(job, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    policy = Policy(preemption_backoff=1.0)
+    d = schedule(snapshot(nodes(1), flat_tree("a"), [leaving], policy=policy))
+    assert [e.protect_next for e in d.endings] == [HOUR]

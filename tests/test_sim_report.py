@@ -185,6 +185,7 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
         (["generate", "--policies", "lottery"], "unknown policy lottery"),
         (["csv"], "csv needs --trace"),
         (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),
+        (["generate", "--preemption-backoff", "0.5"], "--preemption-backoff takes a factor"),
         (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
         (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),
     ],

@@ -114,6 +114,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="free GPUs kept for debug sessions (policy debug_headroom; 0)",
     )
     sim.add_argument(
+        "--preemption-backoff",
+        type=float,
+        default=2.0,
+        metavar="F",
+        help="a preempted job's next protection is F times its last, up to max_min_runtime "
+        "(policy preemption_backoff; 2, 1 = off)",
+    )
+    sim.add_argument(
         "--restart-cost",
         type=float,
         default=5 * 60.0,
@@ -209,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return USAGE_ERROR
+    if args.preemption_backoff < 1:
+        print("error: --preemption-backoff takes a factor, 1 or more", file=sys.stderr)
+        return USAGE_ERROR
     if args.debug_headroom < 0:  # before the workload is built, which can take a while
         print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
         return USAGE_ERROR
@@ -240,7 +251,11 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         check=args.check,
     )
-    policy = Policy(grace_period=args.grace, debug_headroom=args.debug_headroom)
+    policy = Policy(
+        grace_period=args.grace,
+        debug_headroom=args.debug_headroom,
+        preemption_backoff=args.preemption_backoff,
+    )
     say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(
         f"{workload.name}: {len(workload.jobs):,} jobs, {len(workload.nodes)} nodes "
