@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import subprocess
+import sys
 import time
 import tomllib
 from importlib.metadata import entry_points
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kubefake import FakeKube, gpu_node, serving
-from servicefixtures import TEST_CONFIG
+from servicefixtures import TEST_CONFIG, make_service, service_env
 from traitlets.config import Config
 
 from broker.config import parse_config
@@ -174,3 +176,51 @@ async def test_the_kubernetes_inventory_can_leave_the_nodes_to_the_file(tmp_path
     assert inventory.describe() == (
         "nodes from the cluster file; deleting pods of ended slices in namespace jhub every 60 s"
     )
+
+
+def test_the_service_takes_this_machines_gpus_by_the_inventorys_name(tmp_path):
+    program = fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 81559 MiB\n" * 2)
+    service = make_service(
+        tmp_path,
+        extra_args=[
+            "--BrokerApp.inventory_class=nvidia-smi",
+            f"--LocalInventory.nvidia_smi={program}",
+            "--LocalInventory.host=box",
+        ],
+    )
+    service.start()
+    try:
+        nodes = service.get("/nodes", token=service.admin_token).json()["nodes"]
+    finally:
+        service.stop()
+    assert {n["name"]: (n["gpu_count"], n["state"]) for n in nodes} == {
+        "box": (2, "ready"),
+        "n0": (4, "down"),
+        "n1": (4, "down"),
+    }
+    assert f"nodes from {program} (box: 2 x h100)" in service.log_text()
+
+
+def test_a_service_whose_inventory_cannot_run_stops_with_one_line(tmp_path):
+    program = fake_nvidia_smi(tmp_path, "", status=9)
+    config = tmp_path / "cluster.toml"
+    config.write_text(TEST_CONFIG)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.service",
+            f"--config-file={config}",
+            f"--db-url=sqlite:///{tmp_path / 'broker.sqlite'}",
+            "--port=0",
+            "--BrokerApp.inventory_class=nvidia-smi",
+            f"--LocalInventory.nvidia_smi={program}",
+        ],
+        capture_output=True,
+        text=True,
+        env=service_env(),
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert f"inventory: no GPU found with {program}" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -37,8 +37,8 @@ def kube_service(directory: Path, api_url: str, *options: str) -> BrokerService:
         directory,
         pass_interval=0.5,
         extra_args=[
-            "--BrokerApp.kubernetes_inventory=True",
-            f"--BrokerApp.kubernetes_api_url={api_url}",
+            "--BrokerApp.inventory_class=kubernetes",
+            f"--KubernetesInventory.api_url={api_url}",
             *options,
         ],
     )
@@ -55,7 +55,7 @@ async def test_the_service_takes_its_nodes_from_kubernetes_and_marks_drained_one
     kube.add_node(gpu_node("gpu-0", gpus=8))
     kube.add_node(gpu_node("gpu-1", gpus=8))
     async with serving(kube) as url:
-        service = kube_service(tmp_path, url, "--BrokerApp.kubernetes_report_interval=0.2")
+        service = kube_service(tmp_path, url, "--KubernetesInventory.report_interval=0.2")
         try:
             await asyncio.to_thread(service.start)  # stopped below even if it never answers
 
@@ -146,9 +146,9 @@ async def test_the_service_deletes_pods_of_ended_slices_and_keeps_live_ones(tmp_
         service = kube_service(
             tmp_path,
             url,
-            "--BrokerApp.kubernetes_pod_namespace=jhub",
-            "--BrokerApp.kubernetes_reap_interval=0.2",
-            "--BrokerApp.kubernetes_reap_min_age=600",
+            "--KubernetesInventory.pod_namespace=jhub",
+            "--KubernetesInventory.reap_interval=0.2",
+            "--KubernetesInventory.reap_min_age=600",
         )
         try:
             await asyncio.to_thread(service.start)

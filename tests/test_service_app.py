@@ -10,9 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from servicefixtures import TEST_CONFIG, make_service, service_env
+from traitlets import TraitError
 
 from broker.config import DEMO_CONFIG
 from broker.errors import Forbidden, InvalidRequest
+from broker.inventory import InventoryError, LocalInventory, StaticInventory
+from broker.kube.inventory import KubernetesInventory
 from broker.service.apihandlers.common import acting_identity, owner_filter
 from broker.service.app import BrokerApp, main
 from broker.service.auth import (
@@ -77,24 +80,51 @@ def test_options_from_the_command_line_are_checked(clean_env):
         BrokerApp(port=70000)
 
 
-def test_kubernetes_options_default_to_no_cleanup_and_are_checked(clean_env):
+def test_the_inventory_is_chosen_by_entry_point_name_or_by_class(clean_env):
+    assert BrokerApp().inventory_class is StaticInventory
+    for given in ("kubernetes", "Kubernetes", "broker.kube.inventory.KubernetesInventory"):
+        app = BrokerApp()
+        app.parse_command_line([f"--BrokerApp.inventory_class={given}"])
+        assert app.inventory_class is KubernetesInventory
+    assert BrokerApp(inventory_class="nvidia-smi").inventory_class is LocalInventory
+    app = BrokerApp(inventory_class=KubernetesInventory)
+    app.parse_command_line(["--KubernetesInventory.pod_namespace=jhub-2"])
+    inventory = app.make_inventory()
+    assert isinstance(inventory, KubernetesInventory) and inventory.pod_namespace == "jhub-2"
+    for not_one in ("slurm", "broker.store.Broker"):
+        with pytest.raises(Exception, match="inventory_class"):
+            BrokerApp(inventory_class=not_one)
+
+
+def test_the_old_kubernetes_options_still_work_with_a_warning(clean_env, caplog):
     app = BrokerApp()
-    assert (app.kubernetes_pod_namespace, app.kubernetes_reap_interval) == ("", 60.0)
-    assert app.kubernetes_reap_min_age == 120.0
     app.parse_command_line(
-        ["--BrokerApp.kubernetes_pod_namespace=jhub-2", "--BrokerApp.kubernetes_reap_min_age=0"]
+        ["--BrokerApp.kubernetes_pod_namespace=jhub", "--BrokerApp.kubernetes_reap_min_age=0"]
     )
-    assert (app.kubernetes_pod_namespace, app.kubernetes_reap_min_age) == ("jhub-2", 0.0)
-    for bad, message in [
-        ({"kubernetes_pod_namespace": "JHub"}, "namespace name"),
-        ({"kubernetes_pod_namespace": "jhub-"}, "namespace name"),
-        ({"kubernetes_pod_namespace": "j" * 64}, "namespace name"),
-        ({"kubernetes_reap_interval": 0}, "must be > 0"),
-        ({"kubernetes_report_interval": -1}, "must be > 0"),
-        ({"kubernetes_reap_min_age": -1}, "must be >= 0"),
-    ]:
-        with pytest.raises(Exception, match=message):
-            BrokerApp(**bad)
+    inventory = app.make_inventory()
+    # Pods cleaned up, nodes still from the file: what these options did alone.
+    assert isinstance(inventory, KubernetesInventory) and not inventory.watch_nodes
+    assert (inventory.pod_namespace, inventory.reap_min_age) == ("jhub", 0.0)
+    warned = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warned == [
+        "BrokerApp.kubernetes_pod_namespace is deprecated: use KubernetesInventory.pod_namespace",
+        "BrokerApp.kubernetes_reap_min_age is deprecated: use KubernetesInventory.reap_min_age",
+    ]
+    app = BrokerApp()
+    app.parse_command_line(
+        [
+            "--BrokerApp.kubernetes_inventory=True",
+            "--BrokerApp.kubernetes_api_url=http://old:8001",
+            "--KubernetesInventory.api_url=http://new:8001",
+        ]
+    )
+    inventory = app.make_inventory()
+    assert inventory.watch_nodes and inventory.api_url == "http://new:8001"  # the new name wins
+    with pytest.raises(TraitError, match="namespace name"):
+        BrokerApp(kubernetes_pod_namespace="JHub").make_inventory()
+    mixed = BrokerApp(inventory_class="nvidia-smi", kubernetes_pod_namespace="jhub")
+    with pytest.raises(InventoryError, match="need the Kubernetes inventory, not LocalInventory"):
+        mixed.make_inventory()
 
 
 def test_help_exits_zero_and_names_every_option(capsys):

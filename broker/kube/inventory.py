@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Bool, Float, Unicode, validate
+from traitlets import Bool, Float, TraitError, Unicode, validate
 
 from broker.inventory import Inventory, InventoryError
 from broker.model import Node, NodeState
@@ -387,7 +387,7 @@ class KubernetesInventory(Inventory):
     @validate("pod_namespace")
     def _check_namespace(self, proposal):
         if proposal.value and not re.fullmatch(NAMESPACE_PATTERN, proposal.value):
-            raise ValueError(
+            raise TraitError(
                 f"pod_namespace must be a Kubernetes namespace name (lower-case letters, "
                 f"digits and '-', at most 63), got {proposal.value!r}"
             )
@@ -396,13 +396,13 @@ class KubernetesInventory(Inventory):
     @validate("report_interval", "reap_interval")
     def _check_positive(self, proposal):
         if not proposal.value > 0:
-            raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
+            raise TraitError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
     @validate("reap_min_age")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
-            raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
+            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
         return proposal.value
 
     def __init__(self, **kwargs: Any) -> None:

@@ -1,9 +1,9 @@
 """The Kubernetes tasks of the broker service: the node inventory, drain reports, pod cleanup.
 
-With ``BrokerApp.kubernetes_inventory`` set, nodes come from the cluster
-(watched) and drained nodes are labelled for repair automation; with
-``BrokerApp.kubernetes_pod_namespace`` set, notebook pods of ended slices in
-that namespace are deleted. Broker calls go through the service's runner, so
+Run by :class:`~broker.kube.inventory.KubernetesInventory`: with
+``watch_nodes``, nodes come from the cluster (watched) and drained nodes are
+labelled for repair automation; with a ``pod_namespace``, notebook pods of
+ended slices in that namespace are deleted. Broker calls go through the service's runner, so
 they share its database thread and wake a pass like any other change.
 """
 

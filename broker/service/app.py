@@ -20,23 +20,25 @@ import contextlib
 import gc
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
+from jupyterhub.traitlets import EntryPointType
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Float, Integer, Unicode, default, validate
+from traitlets import Bool, Float, Integer, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from .. import __version__
 from ..config import DEMO_CONFIG, load_config
 from ..errors import InvalidConfig
+from ..inventory import ENTRY_POINT_GROUP, Inventory, InventoryError, StaticInventory
+from ..kube.inventory import KubernetesInventory
 from ..orm import DatabaseSchemaError, normalize_url
 from ..store import Broker
 from .apihandlers import default_handlers
@@ -46,9 +48,6 @@ from .openapi import path_regex
 from .pages import page_routes, page_settings
 from .runner import BrokerRunner
 
-if TYPE_CHECKING:
-    from ..kube.service import KubernetesTasks
-
 log = logging.getLogger("slicebroker.service")
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
@@ -57,8 +56,19 @@ LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 DEFAULT_LIMITS = Limits()
 #: How long requests in flight may take to finish when the service stops.
 STOP_TIMEOUT_S = 5.0
-#: A Kubernetes namespace name (an RFC 1123 label).
-NAMESPACE_PATTERN = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+#: Options that moved to :class:`~broker.kube.inventory.KubernetesInventory`:
+#: the old ``BrokerApp`` name -> the new one. The old names still work for one
+#: release, with a warning.
+MOVED_TO_KUBERNETES = {
+    "kubernetes_inventory": "watch_nodes",
+    "kubernetes_api_url": "api_url",
+    "kubernetes_node_selector": "node_selector",
+    "kubernetes_drained_label": "drained_label",
+    "kubernetes_report_interval": "report_interval",
+    "kubernetes_pod_namespace": "pod_namespace",
+    "kubernetes_reap_interval": "reap_interval",
+    "kubernetes_reap_min_age": "reap_min_age",
+}
 
 
 def make_app(
@@ -306,74 +316,41 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
-    kubernetes_inventory = Bool(
-        False,
-        help="""Take the nodes from the Kubernetes API instead of the configuration
-        file, and keep them current with a watch (default: no). GPU nodes,
-        cordons, taints and NotReady map to node states as docs/kubernetes.md
-        says. Needs the `kubernetes` extra and RBAC to list and watch nodes.
+    inventory_class = EntryPointType(
+        default_value=StaticInventory,
+        klass=Inventory,
+        entry_point_group=ENTRY_POINT_GROUP,
+        help="""Where the nodes come from: `static` (the cluster file's nodes, the
+        default), `nvidia-smi` (this machine's GPUs), `kubernetes` (the cluster's GPU
+        nodes, watched), or any Inventory class (`module.Class`). Each has its own
+        options, e.g. `c.KubernetesInventory.pod_namespace`; see docs/configuration.md.
         """,
     ).tag(config=True)
 
-    kubernetes_api_url = Unicode(
-        "",
-        help="""The Kubernetes API server's URL, used without credentials (e.g. a
-        `kubectl proxy`). Default: empty, the pod's service account inside a
-        cluster, else the local kubeconfig.
-        """,
-    ).tag(config=True)
-
+    # The options below moved to KubernetesInventory; kept for one release.
+    kubernetes_inventory = Bool(False, help="Deprecated: use inventory_class = 'kubernetes'.").tag(
+        config=True
+    )
+    kubernetes_api_url = Unicode("", help="Deprecated: use KubernetesInventory.api_url.").tag(
+        config=True
+    )
     kubernetes_node_selector = Unicode(
-        "",
-        help="""A label selector limiting the nodes taken from Kubernetes, e.g.
-        `nvidia.com/gpu.present=true` (default: empty, every node; nodes
-        without GPUs are left out anyway).
-        """,
+        "", help="Deprecated: use KubernetesInventory.node_selector."
     ).tag(config=True)
-
     kubernetes_drained_label = Unicode(
-        "slicebroker.io/drained",
-        help="""The label (value `true`) put on a Kubernetes node once the broker
-        has drained it, so repair automation can proceed; removed when the node
-        is back. Empty: no label is written (and no `patch` on nodes is needed).
-        """,
+        "slicebroker.io/drained", help="Deprecated: use KubernetesInventory.drained_label."
     ).tag(config=True)
-
     kubernetes_report_interval = Float(
-        30.0,
-        help="""Seconds between two checks for drained nodes to label (default 30).""",
+        30.0, help="Deprecated: use KubernetesInventory.report_interval."
     ).tag(config=True)
-
     kubernetes_pod_namespace = Unicode(
-        "",
-        help="""The Kubernetes namespace of the notebook pods (zero-to-jupyterhub: the
-        hub's). Pods there labelled `slicebroker.io/slice-id` whose slice has ended
-        are deleted: the safety net for a pod the spawner could not stop (hub down,
-        state lost, a failed stop). Default: empty, no pod is ever deleted. Works
-        with or without `kubernetes_inventory`; needs the `kubernetes` extra and RBAC
-        to list and delete pods in the namespace.
-        """,
+        "", help="Deprecated: use KubernetesInventory.pod_namespace."
     ).tag(config=True)
-
-    @validate("kubernetes_pod_namespace")
-    def _check_namespace(self, proposal):
-        if proposal.value and not re.fullmatch(NAMESPACE_PATTERN, proposal.value):
-            raise ValueError(
-                f"kubernetes_pod_namespace must be a Kubernetes namespace name (lower-case "
-                f"letters, digits and '-', at most 63), got {proposal.value!r}"
-            )
-        return proposal.value
-
     kubernetes_reap_interval = Float(
-        60.0,
-        help="""Seconds between two rounds of deleting pods of ended slices (default 60).""",
+        60.0, help="Deprecated: use KubernetesInventory.reap_interval."
     ).tag(config=True)
-
     kubernetes_reap_min_age = Float(
-        120.0,
-        help="""Seconds a pod must have existed before it may be deleted as the pod of an
-        ended slice (default 120), so that a pod being created is never raced.
-        """,
+        120.0, help="Deprecated: use KubernetesInventory.reap_min_age."
     ).tag(config=True)
 
     @validate(
@@ -381,53 +358,48 @@ class BrokerApp(Application):
         "lease",
         "idle_timeout",
         "body_timeout",
-        "kubernetes_report_interval",
-        "kubernetes_reap_interval",
     )
     def _check_positive(self, proposal):
         if not proposal.value > 0:
             raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
-    @validate("max_wait", "token_cache_max_age", "kubernetes_reap_min_age")
+    @validate("max_wait", "token_cache_max_age")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
             raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
         return proposal.value
 
-    async def _kubernetes(self, runner: BrokerRunner) -> KubernetesTasks | None:
-        """The Kubernetes tasks asked for (inventory and drain reports, pod cleanup), not
-        started yet; ``None`` when none is.
+    def make_inventory(self) -> Inventory:
+        """The inventory asked for, configured from this app's configuration.
 
-        Made before the server listens: importing the Kubernetes client takes about a
-        second, during which a listening server would leave requests unanswered.
+        The deprecated ``BrokerApp.kubernetes_*`` options, where set, configure a
+        :class:`~broker.kube.inventory.KubernetesInventory` (the new names win
+        over the old); with ``kubernetes_inventory`` off it only cleans up pods.
+        Raises :class:`~broker.inventory.InventoryError` when they are mixed
+        with another inventory, ``TraitError`` for a bad value.
         """
-        if not (self.kubernetes_inventory or self.kubernetes_pod_namespace):
-            return None
-        from ..kube.service import KubernetesTasks, core_api
-
-        return KubernetesTasks(
-            runner,
-            await core_api(self.kubernetes_api_url),
-            inventory=self.kubernetes_inventory,
-            node_selector=self.kubernetes_node_selector,
-            drained_label=self.kubernetes_drained_label,
-            report_interval=self.kubernetes_report_interval,
-            pod_namespace=self.kubernetes_pod_namespace,
-            reap_interval=self.kubernetes_reap_interval,
-            reap_min_age=self.kubernetes_reap_min_age,
-        )
-
-    def _log_kubernetes(self) -> None:
-        """Say which Kubernetes tasks run."""
-        if self.kubernetes_inventory:
-            log.info("nodes from Kubernetes (selector %r)", self.kubernetes_node_selector)
-        if self.kubernetes_pod_namespace:
-            log.info(
-                "deleting pods of ended slices in namespace %s every %g s",
-                self.kubernetes_pod_namespace,
-                self.kubernetes_reap_interval,
+        moved: dict[str, Any] = {}
+        for old, new in MOVED_TO_KUBERNETES.items():
+            if getattr(self, old) != self.trait_defaults(old):
+                instead = (
+                    "BrokerApp.inventory_class = 'kubernetes'"
+                    if new == "watch_nodes"
+                    else f"KubernetesInventory.{new}"
+                )
+                log.warning("BrokerApp.%s is deprecated: use %s", old, instead)
+                if new not in self.config.KubernetesInventory:
+                    moved[new] = getattr(self, old)
+        inventory_class = self.inventory_class
+        if moved and inventory_class is StaticInventory:
+            inventory_class = KubernetesInventory
+            moved.setdefault("watch_nodes", False)
+        if moved and not issubclass(inventory_class, KubernetesInventory):
+            raise InventoryError(
+                f"the BrokerApp.kubernetes_* options need the Kubernetes inventory, "
+                f"not {inventory_class.__name__}"
             )
+        return inventory_class(parent=self, **moved)
 
     @property
     def hub_managed(self) -> bool:
@@ -461,9 +433,10 @@ class BrokerApp(Application):
             return 1
         runner = BrokerRunner(broker, pass_interval=self.pass_interval)
         try:
-            kubernetes = await self._kubernetes(runner)
-        except Exception as err:  # the extra not installed, no kubeconfig nor service account
-            log.error("cannot set up the Kubernetes client: %s", err)
+            inventory = self.make_inventory()
+            await inventory.setup(runner)
+        except (InventoryError, TraitError) as err:
+            log.error("inventory: %s", err)
             await runner.stop()
             return 2
         authenticator = self._authenticator(runner, config.admins)
@@ -480,8 +453,7 @@ class BrokerApp(Application):
             server.listen(self.port, address=self.ip)
         except OSError as err:
             log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
-            if kubernetes is not None:
-                await kubernetes.stop()
+            await inventory.stop()
             await runner.stop()
             authenticator.close()
             return 1
@@ -491,16 +463,15 @@ class BrokerApp(Application):
         gc.collect()
         gc.freeze()
         runner.start()
-        if kubernetes is not None:
-            kubernetes.start()
-            self._log_kubernetes()
+        inventory.start()
         log.info(
-            "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, database %s, auth %s)",
+            "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, %s, database %s, auth %s)",
             __version__,
             self.ip,
             self.port,
             self.base_url,
             config.source,
+            inventory.describe(),
             database,
             authenticator.describe(),
         )
@@ -515,8 +486,7 @@ class BrokerApp(Application):
         with contextlib.suppress(TimeoutError):  # requests in flight finish
             await asyncio.wait_for(app.settings["in_flight"].idle(), STOP_TIMEOUT_S)
         await server.close_all_connections()
-        if kubernetes is not None:
-            await kubernetes.stop()
+        await inventory.stop()
         await runner.stop()
         authenticator.close()
         return 0
