@@ -6,6 +6,7 @@ from typing import Any
 
 from ... import __version__
 from ..auth import Identity
+from ..openapi import build_document
 from .base import APIHandler, Operation, Param
 from .common import acting_identity
 
@@ -91,8 +92,6 @@ class OpenAPIHandler(APIHandler):
     }
 
     async def get(self) -> None:
-        from ..openapi import build_document
-
         document = self.settings.get("openapi_document")
         if document is None:
             document = build_document(self.settings["api_handlers"], self.settings["api_prefix"])

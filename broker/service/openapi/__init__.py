@@ -7,22 +7,25 @@ request body, responses and security, and the component schemas are those of
 
 ``python -m broker.service.openapi`` prints the document as JSON;
 ``python -m broker.service.openapi --markdown`` prints the API reference
-(``docs/api.md``).
+(``docs/api.md``). That command lives in :mod:`.__main__`, the only place that
+imports the application and the handler list: the handlers import this module,
+so it imports none of them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from .apihandlers.base import Operation
-from .auth import ADMIN_SCOPE, AGENT_SCOPE
-from .schema import COMPONENTS, DURATION_PATTERN, REF_PREFIX, ref
+from traitlets.config import Configurable
+
+from ... import __version__
+from ..auth import ADMIN_SCOPE, AGENT_SCOPE
+from ..schema import COMPONENTS, DURATION_PATTERN, REF_PREFIX, ref
+
+if TYPE_CHECKING:  # only for annotations: the handlers import this module
+    from ..apihandlers.base import Operation
 
 TITLE = "slicebroker API"
 API_PREFIX = "/api/v1"
@@ -235,8 +238,9 @@ def _error_response(description: str) -> dict[str, Any]:
 # ---- markdown -----------------------------------------------------------------------
 
 
-def markdown(document: Mapping[str, Any]) -> str:
-    """The API reference, for ``docs/api.md``."""
+def markdown(document: Mapping[str, Any], options: type[Configurable] | None = None) -> str:
+    """The API reference, for ``docs/api.md``; with ``options`` (the service's
+    application class), a table of its options at the end."""
     lines = [
         f"# {document['info']['title']} (v1)",
         "",
@@ -266,14 +270,14 @@ def markdown(document: Mapping[str, Any]) -> str:
     lines += ["", "## Schemas"]
     for name, schema in document["components"]["schemas"].items():
         lines += _markdown_schema(name, schema)
-    lines += _markdown_options()
+    if options is not None:
+        lines += _markdown_options(options)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _markdown_options() -> list[str]:
-    """The service's options, from :class:`~broker.service.app.BrokerApp`'s traitlets."""
-    from .app import BrokerApp
-
+def _markdown_options(app_class: type[Configurable]) -> list[str]:
+    """The service's options, from the traitlets of ``app_class``
+    (:class:`~broker.service.app.BrokerApp`)."""
     lines = [
         "",
         "## Service options",
@@ -286,7 +290,7 @@ def _markdown_options() -> list[str]:
         "| Option | Type | Description |",
         "|---|---|---|",
     ]
-    traits = BrokerApp.class_own_traits(config=True)
+    traits = app_class.class_own_traits(config=True)
     for name in sorted(traits):
         trait = traits[name]
         text = " ".join(filter(None, (line.strip() for line in trait.help.splitlines())))
@@ -368,26 +372,3 @@ def _type(schema: Mapping[str, Any]) -> str:
     if schema.get("nullable"):
         text += " or null"
     return text
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m broker.service.openapi",
-        description="Print the broker's OpenAPI document (JSON), or the API reference.",
-    )
-    parser.add_argument(
-        "--markdown", action="store_true", help="print the Markdown reference (docs/api.md)"
-    )
-    args = parser.parse_args(argv)
-    from .apihandlers import default_handlers
-
-    document = build_document(default_handlers)
-    if args.markdown:
-        sys.stdout.write(markdown(document))
-    else:
-        sys.stdout.write(json.dumps(document, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
