@@ -7,6 +7,7 @@ as everywhere in the broker.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections.abc import Iterator
@@ -40,7 +41,8 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: The command that brings a database up to date; named in every schema error.
 UPGRADE_COMMAND = "slicebroker upgrade-db"
 
-#: SQLite waits this long for another writer before failing with "database is locked".
+#: SQLite waits this long for another writer before failing with "database is locked",
+#: unless :func:`make_engine` is given a ``timeout``.
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 #: Key of the PostgreSQL advisory lock serialising the broker's writers.
@@ -316,7 +318,7 @@ def scratch_database(prefix: str, admin_url: str = SCRATCH_POSTGRES_URL) -> Iter
         admin.dispose()
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Engine:
     """An engine for ``url`` set up for the broker.
 
     SQLite: WAL (readers do not block the writer), foreign keys on, a busy
@@ -325,12 +327,28 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     processes can then never both read free GPUs and both grant them.
     Connections carrying :data:`READ_ONLY_OPTION` begin deferred instead.
     PostgreSQL: psycopg 3, connections checked before use.
+
+    ``timeout`` (seconds) bounds how long one statement may wait for the
+    database: SQLite's busy timeout (default :data:`SQLITE_BUSY_TIMEOUT_S`);
+    on PostgreSQL the connect timeout and ``statement_timeout`` (default: none),
+    which also bounds waits for locks. A statement past it fails with
+    ``OperationalError``, which the API answers 503.
     """
     url = normalize_url(url)
     if make_url(url).get_backend_name() != "sqlite":
+        if timeout is not None:
+            # libpq counts whole seconds (at least 2); the server cancels a statement
+            # past statement_timeout, lock waits included.
+            connect_args = {
+                "connect_timeout": max(2, math.ceil(timeout)),
+                "options": f"-c statement_timeout={max(1, round(timeout * 1000))}",
+                **kwargs.pop("connect_args", {}),
+            }
+            kwargs["connect_args"] = connect_args
         return create_engine(url, pool_pre_ping=True, **kwargs)
 
-    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_S, **kwargs.pop("connect_args", {})}
+    busy_timeout = SQLITE_BUSY_TIMEOUT_S if timeout is None else timeout
+    connect_args = {"timeout": busy_timeout, **kwargs.pop("connect_args", {})}
     engine = create_engine(url, connect_args=connect_args, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -340,7 +358,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -405,6 +423,9 @@ def migrate(engine: Engine, revision: str = "head") -> None:
 
     with engine.begin() as connection:
         take_write_lock(connection)
+        if connection.dialect.name == "postgresql":
+            # A migration may rewrite a large table: no statement timeout for it.
+            connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         command.upgrade(_alembic_config(connection), revision)
 
 

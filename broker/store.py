@@ -92,7 +92,8 @@ class Broker:
     database is always initialised). ``grant_at_once``: a submission that
     finds nothing else waiting runs the pass in its own transaction, so it is
     answered granted when it fits (the service; tests drive passes by hand).
-    ``usual_gap``: see :meth:`run_pass_and_list`.
+    ``usual_gap``: see :meth:`run_pass_and_list`. ``db_timeout``: how long (seconds)
+    one statement may wait for the database (see :func:`~broker.orm.make_engine`).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class Broker:
         upgrade: bool = False,
         grant_at_once: bool = False,
         usual_gap: float | None = None,
+        db_timeout: float | None = None,
     ):
         self.config = config
         self._clock = clock
@@ -115,7 +117,7 @@ class Broker:
         self.usual_gap = usual_gap
         # Passes run by submissions (grant_at_once): decisions, live slices, seconds.
         self._side_passes: list[tuple[Decisions, list[dict[str, Any]], float]] = []
-        self._engine = make_engine(url)
+        self._engine = make_engine(url, timeout=db_timeout)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
         self._not_durable = sessionmaker(
