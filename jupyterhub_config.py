@@ -1,4 +1,4 @@
-"""The embedded default (SPEC §9): ``jupyterhub -f jupyterhub_config.py`` on one machine.
+"""The embedded default (design.md §9): ``jupyterhub -f jupyterhub_config.py`` on one machine.
 
 It starts, besides the hub and its proxy:
 

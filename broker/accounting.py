@@ -1,4 +1,4 @@
-"""GPU-time accounting (SPEC §3–§4): charges, fair-share usage and usage reports.
+"""GPU-time accounting (design.md §3–§4): charges, fair-share usage and usage reports.
 
 Pure functions over ledger intervals; nothing here reads a clock or a database.
 All amounts are *weighted* GPU-seconds: GPUs held × the GPU type's weight ×
@@ -97,7 +97,7 @@ def usage_by_project(
     window: float,
     half_life: float | None = None,
 ) -> dict[str, float]:
-    """Each project's usage at ``now`` (SPEC §4).
+    """Each project's usage at ``now`` (design.md §4).
 
     ``entries`` are closed ledger intervals; ``running`` are intervals still
     open, whatever their ``end`` says: they count up to ``now``.
@@ -134,7 +134,7 @@ def ledger_entry(
     """The charge for ``slice_``'s held interval from its grant to ``until``.
 
     ``None`` when nothing is owed: the slice is unallocated (``min_runtime == 0``
-    is free, SPEC §3) or holds no GPUs.
+    is free, design.md §3) or holds no GPUs.
     """
     if not slice_.allocated or slice_.granted_at is None or not slice_.placements:
         return None

@@ -1,4 +1,5 @@
-"""An async client of the broker's HTTP API (SPEC §8): for the CLI, the batch runner, the spawner.
+"""An async client of the broker's HTTP API (design.md §8): for the CLI, the batch
+runner, the spawner.
 
 One method per route, each returning the parsed JSON answer. It runs on
 tornado's :class:`~tornado.httpclient.AsyncHTTPClient`, so it never blocks the

@@ -1,4 +1,4 @@
-"""The cluster configuration file (SPEC §2–§6): GPU types, nodes, the project tree, policy.
+"""The cluster configuration file (design.md §2–§6): GPU types, nodes, the project tree, policy.
 
 The file is TOML, read with the standard library. :func:`load_config` reads a
 file and :func:`parse_config` checks an already-parsed mapping; both answer with
@@ -105,7 +105,7 @@ class Members:
 
 @dataclass(frozen=True, slots=True)
 class KindDefaults:
-    """The contract a slice of one kind gets when its request leaves a term out (SPEC §3)."""
+    """The contract a slice of one kind gets when its request leaves a term out (design.md §3)."""
 
     min_runtime: float
     resumable: bool

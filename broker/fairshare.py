@@ -1,4 +1,4 @@
-"""Hierarchical fair share (SPEC §4): entitlements and the top-down project order.
+"""Hierarchical fair share (design.md §4): entitlements and the top-down project order.
 
 At each level of the project tree, siblings are ranked by
 ``usage_in_window / entitlement`` of their whole subtree, lower first, ties by

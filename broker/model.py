@@ -1,4 +1,4 @@
-"""The scheduler's vocabulary (SPEC §2–§3): nodes, accounts, slices, contracts, policy.
+"""The scheduler's vocabulary (design.md §2–§3): nodes, accounts, slices, contracts, policy.
 
 These are plain immutable values. The scheduling pass reads them from a
 :class:`Snapshot` and answers with :class:`Decisions`; it never changes them.
@@ -17,7 +17,7 @@ DAY = 24 * HOUR
 
 
 class NodeState(enum.StrEnum):
-    """Lifecycle of a node (SPEC §6)."""
+    """Lifecycle of a node (design.md §6)."""
 
     READY = "ready"
     DRAINING = "draining"  # no new grants; slices leave as their contracts end
@@ -47,7 +47,8 @@ class EndReason(enum.StrEnum):
 
 
 class PreemptReason(enum.StrEnum):
-    """Why a running slice was asked to leave; each names the rule of SPEC §5/§6 that chose it."""
+    """Why a running slice was asked to leave; each names the rule that chose it
+    (design.md §5, §6)."""
 
     UNALLOCATED = "unallocated"  # a free slice gave way to an allocated request
     FAIR_SHARE = "fair_share"  # a higher-ranked project needed the GPUs
@@ -77,7 +78,7 @@ class Account:
 
 @dataclass(frozen=True, slots=True)
 class Contract:
-    """What a slice promises and is promised (SPEC §3).
+    """What a slice promises and is promised (design.md §3).
 
     ``min_runtime`` seconds of protection after the grant; 0 makes the slice
     *unallocated*: free and preemptible at any time. ``max_runtime`` is a hard end.
@@ -168,7 +169,7 @@ class Policy:
     max_reservations: int = 8
     project_gpu_caps: Mapping[str, int] = field(default_factory=dict)
     # Free GPUs kept for debug sessions: other work is not placed on free GPUs
-    # when that would leave fewer free (SPEC §1: a debug GPU in seconds).
+    # when that would leave fewer free (design.md §1: a debug GPU in seconds).
     debug_headroom: int = 0
     # A preempted job's next protected period is this many times its last, up to
     # max_min_runtime (1: as before), so the same job is not taken again and again.
@@ -227,7 +228,7 @@ class Reservation:
     """GPUs kept for a pending slice.
 
     ``promised`` reservations follow a preemption and hold until granted;
-    the others are backfill reservations (SPEC §5.6), recomputed every pass,
+    the others are backfill reservations (design.md §5.6), recomputed every pass,
     ``due_at`` being when the GPUs are expected to be free.
     """
 
@@ -245,7 +246,7 @@ class NodeChange:
 
 
 class QueueEntry(NamedTuple):
-    """Where a pending slice stands, as shown to its user (SPEC §4).
+    """Where a pending slice stands, as shown to its user (design.md §4).
 
     A named tuple, not a dataclass: a pass makes one per pending slice, and a
     named tuple is made in less than half the time of a frozen dataclass.

@@ -36,7 +36,7 @@ def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> di
 
 
 def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> list[Slice]:
-    """Pending slices in queue order (SPEC §4):
+    """Pending slices in queue order (design.md §5.1):
 
     1. allocated before unallocated (unallocated work only backfills),
     2. the project's fair-share rank,
@@ -54,10 +54,10 @@ def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> li
 
 
 def victim_key(slice_: Slice, project_value: float) -> tuple:
-    """Least harm first (SPEC §5.3): which running slices to preempt before others.
+    """Least harm first (design.md §5.3): which running slices to preempt before others.
 
     1. unallocated slices (they were free and knew it),
-    2. the most over-served project (highest usage / entitlement),
+    2. the project furthest above its fair share now (highest standing, design.md §4),
     3. the fewest GPUs,
     4. the least work lost (most recently granted),
     5. slice id.

@@ -1,4 +1,4 @@
-"""The scheduling pass (SPEC §5): a pure function from a snapshot to decisions.
+"""The scheduling pass (design.md §5): a pure function from a snapshot to decisions.
 
 It reads nothing but its :class:`~broker.model.Snapshot` — no database, no
 network, no wall clock for decisions — so the service, the simulator and the

@@ -1,4 +1,4 @@
-"""What a pass's decisions do to the slices: the state machine of SPEC §3–§6, on values.
+"""What a pass's decisions do to the slices: the state machine of design.md §3–§6, on values.
 
 :func:`requeued`, :func:`preempting` and :func:`granted` say which fields each
 transition changes, for everyone: the pass (a slice it requeues may be granted

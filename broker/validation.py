@@ -1,4 +1,4 @@
-"""Checks on a slice request before it enters the queue (SPEC §2–§3).
+"""Checks on a slice request before it enters the queue (design.md §2–§3).
 
 A request that can never be granted — wrong types, a contract over the
 policy's caps, a project nobody can charge, more GPUs than the cluster has of

@@ -1,4 +1,4 @@
-"""When an idle GPU session is stopped (SPEC §3 idleness, §7): the rule, as pure functions.
+"""When an idle GPU session is stopped (design.md §3 idleness, §7): the rule, as pure functions.
 
 An idle session costs its project and may keep others waiting. The rule keeps
 the contract the user chose on the form:

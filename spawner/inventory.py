@@ -1,4 +1,4 @@
-"""This machine's GPUs as broker nodes, found with ``nvidia-smi`` (SPEC §9, embedded default).
+"""This machine's GPUs as broker nodes, found with ``nvidia-smi`` (design.md §9, embedded default).
 
 ``nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader`` prints
 one line per GPU::

@@ -1,4 +1,4 @@
-"""The Kubernetes backend: notebook servers as pods on the granted node (SPEC §7, §9).
+"""The Kubernetes backend: notebook servers as pods on the granted node (design.md §7, §9).
 
 :class:`KubeSliceBrokerSpawner` is KubeSpawner (as in zero-to-jupyterhub)
 behind :class:`~spawner.mixin.SliceBrokerMixin`: it gets a slice first, then

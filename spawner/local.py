@@ -1,4 +1,4 @@
-"""The local-process backend: notebook servers as processes on this machine (SPEC §9).
+"""The local-process backend: notebook servers as processes on this machine (design.md §9).
 
 :class:`SliceBrokerSpawner` (entry point ``slicebroker``) runs each server as
 its user's system account, like JupyterHub's ``LocalProcessSpawner``;

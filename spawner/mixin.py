@@ -1,4 +1,4 @@
-"""The broker half of the spawner: a GPU slice first, then the server (SPEC §7).
+"""The broker half of the spawner: a GPU slice first, then the server (design.md §7).
 
 :class:`SliceBrokerMixin` goes in front of any JupyterHub spawner (the local
 process spawner in :mod:`spawner.local`; a Kubernetes spawner later)::

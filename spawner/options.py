@@ -1,4 +1,4 @@
-"""What a user may ask for (SPEC §7): the options form, and user options turned into a request.
+"""What a user may ask for (design.md §7): the options form, and user options turned into a request.
 
 Everything here is pure: it takes what the broker said (``GET /projects``,
 ``GET /nodes``) and what the hub admin offers (:class:`Choices`) and returns

@@ -1,4 +1,4 @@
-"""End to end: culling keeps its word, on a real hub (SPEC §3 idleness, §7).
+"""End to end: culling keeps its word, on a real hub (design.md §3 idleness, §7).
 
 The spawner checks its session every half second against short limits: a
 protected session idle for 3 s is stopped only while a waiting request could

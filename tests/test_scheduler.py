@@ -1,4 +1,4 @@
-"""Each rule of SPEC §4–§6 on small hand-built clusters."""
+"""Each rule of design.md §4–§6 on small hand-built clusters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workloads: the Helios loader, the generic CSV format and the SPEC §1 generator."""
+"""Workloads: the Helios loader, the generic CSV format and the design.md §1 generator."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Time of one scheduling pass on a large synthetic cluster (SPEC §5)."""
+"""Time of one scheduling pass on a large synthetic cluster (design.md §5)."""
 
 from __future__ import annotations
 

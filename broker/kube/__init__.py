@@ -1,4 +1,4 @@
-"""The cluster as Kubernetes shows it (SPEC §6, §9): GPU inventory and drain reports.
+"""The cluster as Kubernetes shows it (design.md §6, §9): GPU inventory and drain reports.
 
 - :mod:`broker.kube.inventory`: node objects -> broker :class:`~broker.model.Node`
   values (a pure mapping), and :class:`~broker.kube.inventory.InventoryWatcher`,

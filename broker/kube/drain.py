@@ -1,4 +1,4 @@
-"""Tell repair automation that a node is drained, on the Kubernetes node itself (SPEC §6).
+"""Tell repair automation that a node is drained, on the Kubernetes node itself (design.md §6).
 
 A cordoned (or tainted, or admin-drained) node receives no new slices; its
 slices leave as their contracts end, and once it is empty the broker records

@@ -1,4 +1,4 @@
-"""GPU inventory from the Kubernetes nodes (SPEC §6, §9).
+"""GPU inventory from the Kubernetes nodes (design.md §6, §9).
 
 :func:`nodes_from_kube` maps one node object (the API's JSON) to broker
 :class:`~broker.model.Node` values — a pure function, tested on tables:

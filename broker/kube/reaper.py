@@ -1,4 +1,4 @@
-"""Clean up notebook pods whose slice is over (SPEC §7: no GPU stays held by a dead session).
+"""Clean up notebook pods whose slice is over (design.md §7: no GPU stays held by a dead session).
 
 The spawner stops a pod when its slice ends; this is the safety net for when it
 cannot (the hub was down, its state was lost, a stop failed): :class:`PodReaper`

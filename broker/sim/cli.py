@@ -63,14 +63,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "workload",
         choices=("helios", "generate", "csv"),
-        help="helios: the Helios trace; generate: the conditions of SPEC §1; "
+        help="helios: the Helios trace; generate: the conditions of design.md §1; "
         "csv: a trace in the generic CSV format",
     )
     parser.add_argument(
         "--trace",
         metavar="PATH",
-        help=f"the trace file (helios: default {DEFAULT_HELIOS}, relative to the current "
-        "directory; csv: required)",
+        help="the trace file (helios: the Helios trace as CSV, see docs/simulator.md; "
+        "csv: required)",
     )
     parser.add_argument("--tree", metavar="PATH", help="csv: project tree (name,share,parent)")
     parser.add_argument(
@@ -84,7 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_LOAD,
         help="size the cluster so that the jobs ask this many times its GPU-time "
-        f"(default {DEFAULT_LOAD}: demand 2-3x capacity, SPEC §1)",
+        f"(default {DEFAULT_LOAD}: demand 2-3x capacity, design.md §1)",
     )
     size.add_argument("--nodes", type=int, help="a cluster of this many nodes instead")
     size.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -149,7 +149,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="hours at the start left out of the figures, the cluster starting empty "
         "(default: 24, or a tenth of the run if shorter)",
     )
-    sim.add_argument("--check", action="store_true", help="assert SPEC §5 invariants each pass")
+    sim.add_argument(
+        "--check", action="store_true", help="assert design.md §5 invariants each pass"
+    )
     sim.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel")
     out = parser.add_argument_group("output")
     out.add_argument("--report", metavar="DIR", help="write JSON, Markdown and PNG plots here")

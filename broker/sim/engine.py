@@ -95,7 +95,7 @@ class SimConfig:
     nothing (the tests' hand-computed cases); the command line charges
     5 min and 30 min.
     ``resubmit``: users start preempted non-resumable work again.
-    ``check``: assert the invariants of SPEC §5 after every pass (slow).
+    ``check``: assert the invariants of design.md §5 after every pass (slow).
     ``until``: the end of the run (default: the workload's). ``warmup``: the
     start of the measured period — the cluster starts empty, so its first
     hours say little about a loaded cluster. ``history``: keep a log of what
@@ -140,7 +140,7 @@ class Result:
 
 
 class InvariantBroken(AssertionError):
-    """A pass broke an invariant of SPEC §5 (only raised with ``SimConfig.check``)."""
+    """A pass broke an invariant of design.md §5 (only raised with ``SimConfig.check``)."""
 
 
 class Simulation:
@@ -587,7 +587,7 @@ def checkpoint_phase(seed: int, job_id: int, interval: float) -> float:
 
 
 def check_decisions(snapshot: Snapshot, decisions: Decisions) -> None:
-    """SPEC §5's invariants for one pass: after it, a GPU is held or promised by
+    """design.md §5's invariants for one pass: after it, a GPU is held or promised by
     at most one slice, grants are on ``ready`` nodes, and no protected slice is
     preempted."""
     live = {s.id: s for s in snapshot.slices}

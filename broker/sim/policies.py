@@ -12,7 +12,7 @@ preemption — not in how a slice is packed onto a node:
 
 - ``fifo``: first come, first served; the head of the queue waits for room and
   everyone waits behind it. No preemption.
-- ``priority``: the system SPEC §1 replaces. Strict priority (then submit
+- ``priority``: the system design.md §1 replaces. Strict priority (then submit
   time), greedy: whatever fits starts, the rest is skipped. Non-preemptible
   per-project concurrency quotas. Users set priorities freely, so they are
   inflated (the workloads put most work at the top).
@@ -59,7 +59,7 @@ class Scheduler(Protocol):
 
 
 class FairShare:
-    """Ours: the real pass (SPEC §4–§6), with the project tree built once."""
+    """Ours: the real pass (design.md §4–§6), with the project tree built once."""
 
     name = "fairshare"
 
@@ -168,7 +168,7 @@ class Fifo:
 
 
 class StrictPriority:
-    """Strict priority with non-preemptible per-project concurrency quotas (SPEC §1).
+    """Strict priority with non-preemptible per-project concurrency quotas (design.md §1).
 
     Order: priority (higher first), submit time, slice id. Each pending slice
     starts if it fits and its project stays within its quota — ``entitlement

@@ -74,7 +74,7 @@ class _Decayed:
 
 
 class UsageTracker:
-    """Each project's usage at any ``now`` (SPEC §4), from grants and ledger entries.
+    """Each project's usage at any ``now`` (design.md §4), from grants and ledger entries.
 
     Call :meth:`open` when an allocated slice is granted and :meth:`close`
     with its ledger entry when it stops holding GPUs; times never go back.

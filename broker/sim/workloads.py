@@ -3,11 +3,11 @@
 A :class:`Workload` is plain data — jobs, nodes, a project tree and node
 events — so that every policy runs on exactly the same input. Three sources:
 
-- :func:`load_helios`: the Helios trace (``../shared/traces/helios_15k.csv``),
+- :func:`load_helios`: the Helios trace (pass ``--trace PATH``),
   whose users are mapped to a synthetic project tree and whose short small
   jobs are marked as debug sessions (rules in :func:`classify`);
 - :func:`load_csv`: the generic CSV format of ``docs/simulator.md``;
-- :func:`generate`: the conditions of SPEC §1 (about 150 users, demand above
+- :func:`generate`: the conditions of design.md §1 (about 150 users, demand above
   capacity, debug sessions with short contracts, squatters, a node that breaks).
 
 Every random choice draws from a ``random.Random`` seeded for one purpose
@@ -30,9 +30,9 @@ from ..model import HOUR, Account, Node, NodeState, Policy, SliceKind
 MIN = 60.0
 DAY = 24 * HOUR
 DEFAULT_HELIOS = "../shared/traces/helios_15k.csv"
-DEFAULT_LOAD = 2.5  # demand 2-3x capacity (SPEC §1)
+DEFAULT_LOAD = 2.5  # demand 2-3x capacity (design.md §1)
 
-# Protected periods users pick from (SPEC §7: 15 min debug, 1 h, 2 h, 4 h, 8 h).
+# Protected periods users pick from (design.md §7: 15 min debug, 1 h, 2 h, 4 h, 8 h).
 CONTRACT_CHOICES = (15 * MIN, HOUR, 2 * HOUR, 4 * HOUR, 8 * HOUR)
 
 
@@ -427,7 +427,7 @@ def write_csv(jobs: Iterable[Job], path: str | Path) -> None:
             )
 
 
-# ---- the generator (SPEC §1) -----------------------------------------------------------
+# ---- the generator (design.md §1) -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -496,7 +496,7 @@ def _arrival_times(r: random.Random, count: int, span: float) -> list[float]:
 
 
 def generate(config: GeneratorConfig = GeneratorConfig(), seed: int = 1) -> Workload:
-    """A workload with the conditions of SPEC §1 (see :class:`GeneratorConfig`)."""
+    """A workload with the conditions of design.md §1 (see :class:`GeneratorConfig`)."""
     span = config.days * DAY
     accounts = project_tree(config.projects, config.programs)
     leaves = ProjectTree(accounts).projects

@@ -1,4 +1,4 @@
-"""Nodes: the inventory and its states; admins drain, undrain and down them (SPEC §6)."""
+"""Nodes: the inventory and its states; admins drain, undrain and down them (design.md §6)."""
 
 from __future__ import annotations
 

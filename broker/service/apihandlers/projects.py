@@ -1,4 +1,4 @@
-"""Projects: the fair-share tree, usage reports, and admin changes (SPEC §4, §8)."""
+"""Projects: the fair-share tree, usage reports, and admin changes (design.md §4, §8)."""
 
 from __future__ import annotations
 

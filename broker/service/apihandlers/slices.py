@@ -1,4 +1,4 @@
-"""Slices: request GPUs, watch the queue, heartbeat, release (SPEC §7–§8).
+"""Slices: request GPUs, watch the queue, heartbeat, release (design.md §7–§8).
 
 Users see, heartbeat and release only their own slices; another user's slice
 answers 404, exactly like a slice that does not exist, so ids reveal nothing.
@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from ...config import parse_duration
 from ...errors import Forbidden, InvalidRequest, NotFound
 from ...model import SliceState
-from ..runner import SliceKey, slice_key
+from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
 from .common import acting_identity, owner_filter
@@ -194,7 +196,18 @@ class SliceHandler(_OwnedSliceHandler):
         slice_id = self.slice_id(id)
         params = self.params()
         generation = self.runner.watchers.generation
-        current = await self.owned(self.broker.get_slice, slice_id)
+        try:
+            current = await self.owned(self.broker.get_slice, slice_id)
+        except (DatabaseTimeout, OperationalError):
+            # The database does not answer: a live slice is as the last pass left it.
+            remembered = self.runner.remembered(slice_id)
+            if remembered is None or not (
+                self.identity.acts_for_others or remembered["user"] == self.identity.name
+            ):
+                raise
+            self.set_header("Slicebroker-Stale", "true")
+            self.write_json(remembered)
+            return
         wait = min(params.get("wait", 0.0), self.settings["max_wait"])
         if wait > 0:
             current = await self._wait(slice_id, current, generation, wait, params.get("state"))
