@@ -19,7 +19,16 @@ The scheduling loop (:meth:`BrokerRunner.run_forever`) runs a pass
    processes may share the database).
 
 After every pass, long-poll waiters (:class:`SliceWatchers`) hear which slices
-changed. Nothing here is needed to recover from a crash: the database is the
+changed, and the runner keeps the pass's list of live slices
+(:meth:`BrokerRunner.remembered`), so that a read can still be answered
+when the database does not answer in time.
+
+With ``db_timeout`` set, no request waits for the database thread longer than
+``db_timeout`` plus :data:`DB_TIMEOUT_SLACK_S`: it is answered 503
+(:class:`DatabaseTimeout`) instead, even when the database hangs without
+failing the statement; database work still queued by then is dropped.
+
+Nothing here is needed to recover from a crash: the database is the
 truth, and a restarted service carries on from it; its first pass extends the
 live leases by the time it was away (``Broker.run_pass_and_list``).
 """
@@ -37,6 +46,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import OperationalError
 
+from ..errors import BrokerError
 from ..model import Decisions
 from ..store import Broker
 from .metrics import BrokerMetrics
@@ -57,6 +67,9 @@ DEADLINE_SLACK_S = 0.01
 PASS_GAP_S = 0.05
 #: Passes further apart than this many pass intervals mean the broker was away.
 USUAL_GAP_PASSES = 3
+#: How much longer than ``db_timeout`` a request waits for the database thread: the
+#: database's own timeout, when it has one, then fails the statement first.
+DB_TIMEOUT_SLACK_S = 1.0
 #: Keys of a slice that are deadlines at which a pass may have something to do.
 DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
@@ -139,11 +152,20 @@ class SliceWatchers:
                     future.set_result(key)
 
 
+class DatabaseTimeout(BrokerError):
+    """The database did not answer within the service's ``db_timeout``."""
+
+    status = 503
+    code = "database_unavailable"
+
+
 class BrokerRunner:
     """Runs ``broker`` on one worker thread and keeps the schedule going.
 
     ``pass_interval`` (seconds) is the longest time between passes; ``pass_gap``
-    (seconds) the shortest between the starts of two passes.
+    (seconds) the shortest between the starts of two passes. ``db_timeout``
+    (seconds, ``None``: unbounded) bounds how long a request waits for the
+    database thread (see the module's docstring).
     """
 
     def __init__(
@@ -153,12 +175,16 @@ class BrokerRunner:
         pass_interval: float = 5.0,
         pass_gap: float = PASS_GAP_S,
         metrics: BrokerMetrics | None = None,
+        db_timeout: float | None = None,
     ):
         self.broker = broker
         self.pass_interval = pass_interval
         # Passes further apart than this mean nobody could heartbeat meanwhile.
         broker.usual_gap = USUAL_GAP_PASSES * pass_interval
         self.pass_gap = pass_gap
+        self.db_timeout = db_timeout
+        # The live slices as the last pass (or a later change) left them, by id.
+        self._live: dict[int, dict[str, Any]] = {}
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
@@ -172,9 +198,41 @@ class BrokerRunner:
     # ---- database work ------------------------------------------------------------
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on the database thread."""
+        """``fn(*args, **kwargs)`` on the database thread, within ``db_timeout`` and
+        its slack, else :class:`DatabaseTimeout`."""
+        bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
+        return await self.run_within(bound, fn, *args, **kwargs)
+
+    async def run_within(
+        self, seconds: float | None, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """``fn(*args, **kwargs)`` on the database thread; :class:`DatabaseTimeout`
+        unless it is done within ``seconds`` (``None``: no bound).
+
+        On time-out a call still queued never runs; one already running finishes
+        on the thread, and its answer is dropped.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        future = loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        if seconds is None:
+            return await future
+        try:
+            return await asyncio.wait_for(future, seconds)
+        except TimeoutError:
+            raise DatabaseTimeout(
+                f"the database did not answer within {seconds:g} s; try again shortly"
+            ) from None
+
+    def remembered(self, slice_id: int) -> dict[str, Any] | None:
+        """Slice ``slice_id`` as the last pass or change left it, if it was live then:
+        what a read answers when the database does not."""
+        return self._live.get(slice_id)
+
+    def _remember(self, slice_: Mapping[str, Any]) -> None:
+        if slice_.get("state") in ("pending", "granted", "preempting"):
+            self._live[slice_["id"]] = dict(slice_)
+        else:
+            self._live.pop(slice_.get("id"), None)
 
     async def read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, which must only read, off the event loop.
@@ -210,6 +268,7 @@ class BrokerRunner:
         self._between_passes.clear()
         self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
+            self._remember(slice_)
             self.watchers.publish({slice_["id"]: slice_key(slice_)}, complete=False)
         return slice_
 
@@ -268,7 +327,7 @@ class BrokerRunner:
         except Exception as err:
             self.metrics.pass_failures.inc()
             self.next_wake = None
-            if isinstance(err, OperationalError):  # an outage, not a bug: one line
+            if isinstance(err, OperationalError | DatabaseTimeout):  # an outage: one line
                 reason = str(err).splitlines()[0]
                 log.error("scheduling pass failed: database unavailable (%s); next try in %g s",
                           reason, self.pass_interval)  # fmt: skip
@@ -279,6 +338,7 @@ class BrokerRunner:
         self._between_passes.clear()
         seconds = time.perf_counter() - started
         by_id = {s["id"]: s for s in live}
+        self._live = by_id
         self.metrics.record_pass(decisions, by_id, seconds)
         self.next_wake = next_deadline(live, time.time())
         self.watchers.publish({i: slice_key(s) for i, s in by_id.items()}, complete=True)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from sqlalchemy.exc import OperationalError
+
 from ..metrics import CONTENT_TYPE, BrokerMetrics
-from .base import APIHandler, Operation
+from ..runner import DatabaseTimeout
+from .base import APIHandler, Operation, log
+
+#: How long a scrape waits for the database before it answers with the gauges of the
+#: last scrape (a hung database must not fail the scrape that would show it).
+DB_WAIT_S = 2.0
 
 
 def _describe_metrics() -> str:
@@ -21,7 +28,8 @@ class MetricsHandler(APIHandler):
             "Get Prometheus metrics",
             "The text exposition format. Needs a token unless the broker runs with "
             "`authenticate_metrics` off. Gauges describe the present (read from the "
-            "database at each scrape); counters and histograms count since this "
+            "database at each scrape, or as the last scrape left them when the database "
+            f"does not answer within {DB_WAIT_S:g} s); counters and histograms count since this "
             "process started.\n\n" + _describe_metrics(),
             auth="metrics",
             content={"text/plain": None},
@@ -34,9 +42,13 @@ class MetricsHandler(APIHandler):
         def read():
             return broker.nodes(), broker.projects(), broker.list_slices(state="pending")
 
-        nodes, projects, pending = await self.runner.read(read)
         metrics = self.runner.metrics
-        metrics.set_state(nodes, projects, pending)
+        try:
+            nodes, projects, pending = await self.runner.run_within(DB_WAIT_S, read)
+        except (DatabaseTimeout, OperationalError) as err:
+            log.warning("metrics: gauges as last scraped (%s)", str(err).splitlines()[0])
+        else:
+            metrics.set_state(nodes, projects, pending)
         metrics.long_polls.set(len(self.runner.watchers))
         self.set_header("Content-Type", CONTENT_TYPE)
         self.finish(metrics.exposition())
