@@ -112,7 +112,7 @@ class Base(DeclarativeBase):
 
 
 class AccountRow(Base):
-    """An account of the project tree (SPEC §2); leaves are projects."""
+    """An account of the project tree (design.md §2); leaves are projects."""
 
     __tablename__ = "accounts"
 
@@ -146,7 +146,7 @@ class GpuTypeRow(Base):
 
 
 class NodeRow(Base):
-    """A node and its admin- or scheduler-set state (SPEC §6).
+    """A node and its admin- or scheduler-set state (design.md §6).
 
     ``in_config`` is false for a node that left the configuration file: it is
     kept (down) so that history and running slices still resolve.

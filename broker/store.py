@@ -438,7 +438,7 @@ class Broker:
             return _slice_dict(row, now, _Costs.load(session))
 
     def get_slice(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
-        """The slice, as SPEC §8 shows it; :class:`Forbidden` if ``user`` does not own it."""
+        """The slice, as design.md §8 shows it; :class:`Forbidden` if ``user`` does not own it."""
         with self._read() as session:
             row = _owned_row(session, slice_id, user, admin)
             return _slice_dict(row, self._clock(), _Costs.load(session))
@@ -861,7 +861,7 @@ class Broker:
             row = _live(rows, grant.slice_id, (SliceState.PENDING,), "grant")
             if row is None:
                 continue
-            # The last guard of SPEC §5's first invariant: whatever the pass says,
+            # The last guard of design.md §5's first invariant: whatever the pass says,
             # a GPU that is held or does not exist is never granted.
             problem = _grant_problem(grant.placements, held, nodes)
             if problem is not None:
@@ -1015,7 +1015,7 @@ def _to_slice(row: SliceRow) -> Slice:
 
 
 def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
-    """A slice as SPEC §8 shows it; a held allocated slice's charge accrues to ``now``."""
+    """A slice as design.md §8 shows it; a held allocated slice's charge accrues to ``now``."""
     charged = row.charged_gpu_seconds
     if row.state in HELD_STATES:
         entry = costs.entry(_to_slice(row), now)
@@ -1201,7 +1201,7 @@ def _set_node(row: NodeRow, state: NodeState, reason: str, now: float) -> None:
 
 def _take_reported_state(row: NodeRow, reported: NodeState, reason: str, now: float) -> None:
     """Give a node the state its source (the file, a live inventory) reports, as far
-    as the rules allow (SPEC §6).
+    as the rules allow (design.md §6).
 
     The source's ``down`` always wins: the node is gone or not ready. Otherwise an
     admin's drain holds (``draining``, ``drained`` once empty) until an admin
