@@ -1,4 +1,4 @@
-"""Backfill with reservations (SPEC §5.6): large requests do not starve behind small ones.
+"""Backfill with reservations (design.md §5.6): large requests do not starve behind small ones.
 
 For a high-ranked request that does not fit now, the GPUs expected to free
 up first are reserved for it; later work may use reserved GPUs only if it
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from .model import Node, Placement, Reservation, Slice
+from .model import Node, Placement, Reservation, Slice, SliceKind
 
 #: A node's expected releases for one requester: (time, GPUs freed) pairs, earliest first.
 Releases = Callable[[str], Sequence[tuple[float, int]]]
@@ -27,9 +27,10 @@ def plan(
     when no release time is known.
 
     A single-node request waits for the node on which enough GPUs free up
-    first; a request larger than any node waits for whole nodes, earliest
-    first. Ties go to the node name. ``releases`` tells, per node, when its
-    holders are expected to give back how many GPUs to this requester.
+    first; a batch request larger than any node waits for whole nodes, earliest
+    first (other work never spans nodes: it gets no reservation). Ties go to the
+    node name. ``releases`` tells, per node, when its holders are expected to
+    give back how many GPUs to this requester.
     """
     eligible = [
         n for n in nodes.values() if requester.gpu_type is None or n.gpu_type == requester.gpu_type
@@ -37,6 +38,8 @@ def plan(
     if not eligible:
         return None
     largest = max(n.gpu_count for n in eligible)
+    if requester.gpus > largest and requester.kind is not SliceKind.BATCH:
+        return None  # only batch work spans nodes; a session waits for a node it fits
     if requester.gpus <= largest:
         best: tuple[float, str] | None = None
         for node in eligible:

@@ -144,12 +144,6 @@ def test_a_draining_node_is_reported_drained_only_once_nothing_holds_it(leaving)
 # ---- gangs ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: while the one node that fits an interactive slice is down, the pass "
-    "promises it several smaller nodes (broker/scheduler.py _claim_due_gang and "
-    "broker/backfill.py plan do not check the kind)",
-)
 def test_an_interactive_slice_is_never_promised_several_nodes():
     cluster = [
         Node("n0", "h100", 2),

@@ -492,8 +492,8 @@ def check_grants(snap: Snapshot, decisions: Decisions) -> None:
     for g in decisions.grants:
         slice_ = live[g.slice_id]
         assert sum(len(pl.gpu_indices) for pl in g.placements) == slice_.gpus
-        if len(g.placements) > 1 and slice_.kind is not SliceKind.BATCH:
-            assert known_interactive_gang(slice_, snap), "only batch work spans nodes"
+        if len(g.placements) > 1:
+            assert slice_.kind is SliceKind.BATCH, "only batch work spans nodes"
         for pl in g.placements:
             assert nodes[pl.node].state is NodeState.READY
             assert all(0 <= i < nodes[pl.node].gpu_count for i in pl.gpu_indices)
@@ -502,22 +502,6 @@ def check_grants(snap: Snapshot, decisions: Decisions) -> None:
         assert r.due_at is None or r.due_at >= snap.now
         for pl in r.placements:
             assert nodes[pl.node].state is NodeState.READY
-
-
-def known_interactive_gang(slice_: Slice, snap: Snapshot) -> bool:
-    """The one known way interactive work comes to span nodes (a reported bug, pinned by
-    ``test_boundaries.test_an_interactive_slice_is_never_promised_several_nodes``): it is
-    larger than every ready node of its type, as when its node is down, and the pass
-    claims several smaller nodes for it as if it were a gang. Remove once fixed."""
-    ready = [
-        n.gpu_count
-        for n in snap.nodes
-        if n.state is NodeState.READY and slice_.gpu_type in (None, n.gpu_type)
-    ]
-    known = slice_.gpus > max(ready, default=0)
-    if known:
-        event("known bug: interactive slice on several nodes")
-    return known
 
 
 def _gpus(placements: tuple[Placement, ...]) -> set[tuple[str, int]]:
