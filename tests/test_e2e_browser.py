@@ -113,13 +113,16 @@ async def test_the_options_form_submits_and_the_pending_page_shows_the_queue_pos
 
 
 async def test_a_preempted_user_sees_why_in_the_browser(hub, browser, screenshots):
-    hub.start_server("bob", project="vision", gpus=2, protected="2s")
+    # alice and bob (vision) hold the node's 2 GPUs, nlp nothing: bob's GPU for carol
+    # leaves both projects at their fair share, a fair-share move; alice's session
+    # is still protected.
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice")
+    hub.start_server("bob", project="vision", gpus=1, protected="2s")
     hub.wait_ready("bob")
     victim = hub.slice_of("bob")
     await log_in(browser, hub, "bob")
 
-    # nlp holds nothing, vision the whole node: one GPU for carol is a fair-share move
-    # (two would leave nlp as far above its share as vision is now).
     hub.start_server("carol", project="nlp", gpus=1, protected="15m")
     hub.wait_ready("carol")
     wait_until(lambda: hub.server("bob") is None, 30, "bob's server to stop")
@@ -135,6 +138,7 @@ async def test_a_preempted_user_sees_why_in_the_browser(hub, browser, screenshot
     assert "Start a new session" in notice
     assert await browser.evaluate("!!document.getElementById('start')")  # the Launch button
     hub.stop_server("carol")
+    hub.stop_server("alice")
 
 
 async def test_a_waiter_is_told_that_the_only_node_drains(hub, browser):

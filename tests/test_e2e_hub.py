@@ -162,13 +162,16 @@ def test_a_notebook_past_protection_is_preempted_for_a_higher_ranked_request_and
     clean,
 ):
     hub = clean
-    hub.start_server("bob", project="vision", gpus=2, protected="2s")
+    # alice and bob (vision) hold the node's 2 GPUs, nlp nothing: bob's GPU for carol
+    # leaves both projects at their fair share, a fair-share move; alice's session
+    # is still protected.
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice")
+    hub.start_server("bob", project="vision", gpus=1, protected="2s")
     hub.wait_ready("bob")
     victim = hub.slice_of("bob")
     bob = hub.login("bob")
 
-    # nlp holds nothing, vision the whole node: one GPU for carol is a fair-share move
-    # (two would leave nlp as far above its share as vision is now).
     hub.start_server("carol", project="nlp", gpus=1, protected="15m")
     ended = hub.wait_slice(victim["id"], "granted")
     if ended["state"] == "preempting":
@@ -185,8 +188,8 @@ def test_a_notebook_past_protection_is_preempted_for_a_higher_ranked_request_and
     assert ended["preempt_reason"] == "fair_share" and ended["end_reason"] == "preempted"
     assert ended["preempt_deadline"] >= ended["protected_until"]
     assert ended["ended_at"] >= ended["preempt_deadline"]
-    assert granted["state"] == "granted" and gpu_list(granted) == "0"
-    assert hub.user_get("carol", "env").json()["CUDA_VISIBLE_DEVICES"] == "0"
+    assert granted["state"] == "granted" and gpu_list(granted) == gpu_list(victim)
+    assert hub.user_get("carol", "env").json()["CUDA_VISIBLE_DEVICES"] == gpu_list(victim)
     # The user sees why, when, and what to do: on the page of the stopped server ...
     assert page.status_code == 424
     assert "Your GPU session was preempted" in page.text
