@@ -1,5 +1,5 @@
 """End to end: a real JupyterHub with configurable-http-proxy, the broker service and real
-single-user processes, driven over HTTP only (SPEC §7).
+single-user processes, driven over HTTP only (design.md §7).
 
 The single-user servers are :mod:`spawner.standin` (a real tornado server that
 serves ``/api`` for the hub and ``/env`` for these tests, and starts in a
