@@ -1309,6 +1309,24 @@ def serve(args: argparse.Namespace) -> int:
     return service_main(args.argv)
 
 
+def add_generate_config(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate-config",
+        add_help=False,
+        help="write slicebroker_config.py, every option of serve with its help "
+        "(options: slicebroker generate-config --help)",
+        description="Write an options file for serve; every argument goes to it.",
+    )
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=generate_config, passes_unknown=True)
+
+
+def generate_config(args: argparse.Namespace) -> int:
+    from .service.app import generate_config as write_options
+
+    return write_options(args.argv)
+
+
 def _safe_url(url: str) -> str:
     from sqlalchemy.engine import make_url
 
@@ -1340,6 +1358,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_upgrade_db,
     add_token,
     add_serve,
+    add_generate_config,
     add_simulate,
 ]
 

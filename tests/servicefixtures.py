@@ -289,7 +289,7 @@ def make_service(
     db_url = db_url or f"sqlite:///{directory / 'broker.sqlite'}"
     port = port or free_port()
     args = [
-        f"--config-file={config_path}",
+        f"--cluster-file={config_path}",
         f"--db-url={db_url}",
         "--ip=127.0.0.1",
         f"--port={port}",

@@ -53,7 +53,7 @@ def clean_env(monkeypatch):
 def test_standalone_defaults(clean_env):
     app = BrokerApp()
     assert (app.ip, app.port, app.base_url) == ("127.0.0.1", 8765, "/")
-    assert app.config_file == str(DEMO_CONFIG)
+    assert app.cluster_file == str(DEMO_CONFIG)
     assert app.db_url == "sqlite:///slicebroker.sqlite"
     assert (app.pass_interval, app.lease, app.max_wait) == (5.0, 120.0, 60.0)
     assert app.authenticate_metrics is True and not app.hub_managed
@@ -127,10 +127,108 @@ def test_the_old_kubernetes_options_still_work_with_a_warning(clean_env, caplog)
         mixed.make_inventory()
 
 
+def test_the_old_config_file_option_names_the_cluster_file_with_a_warning(clean_env, caplog):
+    app = BrokerApp()
+    app.parse_command_line(["--config-file=old.toml"])
+    assert app.cluster_file == "old.toml"
+    assert "BrokerApp.config_file is deprecated: use BrokerApp.cluster_file" in caplog.text
+    app = BrokerApp()
+    app.parse_command_line(["--config-file=old.toml", "--cluster-file=new.toml"])
+    assert app.cluster_file == "new.toml"
+
+
+def test_an_options_file_is_applied_and_the_command_line_wins(clean_env, tmp_path):
+    options = tmp_path / "broker_options.py"
+    options.write_text(
+        "c.BrokerApp.port = 9100\n"
+        "c.BrokerApp.lease = 30.0\n"
+        "c.BrokerApp.inventory_class = 'kubernetes'\n"
+        "c.KubernetesInventory.pod_namespace = 'jhub'\n"
+    )
+    app = BrokerApp()
+    app.initialize(["-f", str(options), "--lease=45"])
+    assert (app.port, app.lease, app.inventory_class) == (9100, 45.0, KubernetesInventory)
+    assert app.make_inventory().pod_namespace == "jhub"
+
+
+def test_the_options_file_in_the_working_directory_is_read_by_default(clean_env, tmp_path):
+    clean_env.chdir(tmp_path)
+    app = BrokerApp()
+    app.initialize([])  # none there: nothing read, nothing said
+    assert app.port == 8765
+    (tmp_path / "slicebroker_config.py").write_text("c.BrokerApp.port = 9200\n")
+    app = BrokerApp()
+    app.initialize([])
+    assert app.port == 9200
+
+
+def test_a_missing_or_broken_options_file_stops_the_service_with_one_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("c.BrokerApp.port = \n")
+    for path, message in [
+        (tmp_path / "missing.py", "missing.py: no such file"),
+        (broken, "broken.py: SyntaxError"),
+    ]:
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "broker.service",
+                "-f",
+                str(path),
+                f"--db-url=sqlite:///{tmp_path / 'broker.sqlite'}",
+                "--port=0",
+            ],
+            capture_output=True,
+            text=True,
+            env=service_env(),
+            timeout=60,
+        )
+        assert run.returncode == 2, run.stderr
+        assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_generate_config_writes_every_option_and_the_file_loads_back(clean_env, tmp_path):
+    out = tmp_path / "slicebroker_config.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "generate-config", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=service_env(),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    for cls in (BrokerApp, KubernetesInventory, LocalInventory):
+        for name in cls.class_own_traits(config=True):
+            assert f"# c.{cls.__name__}.{name} = " in text
+    assert "Seconds between two rounds of deleting pods of ended slices" in text
+    # Every line commented out: loaded as it is, it changes nothing.
+    app = BrokerApp()
+    app.initialize(["-f", str(out)])
+    assert app.port == 8765 and app.inventory_class is StaticInventory
+    # An admin's edit of it is applied.
+    edited = text.replace("# c.BrokerApp.port = ", "c.BrokerApp.port = 9300  # ")
+    kind = "c.BrokerApp.inventory_class = 'nvidia-smi'  # "
+    out.write_text(edited.replace("# c.BrokerApp.inventory_class = ", kind))
+    app = BrokerApp()
+    app.initialize(["-f", str(out)])
+    assert (app.port, app.inventory_class) == (9300, LocalInventory)
+    again = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "generate-config", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=service_env(),
+        timeout=60,
+    )
+    assert again.returncode == 2 and "exists: give --force" in again.stderr
+    assert "c.BrokerApp.port = 9300" in out.read_text()  # left as it was
+
+
 def test_help_exits_zero_and_names_every_option(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for option in ("--config-file", "--db-url", "--ip", "--port", "--base-url", "--lease"):
+    for option in ("-f", "--cluster-file", "--db-url", "--ip", "--port", "--base-url", "--lease"):
         assert option in text
 
 
@@ -138,7 +236,7 @@ def test_a_bad_configuration_stops_the_service_with_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[projects.x]\nshare = 0\n")
     run = subprocess.run(
-        [sys.executable, "-m", "broker.service", f"--config-file={bad}", "--port=0"],
+        [sys.executable, "-m", "broker.service", f"--cluster-file={bad}", "--port=0"],
         capture_output=True,
         text=True,
         env=service_env(),

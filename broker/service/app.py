@@ -15,6 +15,7 @@ prefix from ``JUPYTERHUB_SERVICE_PREFIX``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -23,6 +24,8 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -31,13 +34,19 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Float, Integer, TraitError, Unicode, default, validate
+from traitlets import Bool, Float, Integer, TraitError, Unicode, default, observe, validate
 from traitlets.config import Application
 
 from .. import __version__
 from ..config import DEMO_CONFIG, load_config
 from ..errors import InvalidConfig
-from ..inventory import ENTRY_POINT_GROUP, Inventory, InventoryError, StaticInventory
+from ..inventory import (
+    ENTRY_POINT_GROUP,
+    Inventory,
+    InventoryError,
+    LocalInventory,
+    StaticInventory,
+)
 from ..kube.inventory import KubernetesInventory
 from ..orm import DatabaseSchemaError, normalize_url
 from ..store import Broker
@@ -48,10 +57,10 @@ from .openapi import path_regex
 from .pages import page_routes, page_settings
 from .runner import BrokerRunner
 
-log = logging.getLogger("slicebroker.service")
-
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s] %(message)s"
-LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+#: The loggers the service's console handler serves: the broker's modules, request
+#: logs (tornado.access), the hub's client library, database migrations.
+LOGGERS = ("slicebroker", "broker", "tornado", "jupyterhub", "alembic")
 #: The request size limits the service applies.
 DEFAULT_LIMITS = Limits()
 #: How long requests in flight may take to finish when the service stops.
@@ -149,7 +158,12 @@ class BrokerApp(Application):
         "scheduling loop. Standalone it uses its own tokens (slicebroker token create); "
         "launched by JupyterHub as a service it uses JupyterHub's tokens and scopes."
     )
+    classes = [StaticInventory, LocalInventory, KubernetesInventory]
+    # A broken options file stops the service instead of being skipped.
+    raise_config_file_errors = Bool(True)
     aliases = {
+        "f": "BrokerApp.options_file",
+        "cluster-file": "BrokerApp.cluster_file",
         "config-file": "BrokerApp.config_file",
         "db-url": "BrokerApp.db_url",
         "ip": "BrokerApp.ip",
@@ -177,17 +191,57 @@ class BrokerApp(Application):
     def _default_log_level(self) -> int:
         return logging.INFO
 
-    config_file = Unicode(
-        help="""The cluster configuration (TOML): GPU types, nodes, project tree, policy.
+    @default("log_format")
+    def _default_log_format(self) -> str:
+        return LOG_FORMAT
+
+    @default("log")
+    def _default_log(self) -> logging.Logger:
+        return logging.getLogger("slicebroker.service")
+
+    def get_default_logging_config(self) -> dict[str, Any]:
+        """Application's console handler (``log_format``, ``log_level``), also for the
+        loggers of the broker's modules, tornado (requests), the hub's client
+        library and database migrations."""
+        config = super().get_default_logging_config()
+        level = logging.getLevelName(self.log_level)
+        config["loggers"] = {name: {"level": level, "handlers": ["console"]} for name in LOGGERS}
+        return config
+
+    options_file = Unicode(
+        "slicebroker_config.py",
+        help="""A Python file of these options, as JupyterHub's jupyterhub_config.py:
+        `c.BrokerApp.port = 9000`, `c.KubernetesInventory.pod_namespace = "jhub"`.
+        `slicebroker generate-config` writes one with every option and its help.
+        Options on the command line win over the file's.
+
+        Default: slicebroker_config.py in the working directory, when there is one.
+        """,
+    ).tag(config=True)
+
+    cluster_file = Unicode(
+        help="""The cluster file (TOML): GPU types, nodes, project tree, policy.
 
         Default: $SLICEBROKER_CONFIG if set, else the demo cluster shipped with the
         package (one node of 8 H100s). See docs/configuration.md.
         """,
     ).tag(config=True)
 
-    @default("config_file")
-    def _default_config_file(self) -> str:
+    @default("cluster_file")
+    def _default_cluster_file(self) -> str:
         return os.environ.get("SLICEBROKER_CONFIG") or str(DEMO_CONFIG)
+
+    config_file = Unicode("", help="Deprecated: use cluster_file (--cluster-file).").tag(
+        config=True
+    )
+
+    @observe("config_file")
+    def _config_file_moved(self, change) -> None:
+        if not change.new:
+            return
+        self.log.warning("BrokerApp.config_file is deprecated: use BrokerApp.cluster_file")
+        if self.cluster_file == self._default_cluster_file():  # the new name wins
+            self.cluster_file = change.new
 
     db_url = Unicode(
         help="""The database URL (SQLAlchemy): sqlite:///path/file.sqlite or
@@ -387,7 +441,7 @@ class BrokerApp(Application):
                     if new == "watch_nodes"
                     else f"KubernetesInventory.{new}"
                 )
-                log.warning("BrokerApp.%s is deprecated: use %s", old, instead)
+                self.log.warning("BrokerApp.%s is deprecated: use %s", old, instead)
                 if new not in self.config.KubernetesInventory:
                     moved[new] = getattr(self, old)
         inventory_class = self.inventory_class
@@ -407,8 +461,20 @@ class BrokerApp(Application):
         return bool(os.environ.get("JUPYTERHUB_API_TOKEN"))
 
     def initialize(self, argv: Sequence[str] | None = None) -> None:
-        super().initialize(argv)
-        _setup_logging(self.log_level)
+        """Options from the command line, then the options file (the command line wins).
+
+        Raises :class:`OptionsFileError` for a missing or broken options file.
+        """
+        self.parse_command_line(argv)
+        path = Path(self.options_file)
+        if not path.is_file():
+            if "options_file" in self.cli_config.get("BrokerApp", {}):
+                raise OptionsFileError(f"{path}: no such file")
+            return
+        try:
+            self.load_config_file(path.name, path=str(path.parent))
+        except Exception as err:  # a syntax error or an exception raised in the file
+            raise OptionsFileError(f"{path}: {type(err).__name__}: {err}") from None
 
     def start(self) -> int:
         return asyncio.run(self.serve())
@@ -416,9 +482,9 @@ class BrokerApp(Application):
     async def serve(self) -> int:
         """Serve until SIGTERM or SIGINT; the exit status."""
         try:
-            config = load_config(self.config_file)
+            config = load_config(self.cluster_file)
         except InvalidConfig as err:
-            log.error("%s: %s", self.config_file, err)
+            self.log.error("%s: %s", self.cluster_file, err)
             return 2
         database = make_url(normalize_url(self.db_url)).render_as_string(hide_password=True)
         try:
@@ -426,17 +492,17 @@ class BrokerApp(Application):
                 self.db_url, config, lease=self.lease, upgrade=self.upgrade_db, grant_at_once=True
             )
         except DatabaseSchemaError as err:
-            log.error("%s", err)
+            self.log.error("%s", err)
             return 2
         except SQLAlchemyError as err:
-            log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
+            self.log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
             return 1
         runner = BrokerRunner(broker, pass_interval=self.pass_interval)
         try:
             inventory = self.make_inventory()
             await inventory.setup(runner)
         except (InventoryError, TraitError) as err:
-            log.error("inventory: %s", err)
+            self.log.error("inventory: %s", err)
             await runner.stop()
             return 2
         authenticator = self._authenticator(runner, config.admins)
@@ -452,7 +518,7 @@ class BrokerApp(Application):
         try:
             server.listen(self.port, address=self.ip)
         except OSError as err:
-            log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
+            self.log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
             await inventory.stop()
             await runner.stop()
             authenticator.close()
@@ -464,7 +530,7 @@ class BrokerApp(Application):
         gc.freeze()
         runner.start()
         inventory.start()
-        log.info(
+        self.log.info(
             "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, %s, database %s, auth %s)",
             __version__,
             self.ip,
@@ -480,7 +546,7 @@ class BrokerApp(Application):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("stopping")
+        self.log.info("stopping")
         server.stop()
         runner.watchers.close()  # long polls answer now
         with contextlib.suppress(TimeoutError):  # requests in flight finish
@@ -510,12 +576,8 @@ class BrokerApp(Application):
         )
 
 
-def _setup_logging(level: int | str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+class OptionsFileError(Exception):
+    """The options file is missing or cannot be loaded."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -524,7 +586,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         app.initialize(argv)
         return app.start()
+    except OptionsFileError as err:
+        app.log.error("%s", err)
+        return 2
     except SystemExit as done:  # --help, --version, or a bad option
         return done.code if isinstance(done.code, int) else 0
     except KeyboardInterrupt:
         return 0
+
+
+def generate_config(argv: Sequence[str] | None = None) -> int:
+    """``slicebroker generate-config [-o FILE] [--force]``: write an options file with every
+    option of the service and of the installed inventories, commented out, with its help."""
+    parser = argparse.ArgumentParser(
+        prog="slicebroker generate-config", description=generate_config.__doc__
+    )
+    parser.add_argument(
+        "-o", "--output", default="slicebroker_config.py", help="the file to write; - prints it"
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+    args = parser.parse_args(argv)
+    app = BrokerApp()
+    app.classes = [BrokerApp, *installed_inventories()]
+    text = app.generate_config_file()
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.output)
+    if path.exists() and not args.force:
+        print(f"{path} exists: give --force to overwrite it", file=sys.stderr)
+        return 2
+    try:
+        path.write_text(text)
+    except OSError as err:
+        print(f"cannot write {path}: {err.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+def installed_inventories() -> list[type[Inventory]]:
+    """The inventory classes of the ``slicebroker.inventories`` entry points that load."""
+    classes: list[type[Inventory]] = []
+    for entry_point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            cls = entry_point.load()
+        except Exception:  # a broken plugin leaves the others listed
+            continue
+        if isinstance(cls, type) and issubclass(cls, Inventory) and cls not in classes:
+            classes.append(cls)
+    return classes

@@ -96,7 +96,7 @@ c.JupyterHub.services = [
             sys.executable,
             "-m",
             "broker.service",
-            "--config-file=/etc/slicebroker/cluster.toml",
+            "--cluster-file=/etc/slicebroker/cluster.toml",
             "--db-url=sqlite:////var/lib/slicebroker/slicebroker.sqlite",
         ],
     }},
@@ -284,7 +284,7 @@ def _markdown_options(app_class: type[Configurable]) -> list[str]:
         "",
         "Each is `--BrokerApp.<name>=<value>` on the command line of `slicebroker serve` "
         "(`python -m broker.service`); the common ones also have a short form "
-        "(`--config-file`, `--db-url`, `--ip`, `--port`, `--base-url`, `--pass-interval`, "
+        "(`-f`, `--cluster-file`, `--db-url`, `--ip`, `--port`, `--base-url`, `--pass-interval`, "
         "`--lease`, `--max-wait`, `--log-level`, `--upgrade-db`, `--no-authenticate-metrics`).",
         "",
         "| Option | Type | Description |",
