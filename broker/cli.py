@@ -6,7 +6,7 @@ listed in :data:`SUBCOMMANDS`. Errors are one line on stderr (``error: ...``),
 never a traceback: exit status 2 for a command line to fix, 1 for what the
 broker (or the database) answered or a broker that cannot be reached.
 
-Most commands talk to a broker over its HTTP API (SPEC §8), so they work from
+Most commands talk to a broker over its HTTP API (design.md §8), so they work from
 anywhere: ``--url`` and ``--token`` default to the ``SLICEBROKER_URL`` and
 ``SLICEBROKER_TOKEN`` environment variables. ``upgrade-db`` and ``token``
 (``create``, ``revoke``) work on the database directly; ``serve`` runs the broker.
