@@ -109,7 +109,7 @@ async def granted(api: InProcessBroker, token: str, slice_id: int) -> dict:
 
 
 async def test_the_root_shows_the_version_without_a_token(api):
-    assert ok(await api.call("GET", "/")) == {"version": "0.1.0", "api": "v1"}
+    assert ok(await api.call("GET", "/")) == {"version": "0.1.0", "api": "v1", "role": "leader"}
     assert ok(await api.call("GET", ""))["api"] == "v1"
 
 

@@ -115,7 +115,15 @@ COMPONENTS: dict[str, dict[str, Any]] = {
         "Every 4xx/5xx response has this shape.",
     ),
     "Version": _obj(
-        {"version": {"type": "string"}, "api": {"type": "string", "enum": ["v1"]}},
+        {
+            "version": {"type": "string"},
+            "api": {"type": "string", "enum": ["v1"]},
+            "role": _enum(
+                ["leader", "standby"],
+                description="`leader`: this broker serves the API; `standby`: it waits "
+                "for the leader lock and answers every other request 503 `standby`",
+            ),
+        },
         ["version", "api"],
     ),
     "Identity": _obj(

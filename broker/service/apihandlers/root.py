@@ -17,14 +17,16 @@ class RootHandler(APIHandler):
     operations = {
         "get": Operation(
             "Show the broker's version",
-            "Needs no token; a quick way to see that the broker is up.",
+            "Needs no token; a quick way to see that the broker is up, and whether it "
+            "leads or waits as a standby (`role`).",
             auth="none",
             content={"application/json": "Version"},
         )
     }
 
     async def get(self) -> None:
-        self.write_json({"version": __version__, "api": API_VERSION})
+        # A standby answers this too, with its own role (broker.service.leader).
+        self.write_json({"version": __version__, "api": API_VERSION, "role": "leader"})
 
 
 class WhoAmIHandler(APIHandler):
