@@ -1,0 +1,197 @@
+"""``GET <base_url>slicebroker/session``: the session's GPU slice, for the Lab extension.
+
+The handler reads the slice from the broker with the session's own token (so it
+sees exactly what its owner may see) and answers one JSON object::
+
+    {"slice_id": 7, "project": "vision", "gpus": 2, "gpu_type": "h100",
+     "nodes": ["gpu-3"], "state": "granted", "protected_until": 1764575662.0,
+     "preempt_deadline": null, "preempt_reason": null, "end_reason": null,
+     "charged_gpu_seconds": 4680.0, "cost": "1.30 GPU-h", "now": 1764573142.5,
+     "cull_warning": null, "broker_pages": "/services/slicebroker/"}
+
+Times are epoch seconds; ``now`` is the server's clock, so that the page can
+count down without trusting the browser's. ``cull_warning`` is set while the
+session, idle, is close to a limit of the hub's idle rule (see
+:func:`cull_warning`). Errors have the broker API's shape,
+``{"error": {"code": ..., "message": ...}}``: 404 ``no_slice`` when the
+session has no slice (not started by the broker's spawner), 502
+``broker_unavailable`` when the broker does not answer or refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+from traitlets import Float
+from traitlets.config import Configurable
+
+from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
+from broker.units import gpu_hours
+
+from . import CULL_ENV
+
+SLICE_ENV = "SLICEBROKER_SLICE_ID"
+#: Where the broker's web pages are, under the hub's base URL.
+PAGES_PATH = "services/slicebroker/"
+
+
+class SliceBrokerLab(Configurable):
+    """Settings of the ``slicebroker/session`` endpoint (``c.SliceBrokerLab.*``)."""
+
+    cull_warning = Float(
+        600.0,
+        help="""Seconds before the session could be stopped as idle from which Lab warns
+        (0: never warn). The warning says the session *may* stop: the hub stops it only
+        if, by then, a waiting request could use its GPUs (or it is past its protection
+        and idle for the longer limit).""",
+    ).tag(config=True)
+
+    broker_timeout = Float(
+        10.0,
+        help="Seconds one read of the slice from the broker may take before Lab is told "
+        "the broker is unavailable.",
+    ).tag(config=True)
+
+
+def cull_limits(env: Mapping[str, str]) -> dict[str, float]:
+    """The hub's idle limits from the session's environment (seconds; absent or 0: off)."""
+    limits = {}
+    for name, variable in CULL_ENV.items():
+        try:
+            limits[name] = max(float(env.get(variable) or 0), 0.0)
+        except ValueError:
+            limits[name] = 0.0
+    return limits
+
+
+def cull_warning(
+    slice_: Mapping[str, Any], now: float, idle: float, limits: Mapping[str, float], lead: float
+) -> dict[str, Any] | None:
+    """The warning Lab shows before the session may be stopped as idle, or ``None``.
+
+    The session cannot see the queue, so it takes the earliest limit that could
+    apply: within the protected period, ``protected`` (the hub uses it only while
+    a waiting request could use the GPUs); past it, the shorter of ``busy`` and
+    ``idle``. The warning starts ``lead`` seconds before that limit is reached.
+    ``idle`` is the server's own idle time, which the hub reads at most a few
+    minutes late, so the hub's limit is reached no earlier than this one.
+    """
+    if lead <= 0 or slice_.get("state") != "granted":
+        return None
+    until = slice_.get("protected_until")
+    protected = bool(slice_.get("min_runtime")) and until is not None and now < until
+    if protected:
+        candidates = [limits.get("protected", 0.0)]
+    else:
+        candidates = [limits.get("busy", 0.0), limits.get("idle", 0.0)]
+    candidates = [limit for limit in candidates if limit > 0]
+    if not candidates:
+        return None
+    limit = min(candidates)
+    left = limit - idle
+    if left > lead:
+        return None
+    left = max(left, 0.0)
+    minutes = max(round(idle / 60), 1)
+    if protected:
+        condition = "if someone is waiting for its GPUs"
+    elif limits.get("busy", 0.0) and limit == limits["busy"]:
+        condition = "if someone is waiting for its GPUs (later otherwise)"
+    else:
+        condition = "as idle"
+    return {
+        "deadline": now + left,
+        "idle_seconds": round(idle),
+        "limit_seconds": limit,
+        "protected": protected,
+        "message": f"This session has been idle for {minutes} min. It may be stopped "
+        f"{condition} once it has been idle for {round(limit / 60)} min. Any activity "
+        "(running a cell, typing in a terminal) keeps it. Save your work.",
+    }
+
+
+def session_view(
+    slice_: Mapping[str, Any], now: float, warning: dict[str, Any] | None, base_url: str
+) -> dict[str, Any]:
+    """The answer of ``GET slicebroker/session`` for the broker's ``slice_``."""
+    charged = float(slice_.get("charged_gpu_seconds") or 0.0)
+    return {
+        "slice_id": slice_["id"],
+        "project": slice_.get("project"),
+        "user": slice_.get("user"),
+        "gpus": slice_.get("gpus"),
+        "gpu_type": slice_.get("gpu_type"),
+        "nodes": [p["node"] for p in slice_.get("placements") or ()],
+        "state": slice_.get("state"),
+        "granted_at": slice_.get("granted_at"),
+        "protected_until": slice_.get("protected_until") if slice_.get("min_runtime") else None,
+        "preempt_deadline": slice_.get("preempt_deadline"),
+        "preempt_reason": slice_.get("preempt_reason"),
+        "end_reason": slice_.get("end_reason"),
+        "ended_at": slice_.get("ended_at"),
+        "charged_gpu_seconds": charged,
+        "cost": gpu_hours(charged),
+        "now": now,
+        "cull_warning": warning,
+        "broker_pages": url_path_join(base_url, PAGES_PATH),
+    }
+
+
+class SessionHandler(APIHandler):
+    """``GET slicebroker/session``: the session's slice (see the module docstring)."""
+
+    # Lab polls this route; the polls are not the user's activity (else a session with
+    # Lab open in a background tab would never look idle to the server).
+    _track_activity = False
+
+    def error(self, status: int, code: str, message: str) -> None:
+        self.set_status(status)
+        self.finish(json.dumps({"error": {"code": code, "message": message}}))
+
+    @web.authenticated
+    async def get(self) -> None:
+        config: SliceBrokerLab = self.settings["slicebroker_lab"]
+        env = os.environ
+        slice_id = env.get(SLICE_ENV, "")
+        if not slice_id.isdigit():
+            self.error(404, "no_slice", f"This session has no GPU slice ({SLICE_ENV} is not set).")
+            return
+        if not env.get(URL_ENV) or not env.get(TOKEN_ENV):
+            self.error(
+                404, "no_slice", f"This session cannot reach the broker ({URL_ENV} is not set)."
+            )
+            return
+        client = BrokerClient(timeout=config.broker_timeout, retries=1)
+        try:
+            slice_ = await client.get_slice(int(slice_id))
+        except BrokerAPIError as err:
+            self.log.warning("slicebroker: reading slice %s: %s", slice_id, err.message)
+            if err.status == 0 or err.status >= 500:
+                message = f"The GPU broker is not answering: {err.message}"
+            else:
+                message = f"The GPU broker refused to show the slice: {err.message}"
+            self.error(502, "broker_unavailable", message)
+            return
+        finally:
+            client.close()
+        now = time.time()
+        # The server's last activity (kernels, terminals, API calls): what it reports to the hub.
+        idle = max(now - self.application.last_activity().timestamp(), 0.0)
+        warning = cull_warning(slice_, now, idle, cull_limits(env), config.cull_warning)
+        base_url = env.get("JUPYTERHUB_BASE_URL") or "/"
+        self.finish(json.dumps(session_view(slice_, now, warning, base_url)))
+
+
+def setup_handlers(serverapp: Any) -> None:
+    """Register the route on ``serverapp``'s web application, with its settings."""
+    web_app = serverapp.web_app
+    web_app.settings["slicebroker_lab"] = SliceBrokerLab(parent=serverapp)
+    route = url_path_join(web_app.settings["base_url"], "slicebroker", "session")
+    web_app.add_handlers(".*$", [(route, SessionHandler)])

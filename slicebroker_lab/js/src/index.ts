@@ -1,0 +1,428 @@
+/**
+ * The GPU slice of this JupyterLab session, from the server extension's
+ * `GET <base>/slicebroker/session`:
+ *
+ * - a status-bar item: "GPU ×2 · vision · protected 42 min · 1.30 GPU-h";
+ * - a dialog with a live countdown when the slice is preempted (its grace period)
+ *   or when the session may soon be stopped as idle, with a "Save all" button;
+ * - the command "GPU session details" (palette, and a click on the status item):
+ *   the slice's details and links to the broker's pages;
+ * - when the session ends after a preemption, a notice of why.
+ */
+import {
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { Dialog, ICommandPalette, showDialog } from '@jupyterlab/apputils';
+import { PageConfig, URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { Widget } from '@lumino/widgets';
+
+/** The answer of the server extension (times in epoch seconds, the server's clock). */
+interface ISession {
+  slice_id: number;
+  project: string;
+  user: string;
+  gpus: number;
+  gpu_type: string | null;
+  nodes: string[];
+  state: string;
+  granted_at: number | null;
+  protected_until: number | null;
+  preempt_deadline: number | null;
+  preempt_reason: string | null;
+  end_reason: string | null;
+  ended_at: number | null;
+  charged_gpu_seconds: number;
+  cost: string;
+  now: number;
+  cull_warning: {
+    deadline: number;
+    idle_seconds: number;
+    limit_seconds: number;
+    protected: boolean;
+    message: string;
+  } | null;
+  broker_pages: string;
+}
+
+const DETAILS_COMMAND = 'slicebroker:details';
+const SAVE_ALL_COMMAND = 'docmanager:save-all';
+/** Seconds between reads of the slice; shorter while a countdown runs. */
+const POLL_S = 15;
+const POLL_URGENT_S = 3;
+
+const PREEMPT_REASONS: { [key: string]: string } = {
+  unallocated: 'a project with a GPU allocation needed them',
+  fair_share: 'a project below its fair share needed them',
+  priority: 'higher-priority work of your project needed them',
+  debug_lane: 'a short debug session needed them',
+  drain: 'an admin is draining the node'
+};
+
+/** "42 min", "1 h 05 min", "0:42" (under a minute and for countdowns). */
+function minutes(seconds: number): string {
+  const m = Math.ceil(Math.max(seconds, 0) / 60);
+  if (m < 60) {
+    return `${m} min`;
+  }
+  return `${Math.floor(m / 60)} h ${String(m % 60).padStart(2, '0')} min`;
+}
+
+function clock(seconds: number): string {
+  const s = Math.max(Math.ceil(seconds), 0);
+  return `${Math.floor(s / 60)}:${String(s % 60).padStart(2, '0')}`;
+}
+
+function preemptReason(reason: string | null): string {
+  return (reason && PREEMPT_REASONS[reason]) || 'the broker needed its GPUs';
+}
+
+/** Reads the slice, keeps the server's clock, and tells the views. */
+class SessionModel {
+  session: ISession | null = null;
+  error: string | null = null;
+  /** Server clock minus the browser's, in seconds. */
+  private skew = 0;
+  private listeners: Array<() => void> = [];
+  private timer: number | undefined;
+
+  constructor(private settings: ServerConnection.ISettings) {}
+
+  /** The server's time now (epoch seconds). */
+  now(): number {
+    return Date.now() / 1000 + this.skew;
+  }
+
+  onChange(listener: () => void): void {
+    this.listeners.push(listener);
+  }
+
+  start(): void {
+    void this.refresh();
+    // Polls only while the tab is visible: a background tab must not look active.
+    document.addEventListener('visibilitychange', () => {
+      if (!document.hidden) {
+        void this.refresh();
+      }
+    });
+  }
+
+  async refresh(): Promise<void> {
+    window.clearTimeout(this.timer);
+    const url = URLExt.join(this.settings.baseUrl, 'slicebroker', 'session');
+    try {
+      const reply = await ServerConnection.makeRequest(url, {}, this.settings);
+      const body = await reply.json();
+      if (reply.ok) {
+        this.session = body as ISession;
+        this.skew = this.session.now - Date.now() / 1000;
+        this.error = null;
+      } else {
+        this.error = body?.error?.code ?? `HTTP ${reply.status}`;
+        if (reply.status === 404) {
+          this.session = null;
+        }
+      }
+    } catch (err) {
+      this.error = 'unreachable';
+    }
+    this.listeners.forEach(listener => listener());
+    const urgent =
+      this.session?.state === 'preempting' || !!this.session?.cull_warning;
+    if (!document.hidden) {
+      this.timer = window.setTimeout(
+        () => void this.refresh(),
+        (urgent ? POLL_URGENT_S : POLL_S) * 1000
+      );
+    }
+  }
+}
+
+/** The status bar's line for a session. */
+export function statusText(session: ISession, now: number): string {
+  const parts = [`GPU ×${session.gpus}`, session.project];
+  if (session.state === 'preempting' && session.preempt_deadline) {
+    parts.push(`stops in ${clock(session.preempt_deadline - now)}`);
+  } else if (session.state === 'ended') {
+    parts.push(`ended (${session.end_reason ?? 'released'})`);
+  } else if (session.protected_until && session.protected_until > now) {
+    parts.push(`protected ${minutes(session.protected_until - now)}`);
+  } else {
+    parts.push('not protected');
+  }
+  parts.push(session.cost);
+  return parts.join(' · ');
+}
+
+class StatusItem extends Widget {
+  constructor(private model: SessionModel, onClick: () => void) {
+    super();
+    this.addClass('sb-status');
+    this.node.title = 'GPU session details';
+    this.node.addEventListener('click', onClick);
+    model.onChange(() => this.render());
+    window.setInterval(() => this.render(), 1000);
+  }
+
+  render(): void {
+    const session = this.model.session;
+    this.setHidden(session === null);
+    if (session) {
+      this.node.textContent = statusText(session, this.model.now());
+      this.node.classList.toggle(
+        'sb-urgent',
+        session.state === 'preempting' || !!session.cull_warning
+      );
+    }
+  }
+}
+
+/** The body of a countdown dialog: a message and the time left, every second. */
+class CountdownBody extends Widget {
+  private timer: number;
+
+  constructor(
+    private model: SessionModel,
+    private deadline: () => number | null,
+    message: string
+  ) {
+    super();
+    this.addClass('sb-countdown-body');
+    const text = document.createElement('p');
+    text.textContent = message;
+    const left = document.createElement('p');
+    left.className = 'sb-countdown';
+    this.node.append(text, left);
+    this.tick();
+    this.timer = window.setInterval(() => this.tick(), 1000);
+  }
+
+  tick(): void {
+    const deadline = this.deadline();
+    const left = this.node.querySelector('.sb-countdown') as HTMLElement;
+    left.textContent =
+      deadline === null
+        ? ''
+        : `Time left: ${clock(deadline - this.model.now())}`;
+  }
+
+  dispose(): void {
+    window.clearInterval(this.timer);
+    super.dispose();
+  }
+}
+
+function hubHome(): string {
+  return URLExt.join(PageConfig.getOption('hubPrefix') || '/hub/', 'home');
+}
+
+function link(href: string, text: string): HTMLAnchorElement {
+  const a = document.createElement('a');
+  a.href = href;
+  a.target = '_blank';
+  a.rel = 'noopener';
+  a.textContent = text;
+  return a;
+}
+
+function detailsBody(model: SessionModel): Widget {
+  const body = new Widget();
+  body.addClass('sb-details');
+  const session = model.session;
+  if (!session) {
+    body.node.textContent =
+      model.error === 'unreachable' || model.error === 'broker_unavailable'
+        ? 'The GPU broker is not answering; the details will come back with it.'
+        : 'This session has no GPU slice.';
+    return body;
+  }
+  const now = model.now();
+  const when = (t: number | null) =>
+    t === null ? '—' : new Date((t - now) * 1000 + Date.now()).toLocaleString();
+  const rows: Array<[string, string]> = [
+    ['GPUs', `${session.gpus} × ${session.gpu_type ?? 'any type'}`],
+    ['Project', session.project],
+    ['Node', session.nodes.join(', ') || '—'],
+    ['State', session.state],
+    [
+      'Protected until',
+      session.protected_until === null
+        ? 'not protected'
+        : `${when(session.protected_until)}` +
+          (session.protected_until > now
+            ? ` (${minutes(session.protected_until - now)} left)`
+            : ' (over)')
+    ],
+    ['Cost so far', session.cost],
+    ['Slice', `#${session.slice_id}`]
+  ];
+  if (session.state === 'preempting') {
+    rows.push([
+      'Stops at',
+      `${when(session.preempt_deadline)} (${preemptReason(session.preempt_reason)})`
+    ]);
+  }
+  if (session.end_reason) {
+    rows.push(['Ended', session.end_reason]);
+  }
+  if (session.cull_warning) {
+    rows.push(['Idle', session.cull_warning.message]);
+  }
+  const table = document.createElement('table');
+  for (const [name, value] of rows) {
+    const tr = table.insertRow();
+    const th = document.createElement('th');
+    th.textContent = name;
+    tr.append(th);
+    tr.insertCell().textContent = value;
+  }
+  const links = document.createElement('p');
+  links.append(
+    link(session.broker_pages, 'My GPUs, the queue and usage (GPU broker)'),
+    document.createTextNode(' · '),
+    link(hubHome(), 'Hub home')
+  );
+  body.node.append(table, links);
+  return body;
+}
+
+/** Shows the preemption and idle dialogs, once per event. */
+class Warnings {
+  private shownPreemption: number | null = null;
+  private shownCull = false;
+  private ended = false;
+  private lastPreempting: ISession | null = null;
+
+  constructor(
+    private app: JupyterFrontEnd,
+    private model: SessionModel
+  ) {
+    model.onChange(() => this.check());
+  }
+
+  check(): void {
+    if (this.model.error !== null) {
+      this.checkEnded();
+      return;
+    }
+    const session = this.model.session;
+    if (!session) {
+      return;
+    }
+    if (session.state === 'preempting' && session.preempt_deadline !== null) {
+      this.lastPreempting = session;
+      if (this.shownPreemption !== session.slice_id) {
+        this.shownPreemption = session.slice_id;
+        void this.countdown(
+          'Your GPU session is stopping',
+          `Your GPUs were taken back: ${preemptReason(session.preempt_reason)}. ` +
+            'This session stops when the time is up. Save your work now; ' +
+            'you can start a new session from the hub afterwards.',
+          () => this.model.session?.preempt_deadline ?? null
+        );
+      }
+    }
+    if (session.cull_warning && !this.shownCull) {
+      this.shownCull = true;
+      void this.countdown(
+        'Your GPU session may stop as idle',
+        session.cull_warning.message,
+        () => this.model.session?.cull_warning?.deadline ?? null
+      );
+    } else if (!session.cull_warning) {
+      this.shownCull = false; // activity came back: a later idle spell warns again
+    }
+  }
+
+  /** Past a preemption's deadline the server goes away: say why, once. */
+  checkEnded(): void {
+    const last = this.lastPreempting;
+    if (
+      this.ended ||
+      last === null ||
+      last.preempt_deadline === null ||
+      this.model.now() < last.preempt_deadline - POLL_URGENT_S
+    ) {
+      return;
+    }
+    this.ended = true;
+    const body = new Widget();
+    body.node.append(
+      document.createTextNode(
+        'Your GPU session ended: its grace period after a preemption is over ' +
+          `(${preemptReason(last.preempt_reason)}). It cost ${last.cost}. `
+      ),
+      link(hubHome(), 'Start a new one from the hub')
+    );
+    void showDialog({
+      title: 'GPU session ended',
+      body,
+      buttons: [Dialog.okButton({ label: 'Close' })]
+    });
+  }
+
+  private async countdown(
+    title: string,
+    message: string,
+    deadline: () => number | null
+  ): Promise<void> {
+    const body = new CountdownBody(this.model, deadline, message);
+    const result = await showDialog({
+      title,
+      body,
+      buttons: [
+        Dialog.cancelButton({ label: 'Dismiss' }),
+        Dialog.okButton({ label: 'Save all' })
+      ],
+      defaultButton: 1
+    });
+    body.dispose();
+    if (result.button.accept) {
+      await this.app.commands.execute(SAVE_ALL_COMMAND);
+    }
+  }
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'slicebroker-lab:plugin',
+  description: 'The GPU slice of this session: status bar, warnings, details.',
+  autoStart: true,
+  optional: [IStatusBar, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null
+  ) => {
+    const model = new SessionModel(app.serviceManager.serverSettings);
+    app.commands.addCommand(DETAILS_COMMAND, {
+      label: 'GPU session details',
+      caption: 'The GPUs of this session, its protection, its cost and the broker pages',
+      execute: async () => {
+        await model.refresh();
+        await showDialog({
+          title: 'GPU session details',
+          body: detailsBody(model),
+          buttons: [Dialog.okButton({ label: 'Close' })]
+        });
+      }
+    });
+    palette?.addItem({ command: DETAILS_COMMAND, category: 'GPU session' });
+    if (statusBar) {
+      const item = new StatusItem(model, () => {
+        void app.commands.execute(DETAILS_COMMAND);
+      });
+      statusBar.registerStatusItem('slicebroker-lab:status', {
+        item,
+        align: 'left',
+        rank: 100,
+        isActive: () => model.session !== null
+      });
+    }
+    new Warnings(app, model);
+    model.start();
+  }
+};
+
+export default plugin;
