@@ -50,6 +50,7 @@ from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
 from broker.config import format_duration, parse_duration
+from slicebroker_lab import CULL_ENV, session_env
 
 from . import notices
 from .culler import CullLimits, Verdict, verdict, waiter_for
@@ -497,6 +498,10 @@ class SliceBrokerMixin(Configurable):
         # agent's: work submitted from the session is the user's.
         env[URL_ENV] = self.session_broker_url or self.broker_url
         env[TOKEN_ENV] = env.get("JUPYTERHUB_API_TOKEN") or self.api_token
+        # Lab's GPU extension: loaded from an editable install too, and told the idle limits.
+        env.update(session_env(env))
+        limits = self.cull_limits()
+        env.update({name: f"{getattr(limits, key):g}" for key, name in CULL_ENV.items()})
         return env
 
     def slice_env(self) -> dict[str, str]:
