@@ -38,6 +38,7 @@ from broker.units import gpu_hours
 from . import CULL_ENV
 
 SLICE_ENV = "SLICEBROKER_SLICE_ID"
+GPU_TYPE_ENV = "SLICEBROKER_GPU_TYPE"
 #: Where the broker's web pages are, under the hub's base URL.
 PAGES_PATH = "services/slicebroker/"
 
@@ -118,16 +119,23 @@ def cull_warning(
 
 
 def session_view(
-    slice_: Mapping[str, Any], now: float, warning: dict[str, Any] | None, base_url: str
+    slice_: Mapping[str, Any],
+    now: float,
+    warning: dict[str, Any] | None,
+    env: Mapping[str, str],
 ) -> dict[str, Any]:
-    """The answer of ``GET slicebroker/session`` for the broker's ``slice_``."""
+    """The answer of ``GET slicebroker/session`` for the broker's ``slice_``.
+
+    A request for "any type" has no ``gpu_type`` in the broker; the spawner names
+    the granted type in ``SLICEBROKER_GPU_TYPE``.
+    """
     charged = float(slice_.get("charged_gpu_seconds") or 0.0)
     return {
         "slice_id": slice_["id"],
         "project": slice_.get("project"),
         "user": slice_.get("user"),
         "gpus": slice_.get("gpus"),
-        "gpu_type": slice_.get("gpu_type"),
+        "gpu_type": slice_.get("gpu_type") or env.get(GPU_TYPE_ENV) or None,
         "nodes": [p["node"] for p in slice_.get("placements") or ()],
         "state": slice_.get("state"),
         "granted_at": slice_.get("granted_at"),
@@ -140,7 +148,7 @@ def session_view(
         "cost": gpu_hours(charged),
         "now": now,
         "cull_warning": warning,
-        "broker_pages": url_path_join(base_url, PAGES_PATH),
+        "broker_pages": url_path_join(env.get("JUPYTERHUB_BASE_URL") or "/", PAGES_PATH),
     }
 
 
@@ -185,8 +193,7 @@ class SessionHandler(APIHandler):
         # The server's last activity (kernels, terminals, API calls): what it reports to the hub.
         idle = max(now - self.application.last_activity().timestamp(), 0.0)
         warning = cull_warning(slice_, now, idle, cull_limits(env), config.cull_warning)
-        base_url = env.get("JUPYTERHUB_BASE_URL") or "/"
-        self.finish(json.dumps(session_view(slice_, now, warning, base_url)))
+        self.finish(json.dumps(session_view(slice_, now, warning, env)))
 
 
 def setup_handlers(serverapp: Any) -> None:

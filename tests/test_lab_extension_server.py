@@ -1,0 +1,220 @@
+"""The Lab extension's server side: ``GET slicebroker/session`` on a real Jupyter server
+reading a real broker with the session's own environment, and the idle-warning rule."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from hubfixtures import wait_until
+from servicefixtures import TEST_CONFIG, BrokerService, free_port, running_service
+
+from slicebroker_lab import CULL_ENV, session_env
+from slicebroker_lab.handlers import cull_warning
+
+#: A long grace period, so that the test sees the slice while it is preempting.
+CONFIG = TEST_CONFIG.replace('grace_period = "2s"', 'grace_period = "5m"')
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerService]:
+    with running_service(tmp_path / "broker", config=CONFIG, pass_interval=0.5) as service:
+        yield service
+
+
+class JupyterServer:
+    """``jupyter server`` with the session's environment, on a free port."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]):
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jupyter_server",
+                    f"--port={self.port}",
+                    "--ip=127.0.0.1",
+                    f"--IdentityProvider.token={self.token}",
+                    f"--ServerApp.root_dir={workdir}",
+                    "--no-browser",
+                    "--allow-root",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
+            )
+        wait_until(self._up, 60, f"the Jupyter server (log: {self.log_path})")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"jupyter server exited:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            return requests.get(f"{self.url}/api/status", timeout=2, params=self._auth).ok
+        except requests.RequestException:
+            return False
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"token": self.token}
+
+    def session(self, token: str | None = None) -> requests.Response:
+        params = {} if token == "" else {"token": token or self.token}
+        return requests.get(f"{self.url}/slicebroker/session", params=params, timeout=30)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def session_environment(broker: BrokerService, token: str, slice_id: int | None) -> dict:
+    """The variables the spawner gives a session, with the test's broker."""
+    env = {k: v for k, v in broker.env.items() if not k.startswith(("JUPYTER", "SLICEBROKER"))}
+    env.update(session_env(env))
+    env.update({"SLICEBROKER_URL": broker.url, "SLICEBROKER_TOKEN": token})
+    env.update({CULL_ENV["idle"]: "3600", CULL_ENV["busy"]: "900", CULL_ENV["protected"]: "0"})
+    if slice_id is not None:
+        env["SLICEBROKER_SLICE_ID"] = str(slice_id)
+        env["SLICEBROKER_GPU_TYPE"] = "h100"  # the granted type, as the spawner names it
+    return env
+
+
+@pytest.fixture
+def granted(broker: BrokerService) -> tuple[str, dict]:
+    """alice's token and her granted interactive slice: 2 GPUs of vision, 10 min protected."""
+    token = broker.token("alice")
+    reply = broker.post(
+        "/slices",
+        token=token,
+        json={"project": "vision", "gpus": 2, "kind": "interactive", "min_runtime": 600},
+    )
+    assert reply.status_code == 201, reply.text
+    slice_ = reply.json()
+    if slice_["state"] != "granted":
+        slice_ = broker.get(
+            f"/slices/{slice_['id']}", token=token, params={"wait": 10, "state": "pending"}
+        ).json()
+    assert slice_["state"] == "granted", slice_
+    return token, slice_
+
+
+def test_the_endpoint_shows_the_session_s_slice_from_the_broker(broker, granted, tmp_path):
+    token, slice_ = granted
+    server = JupyterServer(tmp_path, session_environment(broker, token, slice_["id"]))
+    try:
+        reply = server.session()
+        assert reply.status_code == 200, reply.text
+        view = reply.json()
+        assert view["slice_id"] == slice_["id"]
+        assert (view["project"], view["gpus"], view["gpu_type"]) == ("vision", 2, "h100")
+        assert view["nodes"] == [p["node"] for p in slice_["placements"]]
+        assert view["state"] == "granted" and view["preempt_deadline"] is None
+        assert view["protected_until"] == pytest.approx(slice_["protected_until"])
+        assert 500 < view["protected_until"] - view["now"] <= 600
+        assert view["cost"].endswith(" GPU-h") and view["charged_gpu_seconds"] >= 0
+        assert view["cull_warning"] is None  # idle for seconds, the limits are in hours
+        assert view["broker_pages"] == "/services/slicebroker/"
+
+        # Without the server's token: no answer about the slice.
+        assert server.session(token="").status_code == 403
+
+    finally:
+        server.stop()
+
+
+def test_a_preempting_slice_has_its_deadline_and_reason(broker, tmp_path):
+    token = broker.token("alice")
+    reply = broker.post(
+        "/slices",
+        token=token,
+        json={"project": "vision", "gpus": 1, "kind": "interactive", "min_runtime": 0},
+    )
+    assert reply.status_code == 201, reply.text
+    slice_id = reply.json()["id"]
+    slice_ = wait_until(
+        lambda: (
+            (s := broker.get(f"/slices/{slice_id}", token=token).json())["state"] == "granted" and s
+        ),
+        20,
+        "the grant",
+    )
+    server = JupyterServer(tmp_path, session_environment(broker, token, slice_id))
+    try:
+        node = slice_["placements"][0]["node"]
+        drained = broker.post(f"/nodes/{node}/drain", token=broker.admin_token, json={})
+        assert drained.status_code == 200, drained.text
+
+        def preempting() -> dict | None:
+            view = server.session().json()
+            return view if view["state"] == "preempting" else None
+
+        view = wait_until(preempting, 30, "the slice to be preempting")
+        assert view["preempt_reason"] == "drain"
+        assert 0 < view["preempt_deadline"] - view["now"] <= 300
+
+        # The broker goes away: a JSON error, not a traceback.
+        broker.stop()
+        reply = server.session()
+        assert reply.status_code == 502
+        assert reply.json()["error"]["code"] == "broker_unavailable"
+    finally:
+        server.stop()
+
+
+def test_a_session_without_a_slice_gets_a_404_in_the_api_shape(broker, tmp_path):
+    server = JupyterServer(tmp_path, session_environment(broker, broker.token("alice"), None))
+    try:
+        reply = server.session()
+        assert reply.status_code == 404
+        assert reply.json()["error"]["code"] == "no_slice"
+    finally:
+        server.stop()
+
+
+# ---- the idle warning -------------------------------------------------------------------
+
+NOW = 1_000_000.0
+LIMITS = {"idle": 3600.0, "busy": 900.0, "protected": 1800.0}
+
+
+def granted_slice(protected_for: float) -> dict:
+    return {"state": "granted", "min_runtime": 600, "protected_until": NOW + protected_for}
+
+
+def test_a_protected_session_is_warned_before_the_protected_limit():
+    slice_ = granted_slice(3000)
+    assert cull_warning(slice_, NOW, 1800 - 601, LIMITS, 600) is None
+    warning = cull_warning(slice_, NOW, 1800 - 300, LIMITS, 600)
+    assert warning["protected"] and warning["limit_seconds"] == 1800
+    assert warning["deadline"] == NOW + 300
+    assert "if someone is waiting for its GPUs" in warning["message"]
+
+
+def test_past_protection_the_shorter_limit_counts_and_off_limits_never_warn():
+    slice_ = granted_slice(-1)
+    warning = cull_warning(slice_, NOW, 800, LIMITS, 600)
+    assert warning["limit_seconds"] == 900 and not warning["protected"]
+    assert warning["deadline"] == NOW + 100
+    off = {"idle": 0.0, "busy": 0.0, "protected": 0.0}
+    assert cull_warning(slice_, NOW, 10**6, off, 600) is None
+    assert cull_warning(slice_, NOW, 800, LIMITS, 0) is None  # warnings turned off
+    # Past the limit: the deadline is now, not in the past.
+    assert cull_warning(slice_, NOW, 5000, LIMITS, 600)["deadline"] == NOW
+
+
+def test_only_a_granted_slice_is_warned():
+    slice_ = {**granted_slice(-1), "state": "preempting"}
+    assert cull_warning(slice_, NOW, 5000, LIMITS, 600) is None
