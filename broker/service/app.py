@@ -53,6 +53,7 @@ from ..store import Broker
 from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
+from .leader import AppSwitch, Leadership, leader_lock, standby_app
 from .openapi import path_regex
 from .pages import page_routes, page_settings
 from .runner import BrokerRunner
@@ -116,7 +117,7 @@ def make_app(
 
 
 def make_server(
-    app: web.Application, *, idle_timeout: float = 60.0, body_timeout: float = 60.0
+    app: web.Application | AppSwitch, *, idle_timeout: float = 60.0, body_timeout: float = 60.0
 ) -> HTTPServer:
     """The HTTP server of ``app``, with the limits that keep slow or large requests
     from holding sockets and memory.
@@ -363,6 +364,26 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    db_timeout = Float(
+        10.0,
+        help="""How long one database statement may wait, in seconds (default 10): SQLite's
+        busy timeout; PostgreSQL's connect timeout and statement timeout (lock waits
+        included). A request whose database work does not finish within this (plus
+        1 s) is answered 503 `database_unavailable`, even when the database hangs.
+        """,
+    ).tag(config=True)
+
+    standby_poll_interval = Float(
+        0.5,
+        help="""How often a standby tries the leader lock, in seconds (default 0.5).
+
+        One broker per database leads (docs/persistence.md); another started on the
+        same database waits as a standby and takes over within about this long after
+        the leader's lock is released (at its death, on PostgreSQL when its
+        connection ends). A leader checks its lock as often.
+        """,
+    ).tag(config=True)
+
     upgrade_db = Bool(
         False,
         help="""Migrate an out-of-date database on start instead of refusing to run
@@ -412,6 +433,8 @@ class BrokerApp(Application):
         "lease",
         "idle_timeout",
         "body_timeout",
+        "db_timeout",
+        "standby_poll_interval",
     )
     def _check_positive(self, proposal):
         if not proposal.value > 0:
@@ -487,9 +510,43 @@ class BrokerApp(Application):
             self.log.error("%s: %s", self.cluster_file, err)
             return 2
         database = make_url(normalize_url(self.db_url)).render_as_string(hide_password=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # One broker per database leads; another waits here as a standby, serving
+        # its role and 503s, until the leader's lock is released.
+        leadership = Leadership(
+            leader_lock(self.db_url, self.db_timeout), self.standby_poll_interval
+        )
+        switch = AppSwitch(standby_app(self.base_url, leadership, {"limits": DEFAULT_LIMITS}))
+        server = make_server(switch, idle_timeout=self.idle_timeout, body_timeout=self.body_timeout)
+        listening = False
+        try:
+            leading = await leadership.try_acquire()
+        except (OSError, SQLAlchemyError) as err:
+            self.log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
+            return 1
+        if not leading:
+            try:
+                server.listen(self.port, address=self.ip)
+            except OSError as err:
+                self.log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
+                return 1
+            listening = True
+            if not await leadership.acquire(stop):
+                server.stop()
+                await server.close_all_connections()
+                await leadership.release()
+                return 0
         try:
             broker = Broker(
-                self.db_url, config, lease=self.lease, upgrade=self.upgrade_db, grant_at_once=True
+                self.db_url,
+                config,
+                lease=self.lease,
+                upgrade=self.upgrade_db,
+                grant_at_once=True,
+                db_timeout=self.db_timeout,
             )
         except DatabaseSchemaError as err:
             self.log.error("%s", err)
@@ -497,7 +554,7 @@ class BrokerApp(Application):
         except SQLAlchemyError as err:
             self.log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
             return 1
-        runner = BrokerRunner(broker, pass_interval=self.pass_interval)
+        runner = BrokerRunner(broker, pass_interval=self.pass_interval, db_timeout=self.db_timeout)
         try:
             inventory = self.make_inventory()
             await inventory.setup(runner)
@@ -514,9 +571,10 @@ class BrokerApp(Application):
             authenticate_metrics=self.authenticate_metrics,
             hub_oauth=self._hub_oauth(),
         )
-        server = make_server(app, idle_timeout=self.idle_timeout, body_timeout=self.body_timeout)
+        switch.app = app  # a standby's server answers as the leader from now on
         try:
-            server.listen(self.port, address=self.ip)
+            if not listening:
+                server.listen(self.port, address=self.ip)
         except OSError as err:
             self.log.error("cannot listen on %s:%s: %s", self.ip, self.port, err)
             await inventory.stop()
@@ -530,6 +588,12 @@ class BrokerApp(Application):
         gc.freeze()
         runner.start()
         inventory.start()
+        watch = asyncio.create_task(leadership.watch(stop))
+        if listening:
+            self.log.info(
+                "leader: took over after %.1f s as standby (state rebuilt from the database)",
+                leadership.waited_s,
+            )
         self.log.info(
             "slicebroker %s serving http://%s:%s%sapi/v1 (config %s, %s, database %s, auth %s)",
             __version__,
@@ -541,11 +605,8 @@ class BrokerApp(Application):
             database,
             authenticator.describe(),
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        watch.cancel()
         self.log.info("stopping")
         server.stop()
         runner.watchers.close()  # long polls answer now
@@ -555,7 +616,8 @@ class BrokerApp(Application):
         await inventory.stop()
         await runner.stop()
         authenticator.close()
-        return 0
+        await leadership.release()
+        return 0 if leadership.role == "leader" else 1  # 1: another broker took the lock
 
     def _hub_oauth(self) -> Any:
         """The hub's OAuth login for the web pages, when JupyterHub runs the broker."""
