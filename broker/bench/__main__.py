@@ -1,4 +1,4 @@
-"""``python -m broker.bench [pass|api|spawn|kube|pages] ...``: print benchmark figures as JSON."""
+"""``python -m broker.bench [pass|api|failover|spawn|kube|pages] ...``: figures as JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..orm import SCRATCH_POSTGRES_URL
-from . import api, kube, pages, scheduling, spawn
+from . import api, failover, kube, pages, scheduling, spawn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         help="a PostgreSQL database to create the run's database from (trust auth on "
         "127.0.0.1:5432 by default; $SLICEBROKER_TEST_POSTGRES)",
     )
+    over = sub.add_parser(
+        "failover", help="SIGKILL the leader under load: time until the standby serves"
+    )
+    over.add_argument(
+        "--db", choices=("sqlite", "postgresql", "both"), default="both", help="database(s)"
+    )
+    over.add_argument("--inflight", type=int, default=20, help="requests kept in flight")
+    over.add_argument("--rounds", type=int, default=3, help="failovers (and restarts) timed")
+    over.add_argument(
+        "--postgres-url", default=SCRATCH_POSTGRES_URL, help="as for the api benchmark"
+    )
     spawns = sub.add_parser(
         "spawn", help="what the broker adds to a notebook spawn (two real hubs, alternately)"
     )
@@ -50,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         report = kube.run(nodes=args.nodes)
     elif args.which == "spawn":
         report = spawn.run(repeat=args.repeat)
+    elif args.which == "failover":
+        report = failover.run(args.db, args.inflight, args.rounds, args.postgres_url)
     elif args.which == "api":
         report = api.run(
             args.db, args.clients, args.seconds, args.postgres_url, heartbeats=args.heartbeats
