@@ -1,0 +1,108 @@
+"""The Lab extension in a real browser (Playwright on the system Chromium), in a real hub
+session (``jupyterhub-singleuser`` with JupyterLab): the status bar shows the slice, and
+an admin's drain brings the countdown dialog with its Save-all button.
+
+``SLICEBROKER_SCREENSHOTS=docs/screenshots`` refreshes the documentation's screenshots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hubfixtures import PASSWORD, TEST_CLUSTER, HubProcess, proxy_available
+from playwright.sync_api import Browser, expect, sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
+
+#: A grace period long enough to read the countdown.
+CLUSTER = TEST_CLUSTER.replace('grace_period = "2s"', 'grace_period = "3m"')
+#: Real Lab sessions, protected for 60 s (then a drain preempts them).
+LAB_SESSIONS = """
+c.Spawner.cmd = ["jupyterhub-singleuser"]
+c.SliceBrokerMixin.protected_choices = ["60s", "15m", "0"]
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Iterator[HubProcess]:
+    hub = HubProcess(
+        tmp_path_factory.mktemp("lab-ext-hub"), cluster=CLUSTER, extra_config=LAB_SESSIONS
+    )
+    try:
+        yield hub.start()
+    finally:
+        hub.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory) -> Path:
+    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
+    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_the_status_bar_shows_the_slice_and_a_drain_brings_the_countdown(hub, browser, screenshots):
+    hub.start_server("alice", project="vision", gpus=1, protected="60s")
+    hub.wait_ready("alice", timeout=90)
+    slice_ = hub.slice_of("alice")
+    assert slice_ is not None and slice_["state"] == "granted"
+
+    page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", "alice")
+    page.fill("#password_input", PASSWORD)
+    page.click("#login_submit")
+    page.goto(f"{hub.url}/user/alice/lab")
+
+    status = page.locator(".sb-status")
+    expect(status).to_have_text(
+        re.compile(r"^GPU ×1 · vision · protected 1 min · \d+\.\d\d GPU-h$"), timeout=90_000
+    )
+    expect(page.locator(".jp-Launcher")).to_be_visible(timeout=60_000)
+    page.screenshot(path=str(screenshots / "lab-status-bar.png"))
+
+    # The details: the slice's terms and a link to the broker's pages.
+    status.click()
+    details = page.locator(".jp-Dialog")
+    expect(details).to_contain_text("GPU session details")
+    expect(details).to_contain_text("test-0")
+    link = details.get_by_role("link", name=re.compile("GPU broker"))
+    expect(link).to_have_attribute("href", "/services/slicebroker/")
+    page.screenshot(path=str(screenshots / "lab-session-details.png"))
+    details.get_by_role("button", name="Close").click()
+    expect(details).to_have_count(0)
+
+    # An admin drains the node: past its 60 s the slice is preempted, with a 3 min grace.
+    hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
+    dialog = page.locator(".jp-Dialog")
+    expect(dialog).to_contain_text("Your GPU session is stopping", timeout=90_000)
+    expect(dialog).to_contain_text("an admin is draining the node")
+    countdown = dialog.locator(".sb-countdown")
+    expect(countdown).to_have_text(re.compile(r"^Time left: [0-3]:\d\d$"))
+    first = countdown.text_content()
+    expect(countdown).not_to_have_text(first, timeout=5_000)  # it counts down live
+    expect(status).to_have_text(re.compile(r"stops in [0-3]:\d\d"))
+    page.screenshot(path=str(screenshots / "lab-preemption-dialog.png"))
+    assert hub.slice_of("alice")["state"] == "preempting"
+
+    dialog.get_by_role("button", name="Save all").click()
+    expect(dialog).to_have_count(0)
+    hub.stop_server("alice")
