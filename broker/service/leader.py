@@ -275,7 +275,7 @@ class StandbyHandler(web.RequestHandler):
             self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.finish(
                 "# HELP slicebroker_leader Whether this broker holds the leader lock "
-                "(1) or waits as a standby (0).\n"
+                "(1) or waits as a standby (0); a standby exports only this.\n"
                 "# TYPE slicebroker_leader gauge\n"
                 f"slicebroker_leader {int(role == 'leader')}\n"
             )

@@ -31,6 +31,13 @@ class BrokerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.leader = Gauge(
+            "slicebroker_leader",
+            "Whether this broker holds the leader lock (1) or waits as a standby (0); "
+            "a standby exports only this.",
+            registry=r,
+        )
+        self.leader.set(1)  # the metrics of a broker that serves: the leader's
         self.queue_length = Gauge(
             "slicebroker_queue_length_slices",
             "Slices waiting for GPUs, by project and kind.",
