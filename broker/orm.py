@@ -55,6 +55,11 @@ DRAINED_BY_ADMIN = "admin"
 DRAINED_BY_INVENTORY = "inventory"
 DRAIN_ORIGINS = (DRAINED_BY_ADMIN, DRAINED_BY_INVENTORY)
 
+#: What a project event records: the tree seeded from the cluster file on the
+#: first start, an admin's change of one account, the cluster file applied on
+#: purpose (``slicebroker apply-config``), an account deleted.
+PROJECT_ACTIONS = ("seed", "set", "apply", "delete")
+
 #: Execution option marking a connection whose transactions only read.
 READ_ONLY_OPTION = "slicebroker_read_only"
 #: Execution option marking a connection whose write transactions need not survive a
@@ -256,6 +261,27 @@ class BrokerAliveRow(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     alive_at: Mapped[float]
+
+
+class ProjectEventRow(Base):
+    """One change of the project tree: an account created, changed or deleted.
+
+    ``before``/``after`` are the account's ``{"share", "parent", "users", "groups"}``
+    (``None`` where it did not exist); ``who`` is the admin who made the change,
+    or the cluster file that seeded the tree; ``action`` is one of
+    :data:`PROJECT_ACTIONS`. Never updated, never deleted.
+    """
+
+    __tablename__ = "project_events"
+    __table_args__ = (Index(None, "account"), Index(None, "at"))
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    account: Mapped[str]
+    who: Mapped[str]
+    at: Mapped[float]
+    action: Mapped[str] = mapped_column(String(16))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class ApiTokenRow(Base):

@@ -54,6 +54,7 @@ from .orm import (
     LedgerRow,
     MemberRow,
     NodeRow,
+    ProjectEventRow,
     SliceEventRow,
     SliceRow,
     check_schema,
@@ -82,9 +83,12 @@ Schedule = Callable[[Snapshot], Decisions]
 class Broker:
     """Slices, projects, nodes and the ledger in a database at ``url``.
 
-    ``config`` is the cluster configuration; on open its accounts, members,
-    GPU types and nodes are written to the database (the file wins over
-    earlier admin changes to projects; admin node states survive). ``clock``
+    ``config`` is the cluster configuration; on open its GPU types and nodes are
+    written to the database (admin node states survive). The database is the
+    record of the project tree and its members: the file's accounts and members
+    seed it on the first start only, and later change only through
+    :meth:`put_project`, :meth:`delete_project` and :meth:`apply_tree`, each
+    recorded in :meth:`project_events`. ``clock``
     is the one source of "now" (seconds since the epoch). ``schedule`` is the
     scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
     alive. ``upgrade`` lets an out-of-date database be migrated on open;
@@ -166,7 +170,9 @@ class Broker:
     # ---- configuration ---------------------------------------------------------
 
     def _sync_config(self) -> None:
-        """Write the configuration file's view of the cluster into the database."""
+        """Write the configuration file's GPU types and nodes into the database, and
+        its project tree and members too on the first start (a database that never
+        had any); log where the tree came from."""
         config = self.config
         with self._write() as session:
             now = self._clock()
@@ -175,20 +181,27 @@ class Broker:
                 GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
             )
             self._sync_nodes(session, config.nodes, now)
-            wanted = {a.name: a for a in config.accounts}
-            gone = [name for name in _account_rows(session) if name not in wanted]
-            self._end_orphans(session, config.tree, now)
-            session.execute(delete(MemberRow))
-            session.execute(delete(AccountRow).where(AccountRow.name.in_(gone)))
-            session.flush()
-            rows = _account_rows(session)
-            for account in config.accounts:
-                row = rows.get(account.name) or AccountRow(name=account.name)
-                row.parent, row.share = account.parent, account.share
-                session.add(row)
-            session.flush()
-            for project, members in config.members.items():
-                _add_members(session, project, members.users, members.groups)
+            first_start = session.scalars(select(AccountRow.name).limit(1)).first() is None
+            first_start = (
+                first_start and session.scalars(select(ProjectEventRow.id).limit(1)).first() is None
+            )
+            if first_start:
+                _write_tree(session, {}, _config_states(config), f"file {config.source}", now)
+                log.info(
+                    "project tree: seeded from the cluster file %s (%d accounts)",
+                    config.source,
+                    len(config.accounts),
+                )
+                return
+            current = _account_states(session)
+            differ = len(_tree_changes(current, _config_states(config)))
+        note = (
+            f"; the cluster file {config.source} differs in {differ} accounts and is not "
+            "applied (slicebroker apply-config FILE shows and applies the difference)"
+            if differ
+            else ""
+        )
+        log.info("project tree: from the database (%d accounts)%s", len(current), note)
 
     def _sync_nodes(self, session: Session, nodes: Iterable[Node], now: float) -> None:
         rows = {row.name: row for row in session.scalars(select(NodeRow))}
@@ -240,21 +253,6 @@ class Broker:
             rows = {row.name: row for row in session.scalars(select(NodeRow))}
             for node in nodes:
                 _take_reported_state(rows[node.name], node.state, "from the inventory", now)
-
-    def _end_orphans(self, session: Session, tree: ProjectTree, now: float) -> None:
-        """End live slices whose project is no longer a project in ``tree``."""
-        rows = session.scalars(
-            select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-        )
-        orphans = [row for row in rows if not tree.is_project(row.project)]
-        if not orphans:
-            return
-        costs = _Costs.load(session)
-        for row in orphans:
-            reason = EndReason.RELEASED if row.state in HELD_STATES else EndReason.CANCELLED
-            self._end(
-                session, row, reason, now, costs, why="project removed from the configuration"
-            )
 
     # ---- slices: requests --------------------------------------------------------
 
@@ -540,11 +538,12 @@ class Broker:
         parent: str | None = None,
         users: Iterable[str] | None = None,
         groups: Iterable[str] | None = None,
+        who: str = "admin",
     ) -> dict[str, Any]:
-        """Create or change an account (admin). ``users``/``groups`` replace the members
-        when given. The new tree is checked before anything is written
+        """Create or change an account (admin ``who``). ``users``/``groups`` replace the
+        members when given. The new tree is checked before anything is written
         (:class:`InvalidRequest`); turning a project with live slices into a parent is a
-        :class:`Conflict`. Lasts until the next restart unless the file says the same.
+        :class:`Conflict`. A change is recorded as a project event.
         """
         if not isinstance(name, str) or not name.strip() or len(name) > 255:
             raise InvalidRequest(f"an account needs a name, got {name!r}")
@@ -561,6 +560,7 @@ class Broker:
                 raise InvalidRequest(f"{name!r} has sub-accounts; members belong on projects")
             if parent is not None and _tree(session).is_project(parent):
                 self._check_can_become_parent(session, parent)
+            before = _account_states(session).get(name)
             row = session.get(AccountRow, name) or AccountRow(name=name)
             row.share, row.parent = float(share), parent
             session.add(row)
@@ -576,7 +576,86 @@ class Broker:
                     keep_users if users is None else users,
                     keep_groups if groups is None else groups,
                 )
+                session.flush()
+            after = _account_states(session)[name]
+            if after != before:
+                _record(session, name, who, self._clock(), "set", before, after)
         return next(row for row in self.projects() if row["name"] == name)
+
+    def delete_project(self, name: str, *, who: str = "admin") -> None:
+        """Delete an account (admin ``who``) and its members; recorded as a project event.
+
+        :class:`NotFound` if there is none; :class:`Conflict` while it has
+        sub-accounts or live slices. Its slices and charges stay in the history.
+        """
+        with self._write() as session:
+            states = _account_states(session)
+            if name not in states:
+                raise NotFound(f"no account {name!r}")
+            children = sorted(n for n, state in states.items() if state["parent"] == name)
+            if children:
+                raise Conflict(
+                    f"account {name!r} has sub-accounts ({', '.join(children)}); "
+                    "delete or move them first"
+                )
+            live = _live_count(session, name)
+            if live:
+                raise Conflict(
+                    f"project {name!r} has {live} live slice{'s' * (live != 1)}; release them first"
+                )
+            session.execute(delete(MemberRow).where(MemberRow.project == name))
+            session.execute(delete(AccountRow).where(AccountRow.name == name))
+            _record(session, name, who, self._clock(), "delete", states[name], None)
+
+    def apply_tree(
+        self, accounts: Iterable[Mapping[str, Any]], *, who: str = "admin", dry_run: bool = False
+    ) -> list[dict[str, Any]]:
+        """Make the project tree and members ``accounts`` (admin ``who``); the changes.
+
+        Each account: ``name, share, parent`` and, for projects, ``users``/``groups``.
+        The result lists each account that is added, removed or changed:
+        ``{"account", "change", "before", "after"}`` (states as in
+        :meth:`project_events`). ``dry_run``: only compute it. Refused
+        (:class:`InvalidRequest`) for a tree that is not valid, and (:class:`Conflict`)
+        when a project with live slices would be removed or get sub-accounts.
+        """
+        wanted = _wanted_states(accounts)
+        if dry_run:
+            with self._read() as session:
+                return _tree_changes(_account_states(session), wanted)
+        with self._write() as session:
+            current = _account_states(session)
+            changes = _tree_changes(current, wanted)
+            tree = ProjectTree(Account(n, s["share"], s["parent"]) for n, s in wanted.items())
+            for name in current:
+                if (name not in wanted or not tree.is_project(name)) and _live_count(session, name):
+                    raise Conflict(
+                        f"project {name!r} has live slices; it cannot be removed or get "
+                        "sub-accounts (release them first)"
+                    )
+            _write_tree(session, current, wanted, who, self._clock(), action="apply")
+        return changes
+
+    def project_events(self, project: str | None = None) -> list[dict[str, Any]]:
+        """The changes of the project tree, oldest first (of ``project`` only, if given):
+        ``{"id", "account", "who", "at", "action", "before", "after"}``, where
+        ``before``/``after`` are ``{"share", "parent", "users", "groups"}`` or ``None``."""
+        query = select(ProjectEventRow).order_by(ProjectEventRow.id)
+        if project is not None:
+            query = query.where(ProjectEventRow.account == project)
+        with self._read() as session:
+            return [
+                {
+                    "id": row.id,
+                    "account": row.account,
+                    "who": row.who,
+                    "at": row.at,
+                    "action": row.action,
+                    "before": row.before,
+                    "after": row.after,
+                }
+                for row in session.scalars(query)
+            ]
 
     def _check_can_become_parent(self, session: Session, project: str) -> None:
         """A project that gets a sub-account stops being a project; refuse (:class:`Conflict`)
@@ -1112,6 +1191,121 @@ def _members(session: Session) -> dict[str, tuple[set[str], set[str]]]:
         users, groups = members.setdefault(row.project, (set(), set()))
         (users if row.kind == "user" else groups).add(row.name)
     return members
+
+
+def _account_states(session: Session) -> dict[str, dict[str, Any]]:
+    """Every account as ``{"share", "parent", "users", "groups"}`` (sorted names)."""
+    members = _members(session)
+    states = {}
+    for account in _accounts(session):
+        users, groups = members.get(account.name, (set(), set()))
+        states[account.name] = {
+            "share": account.share,
+            "parent": account.parent,
+            "users": sorted(users),
+            "groups": sorted(groups),
+        }
+    return states
+
+
+def _config_states(config: ClusterConfig) -> dict[str, dict[str, Any]]:
+    """The cluster file's accounts as :func:`_account_states` shows the database's."""
+    states = {}
+    for account in config.accounts:
+        members = config.members.get(account.name)
+        states[account.name] = {
+            "share": account.share,
+            "parent": account.parent,
+            "users": sorted(members.users) if members else [],
+            "groups": sorted(members.groups) if members else [],
+        }
+    return states
+
+
+def _wanted_states(accounts: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Accounts as given to :meth:`Broker.apply_tree`, checked (:class:`InvalidRequest`)."""
+    states: dict[str, dict[str, Any]] = {}
+    for given in accounts:
+        name = given.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 255:
+            raise InvalidRequest(f"an account needs a name, got {name!r:.80}")
+        if name in states:
+            raise InvalidRequest(f"account {name!r} is listed twice")
+        states[name] = {
+            "share": float(given.get("share", 1.0)),
+            "parent": given.get("parent"),
+            "users": sorted(set(_member_names(given.get("users") or [], "users"))),
+            "groups": sorted(set(_member_names(given.get("groups") or [], "groups"))),
+        }
+    try:
+        tree = ProjectTree(Account(n, s["share"], s["parent"]) for n, s in states.items())
+    except InvalidConfig as err:
+        raise InvalidRequest(err.message) from None
+    for name, state in states.items():
+        if (state["users"] or state["groups"]) and not tree.is_project(name):
+            raise InvalidRequest(f"{name!r} has sub-accounts; members belong on projects")
+    return states
+
+
+def _tree_changes(
+    current: Mapping[str, dict[str, Any]], wanted: Mapping[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """What turns ``current`` into ``wanted``, by account name: added, removed, changed."""
+    changes = []
+    for name in sorted(set(current) | set(wanted)):
+        before, after = current.get(name), wanted.get(name)
+        if before == after:
+            continue
+        change = "added" if before is None else "removed" if after is None else "changed"
+        changes.append({"account": name, "change": change, "before": before, "after": after})
+    return changes
+
+
+def _write_tree(
+    session: Session,
+    current: Mapping[str, dict[str, Any]],
+    wanted: Mapping[str, dict[str, Any]],
+    who: str,
+    now: float,
+    action: str = "seed",
+) -> None:
+    """Turn the accounts and members ``current`` into ``wanted``, recording each change."""
+    changes = _tree_changes(current, wanted)
+    changed = [c["account"] for c in changes]
+    session.execute(delete(MemberRow).where(MemberRow.project.in_(changed)))
+    removed = [c["account"] for c in changes if c["after"] is None]
+    session.execute(delete(AccountRow).where(AccountRow.name.in_(removed)))
+    session.flush()
+    for change in changes:
+        name, after = change["account"], change["after"]
+        if after is None:
+            continue
+        row = session.get(AccountRow, name) or AccountRow(name=name)
+        row.share, row.parent = after["share"], after["parent"]
+        session.add(row)
+    session.flush()
+    for change in changes:
+        name, after = change["account"], change["after"]
+        if after is not None:
+            _add_members(session, name, after["users"], after["groups"])
+        _record(session, name, who, now, action, change["before"], after)
+
+
+def _record(
+    session: Session,
+    account: str,
+    who: str,
+    at: float,
+    action: str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+) -> None:
+    """Add a project event (see :class:`~broker.orm.ProjectEventRow`)."""
+    session.add(
+        ProjectEventRow(
+            account=account, who=who[:255], at=at, action=action, before=before, after=after
+        )
+    )
 
 
 def _is_member(session: Session, project: str, user: str, groups: Iterable[str]) -> bool:
