@@ -100,7 +100,7 @@ def cull_warning(
     if left > lead:
         return None
     left = max(left, 0.0)
-    minutes = max(round(idle / 60), 1)
+    idle_for = f"{round(idle / 60)} min" if idle >= 60 else "less than a minute"
     if protected:
         condition = "if someone is waiting for its GPUs"
     elif limits.get("busy", 0.0) and limit == limits["busy"]:
@@ -112,7 +112,7 @@ def cull_warning(
         "idle_seconds": round(idle),
         "limit_seconds": limit,
         "protected": protected,
-        "message": f"This session has been idle for {minutes} min. It may be stopped "
+        "message": f"This session has been idle for {idle_for}. It may be stopped "
         f"{condition} once it has been idle for {round(limit / 60)} min. Any activity "
         "(running a cell, typing in a terminal) keeps it. Save your work.",
     }

@@ -106,3 +106,35 @@ def test_the_status_bar_shows_the_slice_and_a_drain_brings_the_countdown(hub, br
     dialog.get_by_role("button", name="Save all").click()
     expect(dialog).to_have_count(0)
     hub.stop_server("alice")
+
+
+def test_an_idle_warning_comes_with_the_hub_s_limit_and_a_countdown(tmp_path, browser, screenshots):
+    # The hub's default limits (15 min idle while someone waits, past protection); a
+    # warning lead longer than that, so that the warning is due at once.
+    config = LAB_SESSIONS + 'c.Spawner.args.append("--SliceBrokerLab.cull_warning=3600")\n'
+    hub = HubProcess(tmp_path / "hub", cluster=CLUSTER, extra_config=config)
+    try:
+        hub.start()
+        hub.start_server("alice", project="vision", gpus=1, protected="0")
+        hub.wait_ready("alice", timeout=90)
+        page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+        page.goto(f"{hub.url}/hub/login")
+        page.fill("#username_input", "alice")
+        page.fill("#password_input", PASSWORD)
+        page.click("#login_submit")
+        page.goto(f"{hub.url}/user/alice/lab")
+
+        dialog = page.locator(".jp-Dialog")
+        expect(dialog).to_contain_text("Your GPU session may stop as idle", timeout=90_000)
+        expect(dialog).to_contain_text("once it has been idle for 15 min")
+        expect(dialog.locator(".sb-countdown")).to_have_text(
+            re.compile(r"^Time left: 1[0-5]:\d\d$")
+        )
+        expect(page.locator(".sb-status")).to_have_text(
+            re.compile(r"^GPU ×1 · vision · not protected · \d+\.\d\d GPU-h$")
+        )
+        page.screenshot(path=str(screenshots / "lab-idle-warning.png"))
+        dialog.get_by_role("button", name="Dismiss").click()
+        expect(dialog).to_have_count(0)
+    finally:
+        hub.shutdown()

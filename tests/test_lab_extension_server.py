@@ -200,6 +200,7 @@ def test_a_protected_session_is_warned_before_the_protected_limit():
     warning = cull_warning(slice_, NOW, 1800 - 300, LIMITS, 600)
     assert warning["protected"] and warning["limit_seconds"] == 1800
     assert warning["deadline"] == NOW + 300
+    assert "idle for 25 min" in warning["message"]
     assert "if someone is waiting for its GPUs" in warning["message"]
 
 
