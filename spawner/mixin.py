@@ -331,6 +331,8 @@ class SliceBrokerMixin(Configurable):
     _broker: BrokerClient | None = None
     _watch_task: asyncio.Task | None = None
     _starting = False
+    # Granted and launching: the slice's progress is over, the backend's begins.
+    _launching = False
     _stopping = False
     _needs_reconnect = False
     _progress_events: list[dict[str, Any]] | None = None
@@ -535,6 +537,7 @@ class SliceBrokerMixin(Configurable):
                 request = await self.apply_slice_options(self.user_options or {})
             granted = await self._acquire(request)
             self._add_progress(notices.grant_event(granted))
+            self._launching = True
             try:
                 url = await super().start()
             except BaseException:
@@ -544,6 +547,7 @@ class SliceBrokerMixin(Configurable):
             return url
         finally:
             self._starting = False
+            self._launching = False
             self.slice_request = None
             self._pulse_progress()
             if self.slice_id is not None and (self.slice or {}).get("state") != "granted":
@@ -655,7 +659,11 @@ class SliceBrokerMixin(Configurable):
             old.set()
 
     async def progress(self) -> Any:
-        """Queue position, fair-share value and estimated wait while pending; then the launch."""
+        """Queue position, fair-share value and estimated wait while pending; then the grant.
+
+        The stream ends with the grant: what follows is the backend's launch, which a
+        backend with progress of its own (KubeSpawner's pod events) chains after this.
+        """
         seen = 0
         while True:
             if self._progress_update is None:
@@ -665,7 +673,7 @@ class SliceBrokerMixin(Configurable):
             while seen < len(events):
                 yield events[seen]
                 seen += 1
-            if not (self._starting or getattr(self, "_spawn_pending", False)):
+            if self._launching or not (self._starting or getattr(self, "_spawn_pending", False)):
                 return
             await update.wait()
 
