@@ -13,9 +13,21 @@ KubeSpawner creates the pod, changed as follows (:meth:`slice_pod`):
 - labelled with the slice id and project (``slicebroker.io/slice-id``,
   ``slicebroker.io/project``), so that an operator (and a cleanup) finds them.
 
-``profile_list`` keeps working: the options form shows the profiles above
-the slice form, and both sets of options are kept (KubeSpawner applies the
-profile's overrides in ``start()``, after the grant; the slice's GPUs win).
+``profile_list`` keeps working: the options form shows KubeSpawner's own form
+(its profiles) above the slice form, and both sets of options are kept
+(KubeSpawner applies the profile's overrides in ``start()``, after the grant;
+the slice's GPUs win).
+
+The progress page shows the broker's events (queue position, the grant), then
+KubeSpawner's own: the pod's events (scheduling, image pulls, start).
+
+The spawner adds to KubeSpawner through its public interface: the
+``get_pod_manifest()`` method (the pod is changed after KubeSpawner and its
+profile overrides built it, so the grant wins over a profile's
+``node_selector`` or ``extra_resource_limits``; ``modify_pod_hook`` stays the
+admin's), ``progress()``, and the values of its ``options_form`` and
+``options_from_form`` traits. The version of KubeSpawner is bounded above in
+the package's extras.
 
 The mixin does the rest: on preemption the server (the pod) is stopped after
 the grace period, and ``poll()`` sees a pod that vanished (evicted, deleted by
@@ -29,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jupyterhub.utils import maybe_future
 from kubespawner import KubeSpawner
 from traitlets import Bool, Unicode, default
 
@@ -39,6 +52,9 @@ from .mixin import SliceBrokerMixin, render_options_form
 from .options import options_from_form
 
 PROJECT_LABEL = "slicebroker.io/project"
+#: The progress of the grant's event (:func:`spawner.notices.grant_event`): the pod's
+#: events fill the bar after it.
+GRANT_PROGRESS = 60
 
 
 def _label_value(value: Any) -> str:
@@ -72,12 +88,13 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
 
     async def _slice_and_profile_form(self, spawner: Any) -> str:
         slice_form = await render_options_form(spawner)
-        if not self.profile_list:
+        # KubeSpawner's own value of the trait: its profile form, or a function that
+        # renders it (a callable profile_list), or "" without profiles.
+        profiles = KubeSpawner._options_form_default(self)
+        if callable(profiles):
+            profiles = await maybe_future(profiles(spawner))
+        if not profiles:
             return slice_form
-        if callable(self.profile_list):
-            profiles = await self._render_options_form_dynamically(spawner)
-        else:
-            profiles = self._render_options_form(self._sorted_dict_values(self.profile_list))
         return f"{profiles}\n{slice_form}"
 
     @default("options_from_form")
@@ -87,8 +104,26 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
     def _slice_and_profile_options(self, formdata: Mapping[str, Any]) -> dict[str, Any]:
         options = options_from_form(formdata)
         if self.profile_list:
-            options.update(KubeSpawner._options_from_form(self, formdata))
+            # KubeSpawner's own value of the trait reads the profile and its options.
+            options.update(KubeSpawner._options_from_form_default(self)(formdata))
         return options
+
+    # ---- progress: the queue, then the pod ---------------------------------------------
+
+    async def progress(self) -> Any:
+        """The broker's events up to the grant, then KubeSpawner's pod events.
+
+        KubeSpawner's progress runs from 0 to 90; after the grant (60) it is
+        scaled into the rest of the bar, so the bar never goes back.
+        """
+        async for event in super().progress():
+            yield event
+        if not self._launching:
+            return  # no grant (the request failed), or the launch is already over
+        async for event in KubeSpawner.progress(self):
+            if "progress" in event:
+                event = {**event, "progress": _after_grant(event["progress"])}
+            yield event
 
     # ---- the pod ---------------------------------------------------------------------
 
@@ -142,6 +177,11 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         labels[PROJECT_LABEL] = _label_value(s.get("project") or "")
         pod.metadata.labels = labels
         return pod
+
+
+def _after_grant(progress: float) -> int:
+    """KubeSpawner's progress (0-100) in the part of the bar after the grant."""
+    return int(GRANT_PROGRESS + (100 - GRANT_PROGRESS) * progress / 100)
 
 
 def _without_gpus(resources: Mapping[str, Any] | None) -> dict[str, Any]:

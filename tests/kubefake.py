@@ -18,6 +18,10 @@ a version older than the last :meth:`FakeKube.compact` gets one ``ERROR``
 event with a 410 ``Status``, as the API server does. Errors are ``Status``
 objects (404, 409 on a create of an existing name).
 
+Events: :meth:`FakeKube.pod_event` records a pod's event (scheduled, pulling
+the image, ...) and :meth:`FakeKube.start_pod` runs a pod created while
+``run_pods`` was false.
+
 Faults, for the tests: :meth:`FakeKube.fail` answers the next matching
 requests with a status (500, 409, ...) or holds them (a timeout);
 :meth:`FakeKube.drop_watches` cuts every open watch stream;
@@ -165,8 +169,8 @@ class FakeKube:
         meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         obj.setdefault("kind", _kind(resource))
         obj.setdefault("apiVersion", "v1")
-        if resource == "pods" and self.run_pods:
-            obj["status"] = running_status(obj)
+        if resource == "pods":
+            obj["status"] = running_status(obj) if self.run_pods else {"phase": "Pending"}
         return self._record(key, "ADDED", obj)
 
     def add_node(self, node: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +201,33 @@ class FakeKube:
 
     def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.list("pods", namespace)
+
+    def pod_event(
+        self, pod: str, namespace: str, reason: str, message: str, type_: str = "Normal"
+    ) -> dict[str, Any]:
+        """Record an ``Event`` about ``pod``, as the scheduler or the kubelet does."""
+        now = time.time()
+        return self.create(
+            "events",
+            {
+                "metadata": {"name": f"{pod}.{uuid.uuid4().hex[:16]}"},
+                "involvedObject": {"kind": "Pod", "name": pod, "namespace": namespace},
+                "reason": reason,
+                "message": message,
+                "type": type_,
+                "count": 1,
+                "source": {"component": "kubelet"},
+                "firstTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                "lastTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                "eventTime": None,
+            },
+            namespace,
+        )
+
+    def start_pod(self, name: str, namespace: str) -> dict[str, Any]:
+        """Run a pod created while ``run_pods`` was false (``Running``, ready)."""
+        pod = self.get("pods", name, namespace)
+        return self.patch("pods", name, {"status": running_status(pod)}, namespace)
 
     # ---- faults -------------------------------------------------------------------
 

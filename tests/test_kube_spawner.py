@@ -110,13 +110,12 @@ async def kube_session(tmp_path, monkeypatch, kube: FakeKube, lease: float = 60.
         def make(name="alice", traits=None, **options):
             user = SimpleNamespace(name=name, id=len(made) + 1, url=f"/user/{name}/", groups=[])
             spawner = KubeSliceBrokerSpawner(
-                **(traits or {}),
+                **{"events_enabled": False, **(traits or {})},
                 _mock=True,
                 user=user,
                 broker_url=f"http://127.0.0.1:{api.port}/",
                 broker_token=agent,
                 namespace="jhub",
-                events_enabled=False,
                 heartbeat_interval=5.0,
                 user_options={"project": "vision", "gpus": "2", "protected": "15m", **options},
             )
@@ -334,3 +333,41 @@ async def test_profile_list_keeps_working_and_the_grant_wins(tmp_path, monkeypat
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
         await spawner.stop()
         assert kube.pods("jhub") == []
+
+
+async def test_pod_events_follow_the_grant_on_the_progress_stream(tmp_path, monkeypatch):
+    kube = FakeKube(run_pods=False)  # the pod waits to be scheduled and its image pulled
+    async with kube_session(tmp_path, monkeypatch, kube) as (_, make):
+        spawner = make(traits={"events_enabled": True})
+        spawner._spawn_pending = True  # as the hub sets it while the spawn runs
+        seen: list[dict] = []
+
+        async def read():
+            async for event in spawner.progress():
+                seen.append(event)
+
+        reader = asyncio.ensure_future(read())
+        start = asyncio.ensure_future(spawner.start())
+        await _until(lambda: kube.pods("jhub"))
+        name, node = spawner.pod_name, spawner.slice["placements"][0]["node"]
+        kube.pod_event(name, "jhub", "Scheduled", f"Successfully assigned jhub/{name} to {node}")
+        kube.pod_event(name, "jhub", "Pulling", 'Pulling image "quay.io/jupyter/base-notebook"')
+        kube.pod_event("jupyter-bob", "jhub", "Pulling", "another user's pod")
+        await _until(lambda: any("Pulling image" in e["message"] for e in seen))
+        assert not start.done()  # the events came while the pod was still starting
+        kube.start_pod(name, "jhub")
+        await asyncio.wait_for(start, 30)
+        spawner._spawn_pending = False
+        await asyncio.wait_for(reader, 10)
+
+        messages = [e["message"] for e in seen]
+        granted = next(i for i, m in enumerate(messages) if m.startswith("Granted 2 GPUs"))
+        pod_events = messages[granted + 1 :]
+        assert all("[Normal]" in m for m in pod_events[:2])
+        assert f"Successfully assigned jhub/{name} to {node}" in pod_events[0]
+        assert 'Pulling image "quay.io/jupyter/base-notebook"' in pod_events[1]
+        assert not any("another user's pod" in m for m in messages)
+        bar = [e["progress"] for e in seen if "progress" in e]
+        assert bar == sorted(bar) and bar[-1] < 100  # the bar never goes back
+        assert all(e["progress"] > 60 for e in seen[granted + 1 :] if "progress" in e)
+        await spawner.stop()
