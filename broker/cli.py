@@ -438,8 +438,8 @@ def add_project(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "project",
         help="change an account of the project tree (admin)",
-        description="Change the project tree (admin). Changes last until the broker "
-        "restarts unless the configuration file says the same.",
+        description="Change the project tree (admin). The broker's database keeps the "
+        "tree: changes last across restarts, and each is recorded ('slicebroker history').",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     put = _api_command(
@@ -500,6 +500,15 @@ def add_project(commands: argparse._SubParsersAction) -> None:
         "--dry-run", action="store_true", help="show what would change, change nothing"
     )
     put.set_defaults(check_args=_check_project_set)
+    remove = _api_command(
+        actions,
+        "delete",
+        project_delete,
+        help="delete an account and its members",
+        description="Delete an account and its members; its slices and charges stay in the "
+        "history. Refused while it has sub-accounts or live slices.",
+    )
+    remove.add_argument("name", metavar="NAME", help="the account")
 
 
 def _parent_name(text: str) -> str:
@@ -704,6 +713,143 @@ async def project_set(client: BrokerClient, args: argparse.Namespace) -> int:
     if row.get("is_project"):
         line += f"; members: {_members(row)}"
     print(line)
+    return 0
+
+
+async def project_delete(client: BrokerClient, args: argparse.Namespace) -> int:
+    event = await client.delete_project(args.name)
+    print(f"deleted {event['account']}: {_describe_state(event['before'])}")
+    return 0
+
+
+def _state(state: Mapping[str, Any]) -> _AccountState:
+    return _AccountState(
+        state["share"], state["parent"], tuple(state["users"]), tuple(state["groups"])
+    )
+
+
+def _describe_state(state: Mapping[str, Any]) -> str:
+    """``share 1 under org; users a,b`` for an account state of the API."""
+    where = f"under {state['parent']}" if state["parent"] else "at the top"
+    parts = [f"share {state['share']:g} {where}"]
+    for kind in ("users", "groups"):
+        if state[kind]:
+            parts.append(f"{kind} {','.join(state[kind])}")
+    return "; ".join(parts)
+
+
+def describe_tree_change(
+    name: str, before: Mapping[str, Any] | None, after: Mapping[str, Any] | None
+) -> str:
+    """One line for a change of an account: ``+`` added, ``-`` removed, ``~`` changed."""
+    if after is None:
+        return f"- {name}: removed ({_describe_state(before or {})})"
+    if before is None:
+        return f"+ {name}: new account, {_describe_state(after)}"
+    return "~ " + _describe_change(name, _state(before), _state(after))
+
+
+# ---- apply-config, history ---------------------------------------------------
+
+
+def add_apply_config(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "apply-config",
+        apply_config,
+        help="make the broker's project tree and members those of a cluster file (admin)",
+        description="Compare the project tree and members of a cluster file with the "
+        "broker's (its database keeps them; the file only seeds them on the first start), "
+        "show every account added (+), removed (-) or changed (~), and apply them after "
+        "asking. Without a terminal, --yes is needed. Each change is recorded "
+        "('slicebroker history'). Nodes and GPU types are not touched: the broker reads "
+        "those from its file at every start.",
+    )
+    parser.add_argument("file", metavar="FILE", help="the cluster configuration file")
+    confirm = parser.add_mutually_exclusive_group()
+    confirm.add_argument("--yes", "-y", action="store_true", help="apply without asking")
+    confirm.add_argument(
+        "--dry-run", action="store_true", help="show the difference, change nothing"
+    )
+
+
+def _file_projects(config: ClusterConfig) -> list[dict[str, Any]]:
+    """The file's accounts and members as ``PUT /projects`` takes them."""
+    projects = []
+    for account in config.accounts:
+        members = config.members.get(account.name)
+        projects.append(
+            {
+                "name": account.name,
+                "share": account.share,
+                "parent": account.parent,
+                "users": sorted(members.users) if members else [],
+                "groups": sorted(members.groups) if members else [],
+            }
+        )
+    return projects
+
+
+async def apply_config(client: BrokerClient, args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except InvalidConfig as err:
+        return _fail(f"{args.file}: {err}", USAGE_ERROR)
+    projects = _file_projects(config)
+    planned = await client.apply_projects(projects, dry_run=True)
+    changes = planned["changes"]
+    if not changes:
+        print(f"the broker's project tree already matches {args.file}")
+        return 0
+    for change in changes:
+        print(describe_tree_change(change["account"], change["before"], change["after"]))
+    count = f"{len(changes)} account{'s' * (len(changes) != 1)}"
+    if args.dry_run:
+        print(f"{count} would change; not applied (--dry-run)")
+        return 0
+    try:
+        if not _confirmed(args):
+            return _fail("not applied", API_ERROR)
+    except _NeedsYes:
+        return _fail("not applied: no terminal to ask at; pass --yes to apply", USAGE_ERROR)
+    done = await client.apply_projects(projects)
+    if done["changes"] != changes:
+        print("note: the tree changed meanwhile; applied:")
+        for change in done["changes"]:
+            print(describe_tree_change(change["account"], change["before"], change["after"]))
+    print(f"applied: {len(done['changes'])} account{'s' * (len(done['changes']) != 1)} changed")
+    return 0
+
+
+def add_history(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "history",
+        history,
+        help="show the changes of the project tree: who, when, what (admin)",
+        description="Show every change of the project tree and its members, oldest first: "
+        "when, who (an admin, or the cluster file that seeded the tree), the action (seed, "
+        "set, apply, delete) and what changed.",
+    )
+    parser.add_argument("--project", metavar="P", help="only this account's changes")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+async def history(client: BrokerClient, args: argparse.Namespace) -> int:
+    events = await client.project_events(args.project)
+    if args.json:
+        _print_json(events)
+        return 0
+    rows = (
+        (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])),
+            e["who"],
+            e["action"],
+            describe_tree_change(e["account"], e["before"], e["after"]),
+        )
+        for e in events
+    )
+    _print(table(("AT", "WHO", "ACTION", "CHANGE"), rows))
     return 0
 
 
@@ -1348,6 +1494,8 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_demo_config,
     add_projects,
     add_project,
+    add_apply_config,
+    add_history,
     add_nodes,
     add_node_actions,
     add_queue,

@@ -360,6 +360,26 @@ class BrokerClient:
             body["groups"] = groups
         return await self.request("PUT", f"/projects/{_segment(name)}", body)
 
+    async def delete_project(self, name: str) -> dict[str, Any]:
+        """Delete an account (admin): ``DELETE /projects/{name}``; the event recording it."""
+        return await self.request("DELETE", f"/projects/{_segment(name)}")
+
+    async def apply_projects(
+        self, projects: list[dict[str, Any]], *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Replace the project tree (admin): ``PUT /projects``; ``{"changes", "applied"}``.
+
+        Each project: ``name, share, parent, users, groups``; ``dry_run`` only
+        answers the changes.
+        """
+        params = {"dry_run": "true"} if dry_run else None
+        return await self.request("PUT", "/projects", {"projects": projects}, params=params)
+
+    async def project_events(self, project: str | None = None) -> list[dict[str, Any]]:
+        """The changes of the project tree, oldest first (admin): ``GET /projects/events``."""
+        params = {"project": project} if project is not None else None
+        return (await self.request("GET", "/projects/events", params=params))["events"]
+
     # ---- nodes ----------------------------------------------------------------------
 
     async def nodes(self) -> list[dict[str, Any]]:

@@ -582,8 +582,8 @@ class Broker:
                 _record(session, name, who, self._clock(), "set", before, after)
         return next(row for row in self.projects() if row["name"] == name)
 
-    def delete_project(self, name: str, *, who: str = "admin") -> None:
-        """Delete an account (admin ``who``) and its members; recorded as a project event.
+    def delete_project(self, name: str, *, who: str = "admin") -> dict[str, Any]:
+        """Delete an account (admin ``who``) and its members; the project event recording it.
 
         :class:`NotFound` if there is none; :class:`Conflict` while it has
         sub-accounts or live slices. Its slices and charges stay in the history.
@@ -605,7 +605,9 @@ class Broker:
                 )
             session.execute(delete(MemberRow).where(MemberRow.project == name))
             session.execute(delete(AccountRow).where(AccountRow.name == name))
-            _record(session, name, who, self._clock(), "delete", states[name], None)
+            event = _record(session, name, who, self._clock(), "delete", states[name], None)
+            session.flush()
+            return _project_event_dict(event)
 
     def apply_tree(
         self, accounts: Iterable[Mapping[str, Any]], *, who: str = "admin", dry_run: bool = False
@@ -644,18 +646,7 @@ class Broker:
         if project is not None:
             query = query.where(ProjectEventRow.account == project)
         with self._read() as session:
-            return [
-                {
-                    "id": row.id,
-                    "account": row.account,
-                    "who": row.who,
-                    "at": row.at,
-                    "action": row.action,
-                    "before": row.before,
-                    "after": row.after,
-                }
-                for row in session.scalars(query)
-            ]
+            return [_project_event_dict(row) for row in session.scalars(query)]
 
     def _check_can_become_parent(self, session: Session, project: str) -> None:
         """A project that gets a sub-account stops being a project; refuse (:class:`Conflict`)
@@ -1299,13 +1290,25 @@ def _record(
     action: str,
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
-) -> None:
+) -> ProjectEventRow:
     """Add a project event (see :class:`~broker.orm.ProjectEventRow`)."""
-    session.add(
-        ProjectEventRow(
-            account=account, who=who[:255], at=at, action=action, before=before, after=after
-        )
+    row = ProjectEventRow(
+        account=account, who=who[:255], at=at, action=action, before=before, after=after
     )
+    session.add(row)
+    return row
+
+
+def _project_event_dict(row: ProjectEventRow) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "account": row.account,
+        "who": row.who,
+        "at": row.at,
+        "action": row.action,
+        "before": row.before,
+        "after": row.after,
+    }
 
 
 def _is_member(session: Session, project: str, user: str, groups: Iterable[str]) -> bool:

@@ -348,6 +348,82 @@ COMPONENTS: dict[str, dict[str, Any]] = {
         },
         ["share"],
     ),
+    "AccountState": _nullable(
+        _obj(
+            {
+                "share": {"type": "number"},
+                "parent": _nullable({"type": "string"}),
+                "users": STRINGS,
+                "groups": STRINGS,
+            },
+            ["share", "parent", "users", "groups"],
+            "an account and its members; null where the account does not exist",
+        )
+    ),
+    "ProjectEvent": _obj(
+        {
+            "id": {"type": "integer"},
+            "account": {"type": "string"},
+            "who": {
+                "type": "string",
+                "description": "the admin who made the change, or 'file NAME' for the "
+                "cluster file that seeded the tree",
+            },
+            "at": EPOCH,
+            "action": _enum(
+                ["seed", "set", "apply", "delete"],
+                description="seed: from the cluster file on the first start; set: "
+                "PUT /projects/{name}; apply: PUT /projects; delete: DELETE /projects/{name}",
+            ),
+            "before": ref("AccountState"),
+            "after": ref("AccountState"),
+        },
+        ["id", "account", "who", "at", "action", "before", "after"],
+    ),
+    "ProjectEventList": _obj(
+        {"events": {"type": "array", "items": ref("ProjectEvent")}},
+        ["events"],
+    ),
+    "ProjectTree": _obj(
+        {
+            "projects": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "name": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 255,
+                            "pattern": NAME_PATTERN,
+                        },
+                        "share": {"type": "number", "minimum": MIN_SHARE, "maximum": MAX_SHARE},
+                        "parent": {**NAME_TEXT, "nullable": True},
+                        "users": NAMES,
+                        "groups": NAMES,
+                    },
+                    ["name", "share"],
+                ),
+            }
+        },
+        ["projects"],
+        "the whole project tree with its members, as the cluster file's [projects] gives it",
+    ),
+    "ProjectChange": _obj(
+        {
+            "account": {"type": "string"},
+            "change": _enum(["added", "removed", "changed"]),
+            "before": ref("AccountState"),
+            "after": ref("AccountState"),
+        },
+        ["account", "change", "before", "after"],
+    ),
+    "ProjectChangeList": _obj(
+        {
+            "changes": {"type": "array", "items": ref("ProjectChange")},
+            "applied": {"type": "boolean", "description": "false for a dry run"},
+        },
+        ["changes", "applied"],
+    ),
     "UsageRow": _obj(
         {
             "project": {"type": "string"},

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...accounting import usage_csv
 from ...errors import Forbidden, InvalidRequest, NotFound
+from ..schema import NAME_TEXT
 from .base import NAME_PARAM, NEW_NAME_PARAM, APIHandler, Operation, Param
 
 
@@ -19,12 +20,58 @@ class ProjectListHandler(APIHandler):
             "first), each with its share, entitlement, window usage, fair-share value "
             "(usage / entitlement), rank among projects, members and queue.",
             content={"application/json": "ProjectList"},
-        )
+        ),
+        "put": Operation(
+            "Replace the project tree",
+            "Admins only. Makes the tree and its members those given (what "
+            "`slicebroker apply-config FILE` sends from the cluster file) and answers "
+            "each account added, removed or changed, before and after; `dry_run=true` "
+            "only answers them. Each change is recorded as a project event. Refused "
+            "(409) when a project with live slices would be removed or get sub-accounts.",
+            auth="admin",
+            parameters=(Param("dry_run", "query", {"type": "boolean"}, "only show the changes"),),
+            body="ProjectTree",
+            content={"application/json": "ProjectChangeList"},
+            errors=(400, 409),
+        ),
     }
 
     async def get(self) -> None:
         projects = await self.runner.read_between_passes(self.broker.projects)
         self.write_json({"projects": projects})
+
+    async def put(self) -> None:
+        body = self.body()
+        dry_run = bool(self.params().get("dry_run", False))
+        who = self.identity.name
+
+        def apply() -> dict[str, Any]:
+            changes = self.broker.apply_tree(body["projects"], who=who, dry_run=dry_run)
+            return {"changes": changes, "applied": not dry_run}
+
+        if dry_run:
+            self.write_json(await self.runner.read(apply))
+        else:
+            self.write_json(await self.runner.change(apply))
+
+
+class ProjectEventsHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "List the changes of the project tree",
+            "Admins only. Every change of an account or its members, oldest first: who "
+            "made it (an admin, or the cluster file that seeded the tree on the first "
+            "start), when, and the account before and after.",
+            auth="admin",
+            parameters=(Param("project", "query", NAME_TEXT, "only this account's changes"),),
+            content={"application/json": "ProjectEventList"},
+        )
+    }
+
+    async def get(self) -> None:
+        project = self.params().get("project")
+        events = await self.runner.read(self.broker.project_events, project)
+        self.write_json({"events": events})
 
 
 class ProjectHandler(APIHandler):
@@ -32,15 +79,30 @@ class ProjectHandler(APIHandler):
         "put": Operation(
             "Create or change an account",
             "Admins only. Sets the share and parent; `users`/`groups` replace the members "
-            "when given. The new tree is checked before anything changes. Lasts until the "
-            "broker restarts unless the configuration file says the same.",
+            "when given. The new tree is checked before anything changes. The change is "
+            "kept in the database (a restart keeps it) and recorded as a project event.",
             auth="admin",
             parameters=(NEW_NAME_PARAM,),
             body="ProjectUpdate",
             content={"application/json": "Project"},
             errors=(400, 409),
-        )
+        ),
+        "delete": Operation(
+            "Delete an account",
+            "Admins only. Deletes the account and its members; its slices and charges "
+            "stay in the history. Refused (409) while it has sub-accounts or live "
+            "slices. Answers the project event recording it.",
+            auth="admin",
+            parameters=(NAME_PARAM,),
+            content={"application/json": "ProjectEvent"},
+            errors=(404, 409),
+        ),
     }
+
+    async def delete(self, name: str) -> None:
+        name = self.path_param("name", name)
+        event = await self.runner.change(self.broker.delete_project, name, who=self.identity.name)
+        self.write_json(event)
 
     async def put(self, name: str) -> None:
         name = self.path_param("name", name)
@@ -52,6 +114,7 @@ class ProjectHandler(APIHandler):
             parent=body.get("parent"),
             users=body.get("users"),
             groups=body.get("groups"),
+            who=self.identity.name,
         )
         self.write_json(project)
 
@@ -160,6 +223,8 @@ def _csv(rows: list[dict[str, Any]], by: str) -> str:
 
 default_handlers = [
     ("/projects", ProjectListHandler),
+    # Before /projects/{name}: "events" names this list, not an account.
+    ("/projects/events", ProjectEventsHandler),
     ("/projects/{name}", ProjectHandler),
     ("/projects/{name}/usage", ProjectUsageHandler),
 ]
