@@ -228,6 +228,10 @@ class BrokerRunner:
         what a read answers when the database does not."""
         return self._live.get(slice_id)
 
+    def remembered_live(self) -> list[dict[str, Any]]:
+        """Every slice live at the last pass or change, oldest first, as then."""
+        return [self._live[i] for i in sorted(self._live)]
+
     def _remember(self, slice_: Mapping[str, Any]) -> None:
         if slice_.get("state") in ("pending", "granted", "preempting"):
             self._live[slice_["id"]] = dict(slice_)
@@ -338,7 +342,7 @@ class BrokerRunner:
         self._between_passes.clear()
         seconds = time.perf_counter() - started
         by_id = {s["id"]: s for s in live}
-        self._live = by_id
+        self._live = dict(by_id)
         self.metrics.record_pass(decisions, by_id, seconds)
         self.next_wake = next_deadline(live, time.time())
         self.watchers.publish({i: slice_key(s) for i, s in by_id.items()}, complete=True)

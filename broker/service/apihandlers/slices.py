@@ -21,6 +21,7 @@ from .base import ID_PARAM, APIHandler, Operation, Param
 from .common import acting_identity, owner_filter
 
 STATES = [s.value for s in SliceState]
+LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
 #: The longest Idempotency-Key taken, and what it may contain (printable ASCII).
 MAX_IDEMPOTENCY_KEY = 255
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
@@ -84,12 +85,23 @@ class SliceListHandler(APIHandler):
             if user is not None and user != self.identity.name:
                 raise Forbidden("users list only their own slices")
             user = self.identity.name
-        slices = await self.runner.read(
-            self.broker.list_slices,
-            state=params.get("state"),
-            project=params.get("project"),
-            user=user,
-        )
+        state, project = params.get("state"), params.get("project")
+        try:
+            slices = await self.runner.read(
+                self.broker.list_slices, state=state, project=project, user=user
+            )
+        except (DatabaseTimeout, OperationalError):
+            # The database does not answer: live slices are as the last pass left them.
+            if state not in ("live", *LIVE_STATES):
+                raise
+            slices = [
+                slice_
+                for slice_ in self.runner.remembered_live()
+                if state in ("live", slice_["state"])
+                and project in (None, slice_["project"])
+                and user in (None, slice_["user"])
+            ]
+            self.set_header("Slicebroker-Stale", "true")
         self.write_json({"slices": slices})
 
     async def post(self) -> None:
