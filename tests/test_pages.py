@@ -172,6 +172,10 @@ def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
         for p in service.get("/projects", token=service.admin_token).json()["projects"]
     }
     assert shares["vision"] == 3
+    events = service.get(
+        "/projects/events", token=service.admin_token, params={"project": "vision"}
+    ).json()["events"]
+    assert (events[-1]["action"], events[-1]["who"]) == ("set", "root")  # the page's admin
     expect(page.locator("svg.chart").first).to_be_visible()
     page.screenshot(path=screenshots / "web-projects.png", full_page=True)
 

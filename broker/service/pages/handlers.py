@@ -437,6 +437,7 @@ class ProjectActionHandler(PageHandler):
             parent=body.get("parent"),
             users=body.get("users"),
             groups=body.get("groups"),
+            who=self.identity.name,
         )
         self.finish({"message": f"Project {project['name']} saved."})
 
