@@ -32,7 +32,10 @@ class SliceListHandler(APIHandler):
         "get": Operation(
             "List slices",
             "Oldest first. Users see only their own slices; agents and admins see all "
-            "and may filter by `user`.",
+            "and may filter by `user`. When the database does not answer in time, a list "
+            "of live slices (`state` live, pending, granted or preempting) is answered "
+            "as the last scheduling pass left them, with the header "
+            "`Slicebroker-Stale: true`.",
             parameters=(
                 Param(
                     "state",
@@ -175,7 +178,9 @@ class SliceHandler(_OwnedSliceHandler):
             "With `wait`, a long poll: answers as soon as the slice's state differs from "
             "`state` (without `state`: as soon as its state or queue position changes "
             "from what it was when the request arrived), or after `wait` seconds (capped "
-            "by the broker's `max_wait`) with the slice as it is then.",
+            "by the broker's `max_wait`) with the slice as it is then. When the database "
+            "does not answer in time, a slice live at the last scheduling pass is answered "
+            "as that pass left it, with the header `Slicebroker-Stale: true`.",
             parameters=(
                 ID_PARAM,
                 Param(
