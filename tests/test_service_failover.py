@@ -16,15 +16,19 @@ import random
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import pytest
 import requests
+from conftest import _postgres_database
 from servicefixtures import BrokerService, make_service
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from test_service_crash import CONFIG, _check_charges, _check_no_gpu_held_twice, _holds, _read
 
 from broker.orm import make_engine
+from broker.service.leader import LEADER_LOCK_KEY
 
 #: The failover goal: the standby serves this soon after the leader's death.
 FAILOVER_GOAL_S = 5.0
@@ -309,3 +313,48 @@ class _hang:
         self._connection.rollback()
         self._connection.close()
         self._engine.dispose()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A scratch PostgreSQL database (the leader lock can only be lost there)."""
+    yield from _postgres_database()
+
+
+def test_a_leader_that_loses_its_lock_to_the_standby_stops(tmp_path, postgres_url):
+    # The standby tries the lock far more often than the leader checks it: once the
+    # leader's lock connection is cut, the standby takes the lock first.
+    leader, standby = (
+        make_service(
+            tmp_path / name,
+            db_url=postgres_url,
+            extra_args=[f"--BrokerApp.standby_poll_interval={poll}"],
+        )
+        for name, poll in (("a", 2.0), ("b", 0.05))
+    )
+    token = leader.token("alice")
+    try:
+        leader.start()
+        standby.start()
+        _check_standby(standby, token)
+        engine = make_engine(postgres_url)
+        try:
+            with engine.connect() as connection:
+                cut = connection.scalar(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE "
+                        "locktype = 'advisory' AND objid = :key AND granted AND database = "
+                        "(SELECT oid FROM pg_database WHERE datname = current_database())"
+                    ),
+                    {"key": LEADER_LOCK_KEY},
+                )
+        finally:
+            engine.dispose()
+        assert cut == 1
+        _until([], lambda: _serves(standby, token), 30)
+        assert leader.process.wait(30) == 1
+        assert "another broker holds the leader lock now; stopping" in leader.log_text()
+        assert "leader: took over" in standby.log_text()
+    finally:
+        leader.stop()
+        standby.stop()
