@@ -177,12 +177,20 @@ class Leadership:
         self.poll_interval = poll_interval
         self.role = "standby"
         self.waited_s = 0.0
+        self._last_error = ""
+
+    def _warn(self, err: Exception) -> None:
+        """Log why the lock could not be tried: once per distinct reason, not per poll."""
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if reason != self._last_error:
+            log.warning("leader lock: %s", reason)
+            self._last_error = reason
 
     async def _try(self) -> bool:
         try:
             return await asyncio.to_thread(self.lock.try_acquire)
         except (OSError, SQLAlchemyError) as err:
-            log.warning("leader lock: %s", str(err).splitlines()[0])
+            self._warn(err)
             return False
 
     async def try_acquire(self) -> bool:
@@ -219,7 +227,7 @@ class Leadership:
                 try:
                     held = await asyncio.to_thread(self.lock.try_acquire)
                 except (OSError, SQLAlchemyError) as err:  # the database is away: wait
-                    log.warning("leader lock: %s", str(err).splitlines()[0])
+                    self._warn(err)
                     await asyncio.sleep(self.poll_interval)
                     continue
                 if not held:
