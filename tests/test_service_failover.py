@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from test_service_crash import CONFIG, _check_charges, _check_no_gpu_held_twice, _holds, _read
 
 from broker.orm import make_engine
+from broker.service.app import BrokerApp
 from broker.service.leader import LEADER_LOCK_KEY
 
 #: The failover goal: the standby serves this soon after the leader's death.
@@ -358,3 +359,12 @@ def test_a_leader_that_loses_its_lock_to_the_standby_stops(tmp_path, postgres_ur
     finally:
         leader.stop()
         standby.stop()
+
+
+def test_the_timeouts_are_options_with_defaults_and_checks():
+    app = BrokerApp()
+    assert (app.db_timeout, app.standby_poll_interval) == (10.0, 0.5)
+    for option in ("db_timeout", "standby_poll_interval"):
+        for bad in (0, -1):
+            with pytest.raises(ValueError, match=f"{option} must be > 0"):
+                BrokerApp(**{option: bad})
