@@ -191,6 +191,14 @@ class _Pass:
         self.leaving.add(slice_.id)
         self._releases.clear()  # a leaving slice frees its GPUs sooner
 
+    def _preempt_for(self, victim: Slice, reason: PreemptReason, requester: Slice) -> None:
+        """Preempt a running slice for ``requester``: it is no candidate any more, and
+        its project's standing drops by what it held, for the rest of the pass."""
+        self._preempt(victim, reason, requester.id)
+        self.preemptor.remove(victim)
+        if victim.allocated:
+            self.standings.record(victim.project, -self._weighted(victim.placements))
+
     # -- phase 3 -----------------------------------------------------------
 
     def build_free_map(self) -> None:
@@ -232,24 +240,23 @@ class _Pass:
             weights=self.snap.gpu_type_weights,
             running=[s for s in self.holding if s.id not in self.leaving],
         )
-        over_share = {
-            project
-            for project in self.tree.projects
-            if any(self.standings.standing(a) > 1.0 for a in self.tree.paths[project])
-        }
-        self.project_rank = project_rank(self.tree.project_order(self.snap.usage), over_share)
+        self.project_rank = project_rank(
+            self.tree.project_order(self.snap.usage), self.standings.over_share()
+        )
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
         """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""
         self.project_gpus[slice_.project] = self.project_gpus.get(slice_.project, 0) + (slice_.gpus)
         if slice_.allocated:
-            weighted = sum(
-                len(p.gpu_indices) * self.snap.weight(self.nodes[p.node].gpu_type)
-                for p in placements
-            )
-            self.standings.record(slice_.project, weighted)
+            self.standings.record(slice_.project, self._weighted(placements))
         if is_debug(slice_, self.policy):
             self.lane.record(slice_)
+
+    def _weighted(self, placements: tuple[Placement, ...]) -> float:
+        """Weighted GPUs of ``placements``: what they count for in fair share."""
+        return sum(
+            len(p.gpu_indices) * self.snap.weight(self.nodes[p.node].gpu_type) for p in placements
+        )
 
     # -- phase 4 -----------------------------------------------------------
 
@@ -301,13 +308,14 @@ class _Pass:
         its grace (returned)."""
         self.free.take(placements)
         self._count(slice_, placements)
-        due = max(
-            (self.freeing.get((p.node, i), 0.0) for p in placements for i in p.gpu_indices),
-            default=0.0,
-        )
-        if due:
-            self.reservations.append(Reservation(slice_.id, placements, True, due))
-            return due
+        if self.freeing:  # only after a preemption in this pass: grants are the hot path
+            due = max(
+                (self.freeing.get((p.node, i), 0.0) for p in placements for i in p.gpu_indices),
+                default=0.0,
+            )
+            if due:
+                self.reservations.append(Reservation(slice_.id, placements, True, due))
+                return due
         self.grants.append(Grant(slice_.id, placements))
         return None
 
@@ -315,7 +323,7 @@ class _Pass:
         """Offer the GPUs the victims free beyond the request's need to the rest of
         the queue, promised to whoever fits them (design.md §5.3): a preemption
         never leaves GPUs idle while work waits."""
-        taken = {(p.node, i) for p in (found.placement,) for i in p.gpu_indices}
+        taken = {(found.placement.node, i) for i in found.placement.gpu_indices}
         leftover: list[Placement] = []
         for victim, _ in found.victims:
             for placement in victim.placements:
@@ -387,15 +395,7 @@ class _Pass:
                 found = self.preemptor.find(slice_, self.free.free)
                 if found is not None:
                     for victim, reason in found.victims:
-                        self._preempt(victim, reason, slice_.id)
-                        self.preemptor.remove(victim)
-                        self.standings.record(
-                            victim.project,
-                            -victim.gpus
-                            * self.snap.weight(self.nodes[victim.placements[0].node].gpu_type)
-                            if victim.allocated
-                            else 0.0,
-                        )
+                        self._preempt_for(victim, reason, slice_)
                     deadline = self.now + self.policy.grace_period
                     promise = Reservation(slice_.id, (found.placement,), True, deadline)
                     self.reservations.append(promise)
@@ -471,8 +471,7 @@ class _Pass:
         self._gang_claimed = True
         for victim, reason in victims:
             if victim.id not in self.leaving:
-                self._preempt(victim, reason, slice_.id)
-                self.preemptor.remove(victim)
+                self._preempt_for(victim, reason, slice_)
         deadline = self.now + self.policy.grace_period
         promise = Reservation(slice_.id, tuple(placements), True, deadline)
         self.reservations.append(promise)

@@ -65,6 +65,15 @@ class Standings:
             return held / fair
         return math.inf if held > 1e-9 else 0.0
 
+    def over_share(self) -> set[str]:
+        """Projects of which the subtree, or an account above it, holds more than
+        its fair share now."""
+        return {
+            project
+            for project in self.tree.projects
+            if any(self.standing(account) > 1.0 for account in self.tree.paths[project])
+        }
+
     def may_take(
         self, mine: str, theirs: str, gained: float, lost: float, *, gang: bool = False
     ) -> bool:

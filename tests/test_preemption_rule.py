@@ -54,6 +54,7 @@ def test_standing_is_gpus_held_over_fair_share_now():
     assert standings.standing("a") == 1.5
     assert standings.standing("b") == 0.0
     assert standings.standing("a", -4.0) == 1.0
+    assert standings.over_share() == {"a"}
 
 
 def test_a_partial_preemption_leaves_no_gpu_idle_while_work_waits():
