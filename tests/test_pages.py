@@ -211,6 +211,24 @@ def test_the_login_form_refuses_a_bad_token_and_goes_nowhere_else(service, brows
     assert requests.get(service.url + "ui/fragment/gpus", timeout=10).status_code == 401
 
 
+def test_a_refused_fragment_answers_the_apis_error_shape_and_logs_no_traceback(service):
+    long_name = "x" * 5000
+    reply = requests.get(
+        service.url + f"ui/fragment/{long_name}",
+        headers={"Authorization": f"token {service.token('alice')}"},
+        timeout=10,
+    )
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "not_found"
+    assert len(error["message"]) < 1200  # the name is not echoed whole
+    anonymous = requests.get(service.url + "ui/fragment/gpus", timeout=10)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "unauthorized"
+    log = service.log_text()
+    assert "Traceback" not in log and "Uncaught exception" not in log
+
+
 # ---- as a hub service ---------------------------------------------------------------------
 
 

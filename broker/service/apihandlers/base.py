@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy.exc import OperationalError
 from tornado import web
+from tornado.httputil import HTTPServerRequest
 
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from ...orm import DatabaseSchemaError
@@ -355,7 +356,7 @@ class APIHandler(web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
-        status, code, message = _describe_error(exc, status_code, self._reason)
+        status, code, message = describe_error(exc, status_code, self._reason)
         # A message may quote what the caller sent; it never repeats all of it.
         message = bounded(message, MESSAGE_LIMIT)
         if status == 405:
@@ -373,27 +374,7 @@ class APIHandler(web.RequestHandler):
         self.finish(json.dumps({"error": {"code": code, "message": message}}))
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
-        """Named errors are the caller's doing: one line. Anything else: a traceback."""
-        if isinstance(value, BrokerError | web.HTTPError):
-            log.debug(
-                "%s %s: %s",
-                self.request.method,
-                bounded(self.request.path),
-                bounded(str(value), MESSAGE_LIMIT),
-            )
-            return
-        if isinstance(value, OperationalError | DatabaseSchemaError):
-            log.error(
-                "database unavailable during %s %s: %s",
-                self.request.method,
-                self.request.path,
-                _short(value),
-            )
-            return
-        log.error(
-            "uncaught exception in %s %s", self.request.method, self.request.path,
-            exc_info=(typ, value, tb),
-        )  # fmt: skip
+        log_failure(self.request, typ, value, tb)
 
     def on_finish(self) -> None:
         if self._counted:
@@ -432,7 +413,30 @@ def log_request(handler: web.RequestHandler) -> None:
     )
 
 
-def _describe_error(exc: BaseException | None, status: int, reason: str) -> tuple[int, str, str]:
+def log_failure(request: HTTPServerRequest, typ: Any, value: Any, tb: Any) -> None:
+    """Log an exception a request ended with. Named errors are the caller's doing: one
+    line. The database out of reach: one line. Anything else: a traceback."""
+    if isinstance(value, BrokerError | web.HTTPError):
+        log.debug(
+            "%s %s: %s",
+            request.method,
+            bounded(request.path),
+            bounded(str(value), MESSAGE_LIMIT),
+        )
+        return
+    if isinstance(value, OperationalError | DatabaseSchemaError):
+        log.error(
+            "database unavailable during %s %s: %s", request.method, request.path, _short(value)
+        )
+        return
+    log.error(
+        "uncaught exception in %s %s", request.method, request.path, exc_info=(typ, value, tb)
+    )
+
+
+def describe_error(exc: BaseException | None, status: int, reason: str) -> tuple[int, str, str]:
+    """``(status, code, message)`` answering ``exc`` (``status`` and ``reason``: what
+    tornado was about to send); never a traceback's text."""
     if isinstance(exc, BrokerError):
         return exc.status, exc.code, exc.message
     if isinstance(exc, web.HTTPError):

@@ -15,7 +15,6 @@ unchanged fragment cost a 304 without a body.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 from urllib.parse import urlencode
@@ -26,14 +25,12 @@ from tornado import web
 from ... import __version__
 from ...accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
-from ..apihandlers.base import MAX_ID
+from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
 from ..apihandlers.common import owner_filter
 from ..auth import Identity, parse_authorization
 from ..schema import ref, validate
 from . import views
 from .views import Cluster
-
-log = logging.getLogger("slicebroker.pages")
 
 #: The cookie holding a standalone login's broker token (signed, HTTP only).
 TOKEN_COOKIE = "slicebroker-token"
@@ -158,20 +155,19 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             raise Forbidden(f"only admins may {what}")
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
+        # The API's answer to the same error (a database out of reach is 503, not 500).
         exc = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(exc, BrokerError):
-            status, code, message = exc.status, exc.code, exc.message
-        elif isinstance(exc, web.HTTPError):
-            status, code = exc.status_code, "error"
-            message = exc.log_message or self._reason
-        else:
-            status, code, message = 500, "internal_error", "internal error; see the broker's log"
+        status, code, message = describe_error(exc, status_code, self._reason)
+        message = bounded(message, MESSAGE_LIMIT)
         self.set_status(status)
         if self.is_json:
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             self.finish(json.dumps({"error": {"code": code, "message": message}}))
             return
         self.finish(self.render_page("error.html", status=status, message=message))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        log_failure(self.request, typ, value, tb)
 
     def render_page(self, name: str, **context: Any) -> str:
         template = self.settings["pages_templates"].get_template(name)
