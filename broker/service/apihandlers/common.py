@@ -1,8 +1,10 @@
-"""Rules shared by the resource modules: acting for a user, and owning a slice."""
+"""Rules shared by the resource modules and the pages: acting for a user, membership of
+an account, and owning a slice."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ...errors import Forbidden
 from ..auth import Identity
@@ -46,6 +48,12 @@ def acting_identity(
         caller.agent,
         caller.kind,
     )
+
+
+def is_member(identity: Identity, account: Mapping[str, Any]) -> bool:
+    """Whether ``identity`` is among ``account``'s members (a row of the project tree),
+    by name or by a group."""
+    return identity.name in account["users"] or not identity.groups.isdisjoint(account["groups"])
 
 
 def owner_filter(caller: Identity) -> dict[str, object]:

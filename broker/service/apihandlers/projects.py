@@ -10,6 +10,7 @@ from ...accounting import usage_csv
 from ...errors import Forbidden, InvalidRequest, NotFound
 from ..schema import NAME_TEXT
 from .base import NAME_PARAM, NEW_NAME_PARAM, APIHandler, Operation, Param
+from .common import is_member
 
 
 class ProjectListHandler(APIHandler):
@@ -175,18 +176,11 @@ class ProjectUsageHandler(APIHandler):
         self.write_json({"project": name, "by": by, "usage": rows})
 
     async def _check_member(self, name: str) -> None:
-        projects = {p["name"]: p for p in await self.runner.read(self.broker.projects)}
-        project = projects.get(name)
+        projects = await self.runner.read_between_passes(self.broker.projects)
+        project = next((p for p in projects if p["name"] == name), None)
         if project is None:
             raise NotFound(f"no project {name!r}")
-        identity = self.identity
-        if not (
-            project["is_project"]
-            and (
-                identity.name in project["users"]
-                or not identity.groups.isdisjoint(project["groups"])
-            )
-        ):
+        if not (project["is_project"] and is_member(self.identity, project)):
             raise Forbidden(f"only members of {name!r}, agents and admins may read its usage")
 
 

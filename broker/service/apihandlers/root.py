@@ -8,7 +8,7 @@ from ... import __version__
 from ..auth import Identity
 from ..openapi import build_document
 from .base import APIHandler, Operation, Param
-from .common import acting_identity
+from .common import acting_identity, is_member
 
 API_VERSION = "v1"
 
@@ -57,7 +57,7 @@ class WhoAmIHandler(APIHandler):
     async def get(self) -> None:
         params = self.params()
         identity = acting_identity(self.identity, params.get("user"), params.get("group"))
-        projects = await self.runner.read(self.broker.projects)
+        projects = await self.runner.read_between_passes(self.broker.projects)
         self.write_json(describe(identity, projects))
 
 
@@ -66,12 +66,7 @@ def describe(identity: Identity, projects: list[dict[str, Any]]) -> dict[str, An
     chargeable = [
         p["name"]
         for p in projects
-        if p["is_project"]
-        and (
-            identity.admin
-            or identity.name in p["users"]
-            or not identity.groups.isdisjoint(p["groups"])
-        )
+        if p["is_project"] and (identity.admin or is_member(identity, p))
     ]
     return {
         "name": identity.name,

@@ -26,7 +26,7 @@ from ... import __version__
 from ...accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
 from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
-from ..apihandlers.common import owner_filter
+from ..apihandlers.common import is_member, owner_filter
 from ..auth import Identity, parse_authorization
 from ..schema import ref, validate
 from . import views
@@ -225,7 +225,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         charts = []
         by_name = {p["name"]: p for p in projects}
         for project in projects:
-            if not (self.identity.admin or _member(self.identity, project)):
+            if not (self.identity.admin or is_member(self.identity, project)):
                 continue
             subtree = _subtree(project["name"], projects)
             values = [
@@ -298,7 +298,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         visible = [
             p["name"]
             for p in projects
-            if p["is_project"] and (self.identity.admin or _member(self.identity, p))
+            if p["is_project"] and (self.identity.admin or is_member(self.identity, p))
         ]
         chosen = self.get_query_argument("project", "")
         if chosen and chosen not in visible:
@@ -344,10 +344,6 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             "csv_url": f"{self.base}ui/usage.csv" + (f"?{query}" if query else ""),
             "query": query,
         }
-
-
-def _member(identity: Identity, project: dict[str, Any]) -> bool:
-    return identity.name in project["users"] or not identity.groups.isdisjoint(project["groups"])
 
 
 def _subtree(name: str, projects: list[dict[str, Any]]) -> set[str]:
