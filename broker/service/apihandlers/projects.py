@@ -107,17 +107,22 @@ class ProjectHandler(APIHandler):
 
     async def put(self, name: str) -> None:
         name = self.path_param("name", name)
-        body = self.body()
-        project = await self.runner.change(
-            self.broker.put_project,
-            name,
-            share=body["share"],
-            parent=body.get("parent"),
-            users=body.get("users"),
-            groups=body.get("groups"),
-            who=self.identity.name,
-        )
+        project = await put_project(self.runner, name, self.body(), self.identity.name)
         self.write_json(project)
+
+
+async def put_project(runner: Any, name: str, body: dict[str, Any], who: str) -> dict[str, Any]:
+    """Create or change account ``name`` as a checked ``ProjectUpdate`` body says, as
+    ``who``: ``PUT /projects/{name}`` and the pages' project form."""
+    return await runner.change(
+        runner.broker.put_project,
+        name,
+        share=body["share"],
+        parent=body.get("parent"),
+        users=body.get("users"),
+        groups=body.get("groups"),
+        who=who,
+    )
 
 
 TIME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 64}

@@ -27,6 +27,7 @@ from ...accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
 from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
 from ..apihandlers.common import is_member, owner_filter
+from ..apihandlers.projects import put_project
 from ..auth import Identity, parse_authorization
 from ..schema import ref, validate
 from . import views
@@ -422,15 +423,7 @@ class ProjectActionHandler(PageHandler):
         body = _json_body(self.request.body)
         validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
         validate(body, ref("ProjectUpdate"), "body")
-        project = await self.runner.change(
-            self.broker.put_project,
-            name,
-            share=body["share"],
-            parent=body.get("parent"),
-            users=body.get("users"),
-            groups=body.get("groups"),
-            who=self.identity.name,
-        )
+        project = await put_project(self.runner, name, body, self.identity.name)
         self.finish({"message": f"Project {project['name']} saved."})
 
 
