@@ -362,9 +362,7 @@ class APIHandler(web.RequestHandler):
         if status == 405:
             message = f"{self.request.method} is not allowed on {bounded(self.request.path)}"
             self.set_header("Allow", ", ".join(m.upper() for m in self.operations))
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json; charset=UTF-8")
-        self.set_header("Cache-Control", "no-store")
+        self.set_status(status)  # send_error has reset the headers to the defaults: JSON, no-store
         if status == 401:
             self.set_header("WWW-Authenticate", "token")
         if not self._prepared:
