@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from clihelpers import cli_service, projects_now, run_at_terminal, run_cli
 from servicefixtures import (
     TEST_CONFIG,
     BrokerService,
@@ -36,17 +37,8 @@ CONFIG = TEST_CONFIG.replace("h100 = 1.0", "h100 = 1000.0")
 @pytest.fixture
 def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BrokerService]:
     """A broker on :data:`CONFIG`; the CLI's URL and (admin) token in the environment."""
-    with running_service(tmp_path / "broker", config=CONFIG) as service:
-        monkeypatch.setenv("SLICEBROKER_URL", service.url)
-        monkeypatch.setenv("SLICEBROKER_TOKEN", service.admin_token)
+    with cli_service(tmp_path / "broker", monkeypatch, CONFIG) as service:
         yield service
-
-
-def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    """``slicebroker ARGV`` in this process: status, stdout, stderr."""
-    status = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def run_script(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -192,11 +184,6 @@ def test_project_set_creates_an_account_under_a_parent(service, capsys):
     assert rows_of(out)["audio"][1:3] == ["2", "50.0%"]
 
 
-def projects_now(service: BrokerService) -> dict[str, dict]:
-    answer = service.get("/projects", token=service.admin_token).json()["projects"]
-    return {p["name"]: p for p in answer}
-
-
 def test_project_set_adds_and_removes_members_and_keeps_the_rest(service, capsys):
     status, out, err = run_cli(
         capsys, "project", "set", "vision", "--add-user", "dave,erin", "--add-user", "alice",
@@ -234,25 +221,8 @@ def test_project_set_without_a_terminal_needs_yes_to_move_entitlements(service, 
 
 
 def test_project_set_asks_at_a_terminal(service):
-    import os
-    import pty
-
-    env = {"SLICEBROKER_URL": service.url, "SLICEBROKER_TOKEN": service.admin_token}
     for answer, status, share in (("n\n", 1, 1), ("y\n", 0, 2)):
-        controller, terminal = pty.openpty()
-        os.write(controller, answer.encode())  # typed ahead: read once the prompt is shown
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "broker.cli", "project", "set", "nlp", "--share", "2"],
-                env=service_env(env),
-                stdin=terminal,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        finally:
-            os.close(terminal)
-            os.close(controller)
+        done = run_at_terminal(service, answer, "project", "set", "nlp", "--share", "2")
         assert done.returncode == status, done.stderr
         assert (
             "nlp       50.0%  66.7%            +16.7\n"

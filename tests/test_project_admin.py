@@ -4,38 +4,19 @@ and asks, deleting a project is refused while it is busy."""
 
 from __future__ import annotations
 
-import os
-import pty
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servicefixtures import TEST_CONFIG, BrokerService, running_service, service_env
-
-from broker import cli
+from clihelpers import cli_service, projects_now, run_at_terminal, run_cli
+from servicefixtures import TEST_CONFIG, BrokerService
 
 
 @pytest.fixture
 def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BrokerService]:
     """A broker on the test cluster; the CLI's URL and admin token in the environment."""
-    with running_service(tmp_path / "broker", config=TEST_CONFIG) as service:
-        monkeypatch.setenv("SLICEBROKER_URL", service.url)
-        monkeypatch.setenv("SLICEBROKER_TOKEN", service.admin_token)
+    with cli_service(tmp_path / "broker", monkeypatch, TEST_CONFIG) as service:
         yield service
-
-
-def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    status = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def projects_now(service: BrokerService) -> dict[str, dict]:
-    answer = service.get("/projects", token=service.admin_token)
-    assert answer.status_code == 200, answer.text
-    return {p["name"]: p for p in answer.json()["projects"]}
 
 
 #: The test cluster's file, changed: vision's share and members, nlp gone, speech new.
@@ -113,25 +94,11 @@ def test_apply_config_shows_the_difference_and_needs_yes_without_a_terminal(
 def test_apply_config_asks_at_a_terminal(service, tmp_path):
     changed = tmp_path / "changed.toml"
     changed.write_text(CHANGED)
-    env = {"SLICEBROKER_URL": service.url, "SLICEBROKER_TOKEN": service.admin_token}
     for answer, status, accounts in (
         ("n\n", 1, {"lab", "vision", "nlp"}),
         ("y\n", 0, {"lab", "vision", "speech"}),
     ):
-        controller, terminal = pty.openpty()
-        os.write(controller, answer.encode())  # typed ahead: read once the prompt is shown
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "broker.cli", "apply-config", str(changed)],
-                env=service_env(env),
-                stdin=terminal,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        finally:
-            os.close(terminal)
-            os.close(controller)
+        done = run_at_terminal(service, answer, "apply-config", str(changed))
         assert done.returncode == status, done.stderr
         assert "~ vision: share 1 -> 3; users alice,bob -> alice,dan\napply? [y/N] " in done.stdout
         assert set(projects_now(service)) == accounts
