@@ -244,7 +244,11 @@ async def test_a_runner_that_gives_up_waiting_still_releases_its_request(service
             run_batch(client, request, ["true"], poll=0.5, patience=1.0, say=lines.append,
                       handle_signals=False)
         )  # fmt: skip
+        deadline = time.monotonic() + 30
         while not any("waiting" in line for line in lines):
+            # A runner that ended (or raised) first never says it: fail, do not hang.
+            assert not queued.done(), (lines, queued)
+            assert time.monotonic() < deadline, f"the runner never said it waits: {lines}"
             await asyncio.sleep(0.02)
         proxy.outage(3.0)  # longer than the patience, shorter than patience * 2
         with pytest.raises(BrokerAPIError) as raised:
