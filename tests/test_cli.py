@@ -617,7 +617,8 @@ def test_serve_passes_every_option_to_the_service(tmp_path):
 def test_serve_help_is_the_service_help():
     done = run_script("serve", "--help")
     assert done.returncode == 0
-    assert "--BrokerApp.pass_interval" in done.stdout or "--pass-interval" in done.stdout
+    assert "--pass-interval=<Float>" in done.stdout
+    assert "Equivalent to: [--BrokerApp.pass_interval]" in done.stdout
 
 
 # ---- defects an admin met: one line and the right status, never a traceback -------------

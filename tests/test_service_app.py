@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
@@ -496,7 +495,6 @@ async def test_waiters_wake_on_news_only():
     watchers.unwatch(1, moved)
     watchers.unwatch(2, other)
     assert len(watchers) == 0 and watchers.generation == 3
-    await asyncio.sleep(0)
 
 
 # ---- schemas --------------------------------------------------------------------------------
