@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 from .client import BrokerAPIError, BrokerClient, new_idempotency_key
 from .config import format_duration
+from .units import gpu_hours
 
 T = TypeVar("T")
 
@@ -495,8 +496,8 @@ class _Runner:
                 f"'slicebroker release {slice_['id']}'"
             )
             return
-        charged = (released.get("charged_gpu_seconds") or 0.0) / 3600
-        self.say(f"slice {released['id']} released, charged {charged:.2f} GPU-h")
+        charged = gpu_hours(released.get("charged_gpu_seconds") or 0.0)
+        self.say(f"slice {released['id']} released, charged {charged}")
 
 
 # ---- helpers -------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from .config import DEMO_CONFIG, ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
 from .sim.cli import add_parser as add_simulate
+from .units import HOUR, gpu_hours
 
 PROG = "slicebroker"
 USAGE_ERROR = 2
@@ -45,7 +46,6 @@ BROKEN_PIPE = 128 + 13
 DB_URL_ENV = "SLICEBROKER_DB_URL"
 #: Retries of a request after a connection failure (0.25 s, then 0.5 s apart).
 CLI_RETRIES = 2
-HOUR = 3600.0
 
 
 class _UsageError(Exception):
@@ -331,7 +331,7 @@ def _print_json(value: object) -> None:
 
 
 def _hours(gpu_seconds: float | None) -> str | None:
-    """GPU-seconds as GPU-hours with two decimals."""
+    """GPU-seconds as GPU-hours with two decimals, for tables: a column lines up."""
     return None if gpu_seconds is None else f"{gpu_seconds / HOUR:.2f}"
 
 
@@ -1042,7 +1042,7 @@ async def release(client: BrokerClient, args: argparse.Namespace) -> int:
     line = f"slice {slice_['id']}: {slice_['state']}"
     if slice_.get("end_reason"):
         line += f" ({slice_['end_reason']})"
-    line += f", charged {_hours(slice_.get('charged_gpu_seconds') or 0.0)} GPU-h"
+    line += f", charged {gpu_hours(slice_.get('charged_gpu_seconds') or 0.0)}"
     print(line)
     return 0
 

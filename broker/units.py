@@ -2,8 +2,9 @@
 
 The broker counts in GPU-seconds (usage, charges, fair-share values); people
 read GPU-hours. Every place that shows GPU time to a person — the web pages,
-the spawn form, the pending page — formats it with :func:`gpu_hours`, so the
-same quantity reads the same wherever it appears.
+the spawn form, the pending page, the charge the command line reports — formats
+it with :func:`gpu_hours`, so the same quantity reads the same wherever it
+appears. (The command line's tables keep two decimals, so that a column lines up.)
 """
 
 from __future__ import annotations
