@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh database on every supported backend, and a clock tests move.
+"""Shared fixtures: a fresh database on every supported backend, a clock tests move, and
+a browser (Playwright on the system Chromium) with a place for its screenshots.
 
 ``db_url`` runs each test that uses it twice: on a SQLite file and on a fresh
 PostgreSQL database (created with a random name, dropped afterwards). The
@@ -11,10 +12,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from broker.orm import ScratchDatabaseUnavailable, scratch_database
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
+
+#: The system Chromium (Playwright's own download is not used).
+CHROMIUM = "/usr/bin/chromium"
 
 
 class FakeClock:
@@ -34,6 +43,31 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """A headless Chromium for the module's tests."""
+    from playwright.sync_api import sync_playwright  # only the browser tests need it
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="session")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where screenshots go: $SLICEBROKER_SCREENSHOTS (``docs/screenshots`` refreshes the
+    documentation's), else a temporary directory."""
+    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
+    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -6,28 +6,16 @@ the documentation's screenshots.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from hubfixtures import PASSWORD, HubProcess, proxy_available, wait_until
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from browsers import hub_login
+from hubfixtures import HubProcess, proxy_available, wait_until
+from playwright.sync_api import Browser, Page, expect
 
-CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
-
-
-@pytest.fixture(scope="module")
-def screenshots(tmp_path_factory) -> Path:
-    """Where screenshots go: $SLICEBROKER_SCREENSHOTS (``docs/screenshots`` refreshes the
-    documentation's), else a temporary directory."""
-    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
-    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +25,6 @@ def hub(tmp_path_factory) -> Iterator[HubProcess]:
         yield hub.start()
     finally:
         hub.shutdown()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture
@@ -61,20 +37,12 @@ def page(browser: Browser) -> Iterator[Page]:
         context.close()
 
 
-def log_in(page: Page, hub: HubProcess, name: str) -> None:
-    page.goto(f"{hub.url}/hub/login")
-    page.fill("#username_input", name)
-    page.fill("#password_input", PASSWORD)
-    page.locator("form").evaluate("form => form.submit()")
-    expect(page).not_to_have_url(re.compile(r"/hub/login"))
-
-
 def test_the_options_form_submits_and_the_pending_page_shows_the_queue_position(
     hub, page, screenshots
 ):
     hub.start_server("dave", project="systems", gpus=2, protected="15m")  # the cluster is full
     hub.wait_ready("dave")
-    log_in(page, hub, "alice")
+    hub_login(page, hub, "alice")
 
     page.goto(f"{hub.url}/hub/spawn")
     expect(page.locator("#sb-project")).to_be_attached()
@@ -119,7 +87,7 @@ def test_a_preempted_user_sees_why_in_the_browser(hub, page, screenshots):
     hub.start_server("bob", project="vision", gpus=1, protected="2s")
     hub.wait_ready("bob")
     victim = hub.slice_of("bob")
-    log_in(page, hub, "bob")
+    hub_login(page, hub, "bob")
 
     hub.start_server("carol", project="nlp", gpus=1, protected="15m")
     hub.wait_ready("carol")
@@ -142,7 +110,7 @@ def test_a_preempted_user_sees_why_in_the_browser(hub, page, screenshots):
 def test_a_waiter_is_told_that_the_only_node_drains(hub, page):
     hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
     try:
-        log_in(page, hub, "erin")
+        hub_login(page, hub, "erin")
         page.goto(f"{hub.url}/hub/spawn")
         expect(page.locator("#sb-project")).to_be_attached()
         # Nothing runs there: the drain completes at once.

@@ -7,16 +7,14 @@ an admin's drain brings the countdown dialog with its Save-all button.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from hubfixtures import PASSWORD, TEST_CLUSTER, HubProcess, proxy_available
-from playwright.sync_api import Browser, expect, sync_playwright
+from browsers import hub_login
+from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available
+from playwright.sync_api import expect
 
-CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
 
 #: A grace period long enough to read the countdown.
@@ -39,26 +37,6 @@ def hub(tmp_path_factory) -> Iterator[HubProcess]:
         hub.shutdown()
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture(scope="module")
-def screenshots(tmp_path_factory) -> Path:
-    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
-    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def test_the_status_bar_shows_the_slice_and_a_drain_brings_the_countdown(hub, browser, screenshots):
     hub.start_server("alice", project="vision", gpus=1, protected="60s")
     hub.wait_ready("alice", timeout=90)
@@ -66,10 +44,7 @@ def test_the_status_bar_shows_the_slice_and_a_drain_brings_the_countdown(hub, br
     assert slice_ is not None and slice_["state"] == "granted"
 
     page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
-    page.goto(f"{hub.url}/hub/login")
-    page.fill("#username_input", "alice")
-    page.fill("#password_input", PASSWORD)
-    page.click("#login_submit")
+    hub_login(page, hub, "alice")
     page.goto(f"{hub.url}/user/alice/lab")
 
     status = page.locator(".sb-status")
@@ -118,10 +93,7 @@ def test_an_idle_warning_comes_with_the_hub_s_limit_and_a_countdown(tmp_path, br
         hub.start_server("alice", project="vision", gpus=1, protected="0")
         hub.wait_ready("alice", timeout=90)
         page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
-        page.goto(f"{hub.url}/hub/login")
-        page.fill("#username_input", "alice")
-        page.fill("#password_input", PASSWORD)
-        page.click("#login_submit")
+        hub_login(page, hub, "alice")
         page.goto(f"{hub.url}/user/alice/lab")
 
         dialog = page.locator(".jp-Dialog")

@@ -6,39 +6,17 @@ service, standalone (token login form) and as a hub service (the hub's OAuth log
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
-from hubfixtures import PASSWORD, HubProcess, wait_until
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from browsers import hub_login
+from hubfixtures import HubProcess, wait_until
+from playwright.sync_api import Browser, Page, expect
 from servicefixtures import BrokerService, running_service
 
-CHROMIUM = "/usr/bin/chromium"
 HOSTILE = "<script>window.pwned=1</script>\"x='1'=2"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--headless", "--disable-gpu"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture(scope="module")
-def screenshots(tmp_path_factory) -> Path:
-    where = os.environ.get("SLICEBROKER_SCREENSHOTS")
-    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -239,14 +217,6 @@ def hub(tmp_path_factory) -> Iterator[HubProcess]:
         yield hub.start()
     finally:
         hub.shutdown()
-
-
-def hub_login(page: Page, hub: HubProcess, name: str) -> None:
-    page.goto(f"{hub.url}/hub/login")
-    page.locator("#username_input").fill(name)
-    page.locator("#password_input").fill(PASSWORD)
-    page.locator("#login_submit").click()
-    expect(page).not_to_have_url(re.compile(r"/hub/login"))
 
 
 def test_the_hub_logs_people_in_and_lists_the_pages(hub, browser, screenshots):
