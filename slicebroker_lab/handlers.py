@@ -171,10 +171,9 @@ class SessionHandler(APIHandler):
         if not slice_id.isdigit():
             self.error(404, "no_slice", f"This session has no GPU slice ({SLICE_ENV} is not set).")
             return
-        if not env.get(URL_ENV) or not env.get(TOKEN_ENV):
-            self.error(
-                404, "no_slice", f"This session cannot reach the broker ({URL_ENV} is not set)."
-            )
+        unset = " and ".join(name for name in (URL_ENV, TOKEN_ENV) if not env.get(name))
+        if unset:
+            self.error(404, "no_slice", f"This session cannot reach the broker ({unset} not set).")
             return
         client = BrokerClient(timeout=config.broker_timeout, retries=1)
         try:

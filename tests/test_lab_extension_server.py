@@ -184,6 +184,21 @@ def test_a_session_without_a_slice_gets_a_404_in_the_api_shape(broker, tmp_path)
         server.stop()
 
 
+def test_a_session_without_its_broker_token_is_told_which_variable_is_missing(broker, tmp_path):
+    env = session_environment(broker, broker.token("alice"), 7)
+    del env["SLICEBROKER_TOKEN"]
+    server = JupyterServer(tmp_path, env)
+    try:
+        reply = server.session()
+        assert reply.status_code == 404
+        error = reply.json()["error"]
+        assert error["code"] == "no_slice"
+        assert "SLICEBROKER_TOKEN not set" in error["message"]
+        assert "SLICEBROKER_URL" not in error["message"]
+    finally:
+        server.stop()
+
+
 # ---- the idle warning -------------------------------------------------------------------
 
 NOW = 1_000_000.0
