@@ -230,7 +230,7 @@ def test_a_hub_restart_keeps_running_sessions(clean):
     pid = before["state"]["pid"]
 
     hub.stop()
-    assert os.path.exists(f"/proc/{pid}") or _alive(pid)
+    assert _alive(pid)  # the hub stopped, its session's server did not
     hub.start()
     after = hub.wait_ready("frank")
     lease = hub.slice_of("frank")["lease_expires_at"]
