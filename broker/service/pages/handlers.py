@@ -224,7 +224,6 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         days = views.day_bounds(now - 6 * views.DAY, now)
         daily = await self._daily_usage(projects, days, by="project")
         charts = []
-        by_name = {p["name"]: p for p in projects}
         for project in projects:
             if not (self.identity.admin or is_member(self.identity, project)):
                 continue
@@ -251,7 +250,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
         return {
             "rows": views.project_rows(projects, policy),
             "charts": charts,
-            "names": sorted(by_name),
+            "names": sorted(p["name"] for p in projects),
         }
 
     async def _daily_usage(
