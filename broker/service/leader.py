@@ -223,19 +223,21 @@ class Leadership:
             if await asyncio.to_thread(self.lock.still_held):
                 continue
             log.warning("leader: the leader lock's connection broke; taking the lock again")
-            while True:
-                try:
-                    held = await asyncio.to_thread(self.lock.try_acquire)
-                except (OSError, SQLAlchemyError) as err:  # the database is away: wait
-                    self._warn(err)
-                    await asyncio.sleep(self.poll_interval)
-                    continue
-                if not held:
-                    log.error("leader: another broker holds the leader lock now; stopping")
-                    self.role = "standby"
-                    lost.set()
-                    return
-                break
+            if not await self._retake():
+                log.error("leader: another broker holds the leader lock now; stopping")
+                self.role = "standby"
+                lost.set()
+                return
+
+    async def _retake(self) -> bool:
+        """Take the lock again after its connection broke, waiting out a database that
+        is away; whether this broker got it (``False``: another broker holds it)."""
+        while True:
+            try:
+                return await asyncio.to_thread(self.lock.try_acquire)
+            except (OSError, SQLAlchemyError) as err:
+                self._warn(err)
+                await asyncio.sleep(self.poll_interval)
 
     async def release(self) -> None:
         await asyncio.to_thread(self.lock.release)
