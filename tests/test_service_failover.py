@@ -30,6 +30,7 @@ from test_service_crash import CONFIG, _check_charges, _check_no_gpu_held_twice,
 from broker.orm import make_engine
 from broker.service.app import BrokerApp
 from broker.service.leader import LEADER_LOCK_KEY
+from broker.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 #: The failover goal: the standby serves this soon after the leader's death.
 FAILOVER_GOAL_S = 5.0
@@ -152,6 +153,7 @@ def _check_standby(service: BrokerService, token: str) -> None:
     assert int(refused.headers["Retry-After"]) >= 1
     metrics = service.get("/metrics")
     assert metrics.status_code == 200 and "slicebroker_leader 0" in metrics.text
+    assert metrics.headers["Content-Type"] == METRICS_CONTENT_TYPE  # as the leader's
     assert "standby: waiting for the leader lock" in service.log_text()
 
 

@@ -39,6 +39,7 @@ from tornado import httputil, web
 
 from .. import __version__
 from ..orm import WRITE_LOCK_KEY, make_engine, normalize_url
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("slicebroker.service")
 
@@ -282,7 +283,7 @@ class StandbyHandler(web.RequestHandler):
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             self.finish(json.dumps({"version": __version__, "api": "v1", "role": role}))
         elif self.request.method == "GET" and under_api == "/metrics":
-            self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.set_header("Content-Type", METRICS_CONTENT_TYPE)  # the leader's, too
             self.finish(
                 "# HELP slicebroker_leader Whether this broker holds the leader lock "
                 "(1) or waits as a standby (0); a standby exports only this.\n"
