@@ -326,6 +326,21 @@ def running_service(directory: Path, **kwargs: Any) -> Iterator[BrokerService]:
         service.session.close()
 
 
+def fill_cluster(service: BrokerService) -> list[int]:
+    """Every GPU of the test cluster (two nodes of 4) to carol (nlp) for an hour, granted:
+    the ids of the two slices."""
+    carol = service.token("carol")
+    ids = []
+    for _ in range(2):
+        body = {"project": "nlp", "gpus": 4, "kind": "batch", "min_runtime": "1h"}
+        slice_id = service.post("/slices", token=carol, json=body).json()["id"]
+        params = {"wait": 10, "state": "pending"}
+        granted = service.get(f"/slices/{slice_id}", token=carol, params=params).json()
+        assert granted["state"] == "granted", granted
+        ids.append(slice_id)
+    return ids
+
+
 @pytest.fixture
 def broker_service(tmp_path: Path) -> Iterator[BrokerService]:
     """A fresh service on :data:`TEST_CONFIG` and a SQLite file, for one test."""

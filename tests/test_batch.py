@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from servicefixtures import TEST_CONFIG, BrokerService, running_service, service_env
+from servicefixtures import TEST_CONFIG, BrokerService, fill_cluster, running_service, service_env
 
 CONFIG = TEST_CONFIG.replace('grace_period = "2s"', 'grace_period = "1s"')
 assert CONFIG != TEST_CONFIG
@@ -133,19 +133,6 @@ def wait_until(condition: Callable[[], object], what: str, runner: Runner | None
 
 def get_slice(service: BrokerService, slice_id: str | int) -> dict:
     return service.get(f"/slices/{slice_id}", token=service.admin_token).json()
-
-
-def fill_cluster(service: BrokerService) -> list[int]:
-    """Two 4-GPU slices of carol's (nlp), granted; their ids."""
-    carol = service.token("carol")
-    ids = []
-    for _ in range(2):
-        body = {"project": "nlp", "gpus": 4, "kind": "batch", "min_runtime": "1h"}
-        slice_id = service.post("/slices", token=carol, json=body).json()["id"]
-        params = {"wait": 10, "state": "pending"}
-        assert service.get(f"/slices/{slice_id}", token=carol, params=params).json()["placements"]
-        ids.append(slice_id)
-    return ids
 
 
 # ---- running ---------------------------------------------------------------------------

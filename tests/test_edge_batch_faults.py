@@ -17,11 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servicefixtures import BrokerService, running_service, service_env
+from hubfixtures import wait_until
+from servicefixtures import BrokerService, fill_cluster, running_service, service_env
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
@@ -142,28 +143,6 @@ def proxy(service: BrokerService) -> Iterator[FlakyProxy]:
     proxy.close()
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def fill_cluster(service: BrokerService) -> list[int]:
-    carol = service.token("carol")
-    ids = []
-    for _ in range(2):
-        body = {"project": "nlp", "gpus": 4, "kind": "batch", "min_runtime": "1h"}
-        slice_id = service.post("/slices", token=carol, json=body).json()["id"]
-        reply = service.get(
-            f"/slices/{slice_id}", token=carol, params={"wait": 10, "state": "pending"}
-        )
-        assert reply.json()["state"] == "granted"
-        ids.append(slice_id)
-    return ids
-
-
 def alices_slices(service: BrokerService) -> list[dict]:
     params = {"user": "alice"}
     return service.get("/slices", token=service.admin_token, params=params).json()["slices"]
@@ -183,21 +162,21 @@ def test_the_runner_waits_through_503s_while_queued_and_while_running(service, p
             env=env, stdout=subprocess.DEVNULL, stderr=stderr,
         )  # fmt: skip
     try:
-        wait_until(lambda: "waiting" in stderr_path.read_text(), "the runner to queue")
+        wait_until(lambda: "waiting" in stderr_path.read_text(), 30, "the runner to queue")
 
         # 1. the broker "restarts" while the job waits; the GPUs free up meanwhile
         proxy.outage(OUTAGE_S)
         for slice_id in blocking:
             service.delete(f"/slices/{slice_id}", token=service.admin_token)
-        wait_until(lambda: not proxy.failing, "the first outage to end", OUTAGE_S + 10)
+        wait_until(lambda: not proxy.failing, OUTAGE_S + 10, "the first outage to end")
         assert proxy.refused > 5, "the runner did not keep asking during the outage"
         assert runner.poll() is None, stderr_path.read_text()
-        wait_until(lambda: (markers / "started").exists(), "the command to start")
+        wait_until(lambda: (markers / "started").exists(), 30, "the command to start")
 
         # 2. again while the command runs; it finishes in the middle of it
         refused = proxy.refused
         proxy.outage(OUTAGE_S)
-        wait_until(lambda: proxy.refused > refused, "a heartbeat or watch to be refused")
+        wait_until(lambda: proxy.refused > refused, 30, "a heartbeat or watch to be refused")
         (markers / "go").touch()
         status = runner.wait(OUTAGE_S + 60)
     finally:
@@ -224,7 +203,7 @@ def test_ctrl_c_says_what_was_released_and_charged(service, proxy, tmp_path):
             env=env, stdout=subprocess.DEVNULL, stderr=stderr,
         )  # fmt: skip
     try:
-        wait_until(lambda: (markers / "started").exists(), "the command to start")
+        wait_until(lambda: (markers / "started").exists(), 30, "the command to start")
         runner.send_signal(signal.SIGINT)
         runner.wait(30)
     finally:

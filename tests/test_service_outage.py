@@ -7,19 +7,10 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from hubfixtures import wait_until
 from servicefixtures import running_service
 
 LEASE = 2.0
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_database_locked_longer_than_the_lease_loses_no_slice(tmp_path):
@@ -28,7 +19,7 @@ def test_a_database_locked_longer_than_the_lease_loses_no_slice(tmp_path):
         made = service.post(
             "/slices", token=alice, json={"project": "vision", "gpus": 1, "kind": "batch"}
         ).json()
-        wait_for(
+        wait_until(
             lambda: service.get(f"/slices/{made['id']}", token=alice).json()["state"] == "granted",
             30,
             "the grant",
@@ -48,7 +39,7 @@ def test_a_database_locked_longer_than_the_lease_loses_no_slice(tmp_path):
             lock.execute("ROLLBACK")
             lock.close()
 
-        wait_for(
+        wait_until(
             lambda: "extended the leases of 1 live slices" in service.log_text(),
             30,
             "the first pass after the outage",
