@@ -560,12 +560,8 @@ def planned_account(
     """
     current = {row["name"]: row for row in rows}
     row = current.get(args.name)
-    before = None
-    if row is not None:
-        before = _AccountState(
-            row["share"], row["parent"], tuple(row.get("users", ())), tuple(row.get("groups", ()))
-        )
-    elif args.share is None:
+    before = None if row is None else _state(row)
+    if before is None and args.share is None:
         raise _Refused(f"no account {args.name!r}: a new account needs --share")
     base = before or _AccountState(args.share, None, (), ())
     parent = None if args.top_level else args.parent or base.parent
@@ -639,8 +635,7 @@ def entitlement_preview(
 def _describe_change(name: str, before: _AccountState | None, after: _AccountState) -> str:
     """One line: what changes about the account (``name: share 1 -> 3; users a -> a,b``)."""
     if before is None:
-        where = f"under {after.parent}" if after.parent else "at the top"
-        return f"{name}: new account, share {after.share:g} {where}"
+        return f"{name}: new account, share {after.share:g} {_where(after.parent)}"
     parts = []
     if before.share != after.share:
         parts.append(f"share {before.share:g} -> {after.share:g}")
@@ -705,9 +700,8 @@ async def project_set(client: BrokerClient, args: argparse.Namespace) -> int:
     if before is None or before.groups != after.groups:
         members["groups"] = list(after.groups)
     row = await client.put_project(args.name, share=after.share, parent=after.parent, **members)
-    where = f"under {row['parent']}" if row.get("parent") else "at the top"
     line = (
-        f"{row['name']}: share {row['share']:g} {where}, "
+        f"{row['name']}: share {row['share']:g} {_where(row.get('parent'))}, "
         f"entitlement {100 * row['entitlement']:.1f}%"
     )
     if row.get("is_project"):
@@ -723,15 +717,23 @@ async def project_delete(client: BrokerClient, args: argparse.Namespace) -> int:
 
 
 def _state(state: Mapping[str, Any]) -> _AccountState:
+    """An account (a row of the tree, or a state of a project event) as ``project set`` sees it."""
     return _AccountState(
-        state["share"], state["parent"], tuple(state["users"]), tuple(state["groups"])
+        state["share"],
+        state["parent"],
+        tuple(state.get("users", ())),
+        tuple(state.get("groups", ())),
     )
+
+
+def _where(parent: str | None) -> str:
+    """Where an account is in the tree: ``under org`` or ``at the top``."""
+    return f"under {parent}" if parent else "at the top"
 
 
 def _describe_state(state: Mapping[str, Any]) -> str:
     """``share 1 under org; users a,b`` for an account state of the API."""
-    where = f"under {state['parent']}" if state["parent"] else "at the top"
-    parts = [f"share {state['share']:g} {where}"]
+    parts = [f"share {state['share']:g} {_where(state['parent'])}"]
     for kind in ("users", "groups"):
         if state[kind]:
             parts.append(f"{kind} {','.join(state[kind])}")
