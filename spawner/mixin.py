@@ -755,15 +755,7 @@ class SliceBrokerMixin(Configurable):
                     fresh = await self.broker.heartbeat(slice_id)
                     next_beat = now + self.heartbeat_interval
                 else:
-                    wait = next_beat - now
-                    if state == "pending":
-                        wait = min(wait, self.queue_refresh_interval)
-                        # Fresh nodes for the page: is the cluster draining or down?
-                        await self._queue_view()
-                    elif state == "preempting":
-                        until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
-                        wait = min(wait, max(until_end, 0.05))
-                    fresh = await self.broker.wait_for_change(slice_id, state, wait)
+                    fresh = await self._next_change(slice_id, s, next_beat - now)
             except asyncio.CancelledError:
                 raise
             except BrokerAPIError as err:
@@ -783,6 +775,21 @@ class SliceBrokerMixin(Configurable):
             self._observe(fresh)
         if self.slice_id == slice_id and not self._starting and not self._stopping:
             await self._end_session(slice_id)
+
+    async def _next_change(
+        self, slice_id: int, s: Mapping[str, Any], wait: float
+    ) -> dict[str, Any]:
+        """The slice once it changes from ``s``, or after at most ``wait`` seconds: less
+        while it is pending (the queue view refreshes) or preempting (its end is near)."""
+        state = s.get("state")
+        if state == "pending":
+            wait = min(wait, self.queue_refresh_interval)
+            # Fresh nodes for the page: is the cluster draining or down?
+            await self._queue_view()
+        elif state == "preempting":
+            until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
+            wait = min(wait, max(until_end, 0.05))
+        return await self.broker.wait_for_change(slice_id, state, wait)
 
     async def _end_session(self, slice_id: int) -> None:
         """The slice is over: stop the server and let the hub notice at once."""
