@@ -5,6 +5,9 @@ from __future__ import annotations
 from ...model import NodeState
 from .base import NAME_PARAM, APIHandler, Operation
 
+#: What each admin action on a node makes its state (the API's routes and the pages' buttons).
+NODE_ACTIONS = {"drain": NodeState.DRAINING, "undrain": NodeState.READY, "down": NodeState.DOWN}
+
 
 class NodeListHandler(APIHandler):
     operations = {
@@ -48,7 +51,7 @@ class _NodeStateHandler(APIHandler):
 
 
 class NodeDrainHandler(_NodeStateHandler):
-    target = NodeState.DRAINING
+    target = NODE_ACTIONS["drain"]
     operations = _node_operation(
         "Drain a node",
         "No new grants; each slice on it is preempted as its protection ends; once "
@@ -59,7 +62,7 @@ class NodeDrainHandler(_NodeStateHandler):
 
 
 class NodeUndrainHandler(_NodeStateHandler):
-    target = NodeState.READY
+    target = NODE_ACTIONS["undrain"]
     operations = _node_operation(
         "Put a node back in service",
         "The node becomes `ready`, and a live inventory (Kubernetes) rules its state again: "
@@ -68,7 +71,7 @@ class NodeUndrainHandler(_NodeStateHandler):
 
 
 class NodeDownHandler(_NodeStateHandler):
-    target = NodeState.DOWN
+    target = NODE_ACTIONS["down"]
     operations = _node_operation(
         "Mark a node down",
         "Its slices end at once (reason `node_down`; resumable batch slices requeue). It "

@@ -27,6 +27,7 @@ from ...accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
 from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
 from ..apihandlers.common import is_member, owner_filter
+from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
 from ..auth import Identity, parse_authorization
 from ..schema import ref, validate
@@ -402,14 +403,12 @@ class ReleaseHandler(PageHandler):
 class NodeActionHandler(PageHandler):
     """An admin's drain, undrain or down of a node."""
 
-    TARGETS = {"drain": "draining", "undrain": "ready", "down": "down"}
-
     async def post(self, name: str, action: str) -> None:
         self.require_admin(f"{action} nodes")
         body = _json_body(self.request.body)
         validate(body, ref("NodeChange"), "body")
         node = await self.runner.change(
-            self.broker.set_node_state, name, self.TARGETS[action], body.get("reason") or ""
+            self.broker.set_node_state, name, NODE_ACTIONS[action].value, body.get("reason") or ""
         )
         self.finish({"message": f"Node {node['name']} is {node['state']}."})
 
@@ -524,7 +523,7 @@ def page_routes(base: str) -> list[tuple[str, type]]:
         (f"{base}({names})", PageViewHandler),
         (f"{base}ui/fragment/([a-z]+)", FragmentHandler),
         (f"{base}ui/slices/([0-9]{{1,10}})/release", ReleaseHandler),
-        (f"{base}ui/nodes/([^/]+)/(drain|undrain|down)", NodeActionHandler),
+        (f"{base}ui/nodes/([^/]+)/({'|'.join(NODE_ACTIONS)})", NodeActionHandler),
         (f"{base}ui/projects/([^/]+)", ProjectActionHandler),
         (f"{base}ui/usage.csv", UsageCsvHandler),
         (f"{base}login", LoginHandler),
