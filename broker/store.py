@@ -256,44 +256,9 @@ class Broker:
 
     # ---- slices: requests --------------------------------------------------------
 
-    def submit(
-        self,
-        *,
-        user: str,
-        groups: Iterable[str] = (),
-        project: str,
-        gpus: int,
-        kind: str,
-        min_runtime: float | None = None,
-        gpu_type: str | None = None,
-        resumable: bool | None = None,
-        max_runtime: float | None = None,
-        priority: int = 0,
-        admin: bool = False,
-        idempotency_key: str | None = None,
-    ) -> dict[str, Any]:
-        """Queue a request for ``gpus`` GPUs charged to ``project``; returns the new slice.
-
-        Contract terms left ``None`` come from the configuration's defaults for
-        the kind. Raises :class:`InvalidRequest` for a request that can never be
-        granted and :class:`Forbidden` unless ``user`` (or one of ``groups``) is
-        a member of ``project`` or ``admin`` is set. Nothing is written then.
-        With an ``idempotency_key``, see :meth:`submit_once`.
-        """
-        return self.submit_once(
-            user=user,
-            groups=groups,
-            project=project,
-            gpus=gpus,
-            kind=kind,
-            min_runtime=min_runtime,
-            gpu_type=gpu_type,
-            resumable=resumable,
-            max_runtime=max_runtime,
-            priority=priority,
-            admin=admin,
-            idempotency_key=idempotency_key,
-        )[0]
+    def submit(self, **request: Any) -> dict[str, Any]:
+        """:meth:`submit_once`'s slice alone (its keyword arguments are the request)."""
+        return self.submit_once(**request)[0]
 
     def submit_once(
         self,
@@ -311,7 +276,13 @@ class Broker:
         admin: bool = False,
         idempotency_key: str | None = None,
     ) -> tuple[dict[str, Any], bool]:
-        """:meth:`submit`, and whether the slice is new (``False``: a replay).
+        """Queue a request for ``gpus`` GPUs charged to ``project``: the new slice,
+        and whether it is new (``False``: a replay).
+
+        Contract terms left ``None`` come from the configuration's defaults for
+        the kind. Raises :class:`InvalidRequest` for a request that can never be
+        granted and :class:`Forbidden` unless ``user`` (or one of ``groups``) is
+        a member of ``project`` or ``admin`` is set. Nothing is written then.
 
         A submission of ``user`` with an ``idempotency_key`` they used before
         changes nothing and answers the slice the first one made, whatever state
@@ -787,7 +758,7 @@ class Broker:
         with self._write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
-            return self._pass(session, now, usual_gap or self.usual_gap)
+            return self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
 
     def _pass(
         self, session: Session, now: float, usual_gap: float | None

@@ -188,7 +188,8 @@ class BrokerRunner:
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
-        self.next_wake: float | None = None  # epoch seconds of the next timed pass
+        self.next_wake: float | None = None  # epoch seconds of the next deadline
+        self._wakes_at = 0.0  # epoch seconds at which the loop looks again, at the latest
         self.passes = 0
         self._wanted = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -259,18 +260,24 @@ class BrokerRunner:
         return self._between_passes[fn]
 
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
-        """A request that may change the schedule: run it, tell waiters, ask for a pass."""
+        """A request that may change the schedule: run it, tell waiters, ask for a pass.
+
+        A request that ran the pass itself (a submission granted at once) needs no
+        other: its pass is taken in as any pass is (:meth:`_passed`), and the loop
+        is woken only if that pass left a deadline sooner than its next timed pass.
+        """
 
         def job() -> tuple[dict, list]:
-            # On the database thread, like every Broker call: the passes the request
-            # ran itself (a submission granted at once) are counted as passes.
+            # On the database thread, like every Broker call.
             return fn(*args, **kwargs), self.broker.take_side_passes()
 
         slice_, side_passes = await self.run(job)
         for decisions, live, seconds in side_passes:
-            self.metrics.record_pass(decisions, {s["id"]: s for s in live}, seconds)
+            self._passed(decisions, live, seconds)
         self._between_passes.clear()
-        self.request_pass()
+        soon = self.next_wake is not None and self.next_wake < self._wakes_at
+        if not side_passes or soon:
+            self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
             self._remember(slice_)
             self.watchers.publish({slice_["id"]: slice_key(slice_)}, complete=False)
@@ -310,8 +317,10 @@ class BrokerRunner:
             started = loop.time()
             await self.run_pass()
             self._first_pass.set()
+            delay = self._delay()
+            self._wakes_at = time.time() + delay
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), self._delay())
+                await asyncio.wait_for(self._wanted.wait(), delay)
             # Coalesce bursts: changes arriving within the gap share the next pass.
             await asyncio.sleep(max(0.0, started + self.pass_gap - loop.time()))
 
@@ -338,9 +347,13 @@ class BrokerRunner:
             else:
                 log.exception("scheduling pass failed; next try in %g s", self.pass_interval)
             return None
+        self._passed(decisions, live, time.perf_counter() - started)
+        return decisions
+
+    def _passed(self, decisions: Decisions, live: list[dict[str, Any]], seconds: float) -> None:
+        """Take in a pass: metrics, the live slices, the next deadline, news for waiters."""
         self.passes += 1
         self._between_passes.clear()
-        seconds = time.perf_counter() - started
         by_id = {s["id"]: s for s in live}
         self._live = dict(by_id)
         self.metrics.record_pass(decisions, by_id, seconds)
@@ -355,7 +368,6 @@ class BrokerRunner:
                 len(decisions.queue),
                 1000 * seconds,
             )
-        return decisions
 
     def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
         # One transaction: no request slips between the pass and the list.
