@@ -595,8 +595,8 @@ def entitlements_after(
 
     Raises :class:`_Refused` if the tree would not be valid (a cycle, say).
     """
-    from .fairshare import ProjectTree
-    from .model import Account
+    from .core.fairshare import ProjectTree
+    from .core.model import Account
 
     accounts = {row["name"]: Account(row["name"], row["share"], row["parent"]) for row in rows}
     accounts[name] = Account(name, after.share, after.parent)

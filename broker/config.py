@@ -24,9 +24,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from .core.fairshare import ProjectTree
+from .core.model import DAY, HOUR, Account, Contract, Node, Policy, SliceKind
 from .errors import InvalidConfig
-from .fairshare import ProjectTree
-from .model import DAY, HOUR, Account, Contract, Node, Policy, SliceKind
 
 log = logging.getLogger(__name__)
 

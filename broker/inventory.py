@@ -31,7 +31,7 @@ from typing import Any
 from traitlets import Unicode
 from traitlets.config import LoggingConfigurable
 
-from .model import Node
+from .core.model import Node
 from .nvidia_smi import local_nodes, parse_gpus, query_gpus
 
 #: The entry point group inventories are registered in.

@@ -1,8 +1,8 @@
 """The Broker: the one place that reads and writes the broker's database.
 
 It turns requests (submit, release, heartbeat, admin changes) into rows,
-builds the scheduler's :class:`~broker.model.Snapshot` from them, and applies
-the :class:`~broker.model.Decisions` a pass returns — each in one transaction.
+builds the scheduler's :class:`~broker.core.model.Snapshot` from them, and applies
+the :class:`~broker.core.model.Decisions` a pass returns — each in one transaction.
 
 Every write transaction holds one database-wide lock (an advisory lock on
 PostgreSQL, the write lock on SQLite), so any number of Broker objects, in any
@@ -24,11 +24,10 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import accounting, transitions
 from .config import ClusterConfig
-from .errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
-from .fairshare import ProjectTree
-from .model import (
+from .core import accounting, transitions
+from .core.fairshare import ProjectTree
+from .core.model import (
     Account,
     Contract,
     Decisions,
@@ -41,6 +40,8 @@ from .model import (
     SliceState,
     Snapshot,
 )
+from .core.scheduler import schedule as default_schedule
+from .errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
 from .orm import (
     DRAINED_BY_ADMIN,
     DRAINED_BY_INVENTORY,
@@ -62,7 +63,6 @@ from .orm import (
     migrate,
     take_write_lock,
 )
-from .scheduler import schedule as default_schedule
 
 log = logging.getLogger(__name__)
 
@@ -699,7 +699,7 @@ class Broker:
         """Charged usage of ``project`` (with its sub-accounts) in ``[since, until)``.
 
         Defaults: the lookback window up to now. Rows per project and user
-        (``by="user"``) or per project, as :func:`broker.accounting.usage_rows`
+        (``by="user"``) or per project, as :func:`broker.core.accounting.usage_rows`
         makes them; slices still running count up to now.
         """
         if by not in ("user", "project"):
@@ -1008,7 +1008,7 @@ def _others_waiting(session: Session, slice_id: int) -> bool:
 
 
 def _write_state(row: SliceRow, slice_: Slice) -> None:
-    """Store what a transition of :mod:`broker.transitions` changed in a slice."""
+    """Store what a transition of :mod:`broker.core.transitions` changed in a slice."""
     _update(
         row,
         state=slice_.state.value,

@@ -12,9 +12,9 @@ import math
 from collections.abc import Iterable
 
 from .config import format_duration
+from .core.fairshare import ProjectTree
+from .core.model import Node, Policy, SliceKind
 from .errors import InvalidRequest
-from .fairshare import ProjectTree
-from .model import Node, Policy, SliceKind
 
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from broker.model import (
+from broker.core.model import (
     Account,
     Contract,
     Node,

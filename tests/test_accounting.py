@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.accounting import (
+from broker.core.accounting import (
     LedgerEntry,
     charge,
     clip,
@@ -19,7 +19,7 @@ from broker.accounting import (
     usage_rows,
     window_usage,
 )
-from broker.model import Contract, Placement, Slice, SliceKind, SliceState
+from broker.core.model import Contract, Placement, Slice, SliceKind, SliceState
 
 HOUR = 3600.0
 NOW = 1_000_000.0

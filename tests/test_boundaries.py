@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 
-from broker.model import (
+from broker.core.model import (
     EndReason,
     Node,
     NodeState,
@@ -21,7 +21,7 @@ from broker.model import (
     SliceKind,
     SliceState,
 )
-from broker.scheduler import schedule
+from broker.core.scheduler import schedule
 from spawner.options import Choices, OptionsError, ProjectView, resolve_request
 
 # ---- project caps -------------------------------------------------------------------------

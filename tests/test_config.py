@@ -20,8 +20,8 @@ from broker.config import (
     parse_config,
     parse_duration,
 )
+from broker.core.model import HOUR, Node, Policy, SliceKind
 from broker.errors import InvalidConfig
-from broker.model import HOUR, Node, Policy, SliceKind
 
 ROOT = Path(__file__).resolve().parents[1]
 

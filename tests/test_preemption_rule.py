@@ -10,8 +10,8 @@ from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapsho
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from broker.fairshare import ProjectTree
-from broker.model import (
+from broker.core.fairshare import ProjectTree
+from broker.core.model import (
     Account,
     EndReason,
     NodeState,
@@ -20,10 +20,10 @@ from broker.model import (
     SliceKind,
     SliceState,
 )
-from broker.preemption import DebugLane, Preemptor, preempt_reason
-from broker.scheduler import schedule
-from broker.standing import Standings
-from broker.transitions import requeued
+from broker.core.preemption import DebugLane, Preemptor, preempt_reason
+from broker.core.scheduler import schedule
+from broker.core.standing import Standings
+from broker.core.transitions import requeued
 
 # ---- fair share now --------------------------------------------------------------------
 

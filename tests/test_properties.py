@@ -42,10 +42,9 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, delete, select
 from sqlalchemy.orm import Session
 
-from broker.accounting import LedgerEntry, usage_by_project
-from broker.errors import InvalidRequest
-from broker.fairshare import ProjectTree
-from broker.model import (
+from broker.core.accounting import LedgerEntry, usage_by_project
+from broker.core.fairshare import ProjectTree
+from broker.core.model import (
     Account,
     Contract,
     Decisions,
@@ -59,12 +58,13 @@ from broker.model import (
     SliceState,
     Snapshot,
 )
-from broker.ordering import within_project_key
+from broker.core.ordering import within_project_key
+from broker.core.preemption import is_debug
+from broker.core.scheduler import schedule
+from broker.core.transitions import apply, end_slice
+from broker.errors import InvalidRequest
 from broker.orm import NOT_DURABLE_OPTION, SliceEventRow, SliceRow, make_engine, migrate
-from broker.preemption import is_debug
-from broker.scheduler import schedule
 from broker.store import LIVE_STATES, _to_slice, _write_state
-from broker.transitions import apply, end_slice
 from broker.validation import validate_slice_request
 
 WEIGHTS = {"h100": 1.0, "b200": 2.0}

@@ -9,8 +9,8 @@ from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapsho
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.fairshare import ProjectTree
-from broker.model import (
+from broker.core.fairshare import ProjectTree
+from broker.core.model import (
     Account,
     EndReason,
     Node,
@@ -21,8 +21,8 @@ from broker.model import (
     SliceKind,
     SliceState,
 )
-from broker.ordering import queue_order
-from broker.scheduler import schedule
+from broker.core.ordering import queue_order
+from broker.core.scheduler import schedule
 
 
 def granted_ids(decisions):

@@ -145,3 +145,30 @@ def test_each_module_imports_alone(module):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+CORE = Path(REPO_ROOT) / "broker" / "core"
+#: What the pure core may import besides the standard library: itself and the
+#: error classes (design.md §5: no database, network or clock).
+CORE_MAY_IMPORT = ("broker.core", "broker.errors")
+
+
+def test_the_core_imports_only_itself_and_the_standard_library():
+    outside = {}
+    for path in CORE.rglob("*.py"):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                modules = [".".join([*anchor, node.module] if node.module else anchor)]
+            else:
+                modules = [node.module or ""]
+            for module in modules:
+                top = module.split(".")[0]
+                inward = module.startswith(CORE_MAY_IMPORT)
+                if not inward and (top == "broker" or top not in sys.stdlib_module_names):
+                    outside.setdefault(name, []).append(module)
+    assert outside == {}, f"the core imports outside itself: {outside}"

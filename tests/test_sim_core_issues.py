@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from builders import HOUR, NOW, flat_tree, nodes, pending, running, snapshot
 
-from broker.model import Placement, SliceState
-from broker.scheduler import schedule
+from broker.core.model import Placement, SliceState
+from broker.core.scheduler import schedule
 
 
 def test_a_slice_granted_at_time_zero_still_expires_at_its_max_runtime():

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from broker.accounting import LedgerEntry, usage_by_project
-from broker.model import DAY, HOUR, Account, Node, NodeState, SliceKind, SliceState
+from broker.core.accounting import LedgerEntry, usage_by_project
+from broker.core.model import DAY, HOUR, Account, Node, NodeState, SliceKind, SliceState
 from broker.sim.engine import SimConfig, Simulation, checkpoint_phase, simulate
 from broker.sim.policies import POLICIES, FairShare
 from broker.sim.usage import UsageTracker

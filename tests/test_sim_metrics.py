@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.model import HOUR, SliceKind
+from broker.core.model import HOUR, SliceKind
 from broker.sim.metrics import (
     PREEMPTION,
     RESTART,

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from broker.model import Account, Node, NodeState, SliceKind
+from broker.core.model import Account, Node, NodeState, SliceKind
 from broker.sim.engine import SimConfig, simulate
 from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority
 from broker.sim.workloads import Job, NodeEvent, Workload

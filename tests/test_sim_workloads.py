@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from broker.core.fairshare import ProjectTree
+from broker.core.model import HOUR, NodeState, SliceKind
 from broker.errors import InvalidConfig
-from broker.fairshare import ProjectTree
-from broker.model import HOUR, NodeState, SliceKind
 from broker.sim.workloads import (
     GeneratorConfig,
     Job,

@@ -14,8 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from broker.config import parse_config
-from broker.errors import Conflict, Forbidden, InvalidRequest, NotFound
-from broker.model import (
+from broker.core.model import (
     Decisions,
     Ending,
     EndReason,
@@ -29,6 +28,7 @@ from broker.model import (
     Reservation,
     Snapshot,
 )
+from broker.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from broker.orm import (
     UPGRADE_COMMAND,
     Base,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core.fairshare import ProjectTree
+from broker.core.model import HOUR, Account, Node, NodeState, Policy
 from broker.errors import InvalidRequest
-from broker.fairshare import ProjectTree
-from broker.model import HOUR, Account, Node, NodeState, Policy
 from broker.validation import validate_slice_request
 
 TREE = ProjectTree(

@@ -8,8 +8,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..fairshare import ProjectTree
-from ..model import (
+from ..core.fairshare import ProjectTree
+from ..core.model import (
     Account,
     Contract,
     Node,
@@ -20,7 +20,7 @@ from ..model import (
     SliceState,
     Snapshot,
 )
-from ..scheduler import schedule
+from ..core.scheduler import schedule
 
 HOUR = 3600.0
 NOW = 1_700_000_000.0

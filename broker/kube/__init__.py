@@ -1,6 +1,6 @@
 """The cluster as Kubernetes shows it (design.md §6, §9): GPU inventory and drain reports.
 
-- :mod:`broker.kube.inventory`: node objects -> broker :class:`~broker.model.Node`
+- :mod:`broker.kube.inventory`: node objects -> broker :class:`~broker.core.model.Node`
   values (a pure mapping), and :class:`~broker.kube.inventory.InventoryWatcher`,
   which lists and watches the nodes and pushes the inventory to a sink
   (:meth:`broker.store.Broker.sync_inventory`).

@@ -1,7 +1,7 @@
 """GPU inventory from the Kubernetes nodes (design.md §6, §9).
 
 :func:`nodes_from_kube` maps one node object (the API's JSON) to broker
-:class:`~broker.model.Node` values — a pure function, tested on tables:
+:class:`~broker.core.model.Node` values — a pure function, tested on tables:
 
 - whole GPUs: allocatable ``nvidia.com/gpu`` gives a broker node of the same
   name, its GPU type read from the node's labels (``nvidia.com/gpu.product``,
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from traitlets import Bool, Float, TraitError, Unicode, validate
 
+from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
-from broker.model import Node, NodeState
 
 if TYPE_CHECKING:
     from .service import KubernetesTasks
@@ -184,7 +184,7 @@ class InventoryWatcher:
     """Lists and watches the Kubernetes nodes and pushes broker nodes into ``sink``.
 
     ``api`` is a ``kubernetes_asyncio`` ``CoreV1Api``. ``sink`` takes the whole
-    inventory (a list of :class:`~broker.model.Node`) and may be a coroutine
+    inventory (a list of :class:`~broker.core.model.Node`) and may be a coroutine
     function; in the broker service it is ``Broker.sync_inventory`` run in an
     executor. ``label_selector`` limits the nodes listed (e.g.
     ``nvidia.com/gpu.present=true``). ``watch_timeout`` (seconds) is how long one

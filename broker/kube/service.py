@@ -14,7 +14,7 @@ import contextlib
 import logging
 from typing import Any
 
-from ..model import Node
+from ..core.model import Node
 from .drain import DrainReporter
 from .inventory import InventoryRules, InventoryWatcher
 from .reaper import PodReaper

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..model import Decisions, NodeState, SliceKind
+from ..core.model import Decisions, NodeState, SliceKind
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -46,8 +46,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import OperationalError
 
+from ..core.model import Decisions
 from ..errors import BrokerError
-from ..model import Decisions
 from ..store import Broker
 from .metrics import BrokerMetrics
 

@@ -19,8 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.model import EndReason, NodeState, PreemptReason, SliceKind, SliceState
 from ..errors import InvalidRequest
-from ..model import EndReason, NodeState, PreemptReason, SliceKind, SliceState
 from ..orm import DRAIN_ORIGINS
 from ..validation import PRIORITY_MAX, PRIORITY_MIN
 

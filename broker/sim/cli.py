@@ -16,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from ..core.model import HOUR, Policy
 from ..errors import InvalidConfig
-from ..model import HOUR, Policy
 from .engine import Result, SimConfig, Simulation
 from .policies import POLICIES
 from .report import comparison, goals_markdown, table, write_report

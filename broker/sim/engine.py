@@ -1,12 +1,12 @@
 """The discrete-event engine: one simulated clock, an event heap, and the policy under test.
 
-State is plain model values — live :class:`~broker.model.Slice` and
-:class:`~broker.model.Node` objects — moved forward only by
-:func:`broker.transitions.apply` (for a policy's decisions and for an
-operator's) and :func:`broker.transitions.end_slice` (for a holder letting
+State is plain model values — live :class:`~broker.core.model.Slice` and
+:class:`~broker.core.model.Node` objects — moved forward only by
+:func:`broker.core.transitions.apply` (for a policy's decisions and for an
+operator's) and :func:`broker.core.transitions.end_slice` (for a holder letting
 go). Events sit in a heap keyed by ``(time, seq)``; the events of one
 ``quantum`` are handled together, then, if anything changed, the engine
-builds a :class:`~broker.model.Snapshot` (usage kept incrementally by a
+builds a :class:`~broker.core.model.Snapshot` (usage kept incrementally by a
 :class:`~broker.sim.usage.UsageTracker`) and calls the policy once.
 
 What users and the cluster do around the scheduler is modelled here:
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..accounting import held_rate
-from ..fairshare import ProjectTree
-from ..model import (
+from ..core.accounting import held_rate
+from ..core.fairshare import ProjectTree
+from ..core.model import (
     HOUR,
     Contract,
     Decisions,
@@ -52,7 +52,7 @@ from ..model import (
     SliceState,
     Snapshot,
 )
-from ..transitions import apply, end_slice
+from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,
     OPERATOR,

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model import HOUR, SliceKind
+from ..core.model import HOUR, SliceKind
 from .workloads import Job
 
 DEBUG_MAX_GPUS = 2

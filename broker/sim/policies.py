@@ -1,10 +1,10 @@
 """The policies the simulator compares, behind one small interface.
 
-A policy is a callable from a :class:`~broker.model.Snapshot` to
-:class:`~broker.model.Decisions`, with a ``name`` and the
-:class:`~broker.model.Policy` it runs under (which also tells the engine how
+A policy is a callable from a :class:`~broker.core.model.Snapshot` to
+:class:`~broker.core.model.Decisions`, with a ``name`` and the
+:class:`~broker.core.model.Policy` it runs under (which also tells the engine how
 to count usage: a hard window or a half-life). ``fairshare`` is the real
-scheduling pass, :func:`broker.scheduler.schedule`, called as is. The
+scheduling pass, :func:`broker.core.scheduler.schedule`, called as is. The
 baselines are small pure functions of their own, sharing only the
 housekeeping every cluster does (:func:`settle`) and the core's free-GPU map
 for placement, so that they differ from ours in ordering, quotas and
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ..fairshare import ProjectTree
-from ..model import (
+from ..core.fairshare import ProjectTree
+from ..core.model import (
     DAY,
     Account,
     Decisions,
@@ -45,8 +45,8 @@ from ..model import (
     SliceState,
     Snapshot,
 )
-from ..placement import FreeGpus
-from ..scheduler import schedule
+from ..core.placement import FreeGpus
+from ..core.scheduler import schedule
 
 
 class Scheduler(Protocol):

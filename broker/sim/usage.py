@@ -5,7 +5,7 @@ allocated slices) that changes only when a slice is granted or ends. With a
 hard window the usage at ``now`` is ``A(now) - A(now - window)``, where ``A``
 is the cumulative charge, a piecewise-linear function kept as breakpoints;
 with a half-life it is one decayed number per project, advanced in closed
-form. Both agree with :func:`broker.accounting.usage_by_project` over the
+form. Both agree with :func:`broker.core.accounting.usage_by_project` over the
 same ledger (tested).
 """
 
@@ -15,7 +15,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Iterable
 
-from ..accounting import LedgerEntry
+from ..core.accounting import LedgerEntry
 
 
 class _Cumulative:

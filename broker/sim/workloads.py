@@ -23,9 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..core.fairshare import ProjectTree
+from ..core.model import HOUR, Account, Node, NodeState, Policy, SliceKind
 from ..errors import InvalidConfig
-from ..fairshare import ProjectTree
-from ..model import HOUR, Account, Node, NodeState, Policy, SliceKind
 
 MIN = 60.0
 DAY = 24 * HOUR

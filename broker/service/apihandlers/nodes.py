@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...model import NodeState
+from ...core.model import NodeState
 from .base import NAME_PARAM, APIHandler, Operation
 
 #: What each admin action on a node makes its state (the API's routes and the pages' buttons).

@@ -6,7 +6,7 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from ...accounting import usage_csv
+from ...core.accounting import usage_csv
 from ...errors import Forbidden, InvalidRequest, NotFound
 from ..schema import NAME_TEXT
 from .base import NAME_PARAM, NEW_NAME_PARAM, APIHandler, Operation, Param

@@ -13,8 +13,8 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 
 from ...config import parse_duration
+from ...core.model import SliceState
 from ...errors import Forbidden, InvalidRequest, NotFound
-from ...model import SliceState
 from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param

@@ -23,7 +23,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
 from ... import __version__
-from ...accounting import usage_csv
+from ...core.accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
 from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
 from ..apihandlers.common import is_member, owner_filter

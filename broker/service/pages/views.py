@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ...model import Policy
+from ...core.model import Policy
 from ...units import HOUR, gpu_hours
 from ..auth import Identity
 
@@ -56,7 +56,7 @@ def placement_text(slice_: Mapping[str, Any]) -> str:
 
 
 def is_debug(slice_: Mapping[str, Any], policy: Policy) -> bool:
-    """A short, small interactive session (as :func:`broker.preemption.is_debug` has it)."""
+    """A short, small interactive session (as :func:`broker.core.preemption.is_debug` has it)."""
     return (
         slice_.get("kind") == "interactive"
         and (slice_.get("min_runtime") or 0) > 0

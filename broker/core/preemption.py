@@ -79,7 +79,7 @@ def preempt_reason(
 
     1. unallocated slices, always (they were free and knew it);
     2. the same project's work that ranks below the request in
-       :func:`~broker.ordering.within_project_key`;
+       :func:`~broker.core.ordering.within_project_key`;
     3. another project's work when fair share now allows the move
        (:meth:`Standings.may_take`): the requester's project gains the request's
        GPUs, the victim's project loses all of the victim's (``weight`` per GPU),

@@ -1,7 +1,7 @@
 """Fair share now (design.md §5.2): what each account may hold of the cluster at
 this moment, and how far it is from that.
 
-The 7-day window (:mod:`broker.fairshare`) orders who is served first from free
+The 7-day window (:mod:`broker.core.fairshare`) orders who is served first from free
 GPUs. Whether one project may take running GPUs from another is judged on the
 present instead: a week's usage barely moves when one job changes hands, so a
 rule on the window lets two projects trade the same GPUs back and forth.

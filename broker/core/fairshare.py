@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import InvalidConfig
+from ..errors import InvalidConfig
 from .model import Account
 
 

@@ -1,6 +1,6 @@
 """The scheduling pass (design.md §5): a pure function from a snapshot to decisions.
 
-It reads nothing but its :class:`~broker.model.Snapshot` — no database, no
+It reads nothing but its :class:`~broker.core.model.Snapshot` — no database, no
 network, no wall clock for decisions — so the service, the simulator and the
 benchmarks all run this same code, and the same snapshot always gives the
 same decisions.
@@ -526,7 +526,7 @@ class _Pass:
     def _could_preempt(
         self, requester: Slice, holder: Slice, at: float, weight: float, lost_before: float = 0.0
     ) -> bool:
-        """:func:`~broker.preemption.preempt_reason` at time ``at`` (for estimates)."""
+        """:func:`~broker.core.preemption.preempt_reason` at time ``at`` (for estimates)."""
         reason = preempt_reason(
             requester,
             holder,

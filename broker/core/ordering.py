@@ -28,7 +28,7 @@ def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> di
     1. projects holding no more than their fair share now (design.md §5.2)
        before those holding more — a grant the preemption rule would take
        back once its protection ends only churns;
-    2. the window's fair-share order (:meth:`~broker.fairshare.ProjectTree.project_order`),
+    2. the window's fair-share order (:meth:`~broker.core.fairshare.ProjectTree.project_order`),
        which ends on the project name.
     """
     ordered = sorted(window_order, key=lambda name: name in over_share)  # stable: keeps 2.

@@ -30,7 +30,7 @@ def requeued(slice_: Slice, protect_next: float | None = None) -> Slice:
     """``slice_`` back in the queue, holding and promised nothing, with its place in
     it (``submitted_at``) kept; its lease starts again with its next heartbeat.
     ``protect_next`` is its next run's protected period, where the pass chose a
-    new one (:attr:`~broker.model.Ending.protect_next`).
+    new one (:attr:`~broker.core.model.Ending.protect_next`).
     """
     contract = slice_.contract
     if protect_next is not None:
