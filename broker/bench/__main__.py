@@ -20,10 +20,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     load = sub.add_parser("api", help="the HTTP API under load from concurrent clients")
     load.add_argument(
-        "--db", choices=("sqlite", "postgresql", "both"), default="both", help="database(s)"
+        "--db",
+        "--backend",
+        choices=("sqlite", "postgresql", "postgres", "both"),
+        default="both",
+        help="database(s)",
     )
     load.add_argument("--clients", type=int, default=200, help="concurrent clients")
-    load.add_argument("--seconds", type=float, default=20.0, help="length of the run")
+    load.add_argument(
+        "--seconds", "--duration", type=float, default=20.0, help="length of the run (per rate)"
+    )
+    load.add_argument(
+        "--open-loop", action="store_true", help="requests at a fixed offered rate (issue #11)"
+    )
+    load.add_argument("--rate", type=float, default=500.0, help="open loop: requests/s offered")
+    load.add_argument(
+        "--sweep", action="store_true", help="open loop: step the rate until p99 > 100 ms"
+    )
+    load.add_argument(
+        "--heartbeat-every",
+        type=float,
+        default=30.0,
+        help="open loop: seconds between a session's heartbeats",
+    )
+    load.add_argument("--seed", type=int, default=1, help="open loop: the schedule's random seed")
     load.add_argument("--heartbeats", type=int, default=2, help="heartbeats per slice held")
     load.add_argument(
         "--postgres-url",
@@ -63,9 +83,23 @@ def main(argv: list[str] | None = None) -> int:
         report = spawn.run(repeat=args.repeat)
     elif args.which == "failover":
         report = failover.run(args.db, args.inflight, args.rounds, args.postgres_url)
+    elif args.which == "api" and (args.open_loop or args.sweep):
+        report = api.run_open_loop(
+            "postgresql" if args.db == "postgres" else args.db,
+            args.rate,
+            args.seconds,
+            args.postgres_url,
+            sweep=args.sweep,
+            heartbeat_every=args.heartbeat_every,
+            seed=args.seed,
+        )
     elif args.which == "api":
         report = api.run(
-            args.db, args.clients, args.seconds, args.postgres_url, heartbeats=args.heartbeats
+            "postgresql" if args.db == "postgres" else args.db,
+            args.clients,
+            args.seconds,
+            args.postgres_url,
+            heartbeats=args.heartbeats,
         )
     elif args.which in (None, "pass"):
         repeat = getattr(args, "repeat", 100)

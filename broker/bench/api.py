@@ -15,13 +15,23 @@ purpose), latency p50/p99 per route and over all requests, request-to-grant
 latency (submit sent to grant seen), errors by route and code, and the CPU
 seconds of the broker and of the driver. Both the time (``seconds``, plus a
 bounded drain) and the work (one live slice per client) are bounded.
+
+``--open-loop`` (issue #11, :func:`run_open_loop`) sends instead a schedule
+fixed in advance (Poisson arrivals at ``rate`` requests/s, a mix of kinds,
+:data:`MIX`), each request on time whatever the answers before it, and
+measures its latency from its scheduled send, so queueing counts. The same
+schedule drives the reference server (:mod:`.reference_server`: one journaled
+write per request) in the same run; ``--sweep`` steps the rate until the
+broker's p99 passes 100 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
+import random
 import re
 import resource
 import signal
@@ -30,14 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client import BrokerAPIError, BrokerClient
+from ..client import API_PREFIX, BrokerAPIError, BrokerClient
 from ..orm import SCRATCH_POSTGRES_URL, ScratchDatabaseUnavailable, scratch_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,41 +163,47 @@ class _Broker:
 def _start_broker(url: str, directory: Path) -> _Broker:
     config = directory / "cluster.toml"
     port = _free_port()
-    log = directory / "broker.log"
+    return _start_server(
+        [
+            "broker.service",
+            f"--config-file={config}",
+            f"--db-url={url}",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--max-wait=30",
+            "--log-level=WARN",
+        ],
+        port,
+        directory / "broker.log",
+    )
+
+
+def _start_server(module_args: list[str], port: int, log: Path) -> _Broker:
+    """``python -m <module_args>`` listening on ``port``, once it accepts connections."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     for name in [n for n in env if n.startswith("JUPYTERHUB_")]:
         del env[name]  # standalone: the broker's own tokens
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "broker.service",
-                f"--config-file={config}",
-                f"--db-url={url}",
-                "--ip=127.0.0.1",
-                f"--port={port}",
-                "--max-wait=30",
-                "--log-level=WARN",
-            ],
-            cwd=directory,
+            [sys.executable, "-m", *module_args],
+            cwd=log.parent,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    broker = _Broker(process, f"http://127.0.0.1:{port}", log)
+    server = _Broker(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"the broker exited at start:\n{log.read_text()[-2000:]}")
+            raise RuntimeError(f"{module_args[0]} exited at start:\n{log.read_text()[-2000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return broker
+                return server
         except OSError:
             if time.monotonic() > deadline:
-                broker.stop()
-                raise RuntimeError("the broker did not start in 60 s") from None
+                server.stop()
+                raise RuntimeError(f"{module_args[0]} did not start in 60 s") from None
             time.sleep(0.05)
 
 
@@ -327,6 +343,7 @@ def _summary(seconds: Sequence[float]) -> dict[str, Any]:
     return {
         "count": len(ordered),
         "p50": round(1000 * _percentile(ordered, 0.50), 1),
+        "p90": round(1000 * _percentile(ordered, 0.90), 1),
         "p99": round(1000 * _percentile(ordered, 0.99), 1),
         "max": round(1000 * ordered[-1], 1),
     }
@@ -335,3 +352,432 @@ def _summary(seconds: Sequence[float]) -> dict[str, Any]:
 def _percentile(ordered: Sequence[float], q: float) -> float:
     """The nearest-rank percentile ``q`` (0..1) of sorted values."""
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+# ---- open loop (issue #11) ---------------------------------------------------------------
+
+#: Share of each kind of request in the offered load. Heartbeats dominate at scale
+#: (every open notebook sends one per ``heartbeat_every``); submits and releases
+#: balance, so the number of live slices stays about constant; each spawn reads
+#: the project tree (the options form) and watchers read single slices.
+MIX = {"heartbeat": 0.70, "get_slice": 0.10, "projects": 0.04, "submit": 0.08, "release": 0.08}
+#: The sweep's offered rates (requests/s), tried in order until p99 passes the limit.
+SWEEP_RATES = (250, 500, 1000, 1500, 2000, 3000, 4000)
+SWEEP_P99_S = 0.100
+#: Per-request limit; a request past it counts as an error (status 0) with this latency.
+REQUEST_TIMEOUT_S = 10.0
+#: Connections the driver may hold open at once (long-polls hold one each).
+MAX_CLIENTS = 1000
+#: Slices held for releases to take, as seconds of release traffic.
+CHURN_POOL_S = 5.0
+LONG_POLL_WAIT_S = 30.0
+OPEN_LOOP_GOALS = {
+    "p99_ms_at_500": 50,
+    "sweep_rate_sqlite": 1500,
+    "sweep_rate_postgresql": 1000,
+    "broker_over_reference": 0.8,
+    "grant_p50_ms_at_500": 20,
+    "grant_p99_ms_at_500": 100,
+}
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    """One open-loop run: ``rate`` requests/s offered for ``seconds``, Poisson arrivals
+    drawn from ``seed``; each session heartbeats once per ``heartbeat_every``."""
+
+    rate: float
+    seconds: float = 20.0
+    heartbeat_every: float = 30.0
+    seed: int = 1
+
+    @property
+    def sessions(self) -> int:
+        return max(1, math.ceil(self.rate * self.heartbeat_every * MIX["heartbeat"]))
+
+    @property
+    def churn(self) -> int:
+        return max(10, math.ceil(self.rate * MIX["release"] * CHURN_POOL_S))
+
+
+@dataclass(frozen=True)
+class _Send:
+    at: float  # seconds after the start of the schedule
+    kind: str
+    session: int  # which session's slice (heartbeat, get_slice)
+
+
+def schedule(work: OpenLoop) -> list[_Send]:
+    """The arrival times and kinds of every request, fixed before the run.
+
+    Heartbeats go to the sessions in turn, so each session heartbeats about
+    once per ``heartbeat_every``.
+    """
+    rng = random.Random(work.seed)
+    kinds, weights = list(MIX), list(MIX.values())
+    sends: list[_Send] = []
+    at, beats = 0.0, 0
+    while True:
+        at += rng.expovariate(work.rate)
+        if at >= work.seconds:
+            return sends
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "heartbeat":
+            session, beats = beats % work.sessions, beats + 1
+        else:
+            session = rng.randrange(work.sessions)
+        sends.append(_Send(at, kind, session))
+
+
+def run_open_loop(
+    db: str = "both",
+    rate: float = 500.0,
+    seconds: float = 20.0,
+    postgres_url: str = SCRATCH_POSTGRES_URL,
+    *,
+    sweep: bool = False,
+    heartbeat_every: float = 30.0,
+    seed: int = 1,
+) -> dict[str, Any]:
+    """The broker and the reference server (:mod:`.reference_server`), each on a fresh
+    database per rate, driven by the same open-loop schedule: at ``rate``, or with
+    ``sweep`` at :data:`SWEEP_RATES` until the broker's p99 passes 100 ms."""
+    backends = ["sqlite", "postgresql"] if db == "both" else [db]
+    rates = SWEEP_RATES if sweep else (rate,)
+    load = os.getloadavg()[0]  # other work on the machine skews every figure
+    results = []
+    for backend in backends:
+        points: list[dict[str, Any]] = []
+        try:
+            for offered in rates:
+                work = OpenLoop(offered, seconds, heartbeat_every, seed)
+                point = {
+                    "offered_rate": offered,
+                    "broker": _open_run("broker", backend, work, postgres_url),
+                    "reference": _open_run("reference", backend, work, postgres_url),
+                }
+                point["broker_over_reference"] = _ratios(point["broker"], point["reference"])
+                points.append(point)
+                if point["broker"]["latency_ms"].get("p99", math.inf) > 1000 * SWEEP_P99_S:
+                    break
+        except ScratchDatabaseUnavailable as err:
+            results.append({"db": backend, "skipped": str(err)})
+            continue
+        result: dict[str, Any] = {"db": backend, "points": points}
+        if sweep:
+            result["highest_rate_p99_within_100ms"] = {
+                server: _highest_passing(points, server) for server in ("broker", "reference")
+            }
+        results.append(result)
+    return {
+        "benchmark": "api-open-loop",
+        "seconds": seconds,
+        "heartbeat_every_s": heartbeat_every,
+        "mix": MIX,
+        "seed": seed,
+        "transport": _transport_name(),
+        "cpus": os.cpu_count(),
+        "goals": OPEN_LOOP_GOALS,
+        "load_average_before": round(load, 2),
+        "results": results,
+    }
+
+
+def _highest_passing(points: Sequence[dict[str, Any]], server: str) -> float | None:
+    passing = [
+        p["offered_rate"]
+        for p in points
+        if p[server]["latency_ms"].get("p99", math.inf) <= 1000 * SWEEP_P99_S
+    ]
+    return max(passing, default=None)
+
+
+def _ratios(broker: dict[str, Any], reference: dict[str, Any]) -> dict[str, float | None]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 2)
+
+    return {
+        "achieved_rate": ratio(broker["achieved_rate"], reference["achieved_rate"]),
+        "p99": ratio(broker["latency_ms"].get("p99"), reference["latency_ms"].get("p99")),
+    }
+
+
+def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> dict[str, Any]:
+    """One server on a fresh database, seeded with the sessions' slices, under ``work``."""
+    with tempfile.TemporaryDirectory(prefix="slicebroker-bench-") as name:
+        directory = Path(name)
+        with _database(backend, directory, postgres_url) as url:
+            seeding = time.perf_counter()
+            if server == "broker":
+                held, tokens = _seed_broker(url, directory, work)
+                process = _start_broker(url, directory)
+            else:
+                tokens = {p: f"reference-{p}" for p in PROJECTS}
+                held = [
+                    (i + 1, PROJECTS[i % len(PROJECTS)]) for i in range(work.sessions + work.churn)
+                ]
+                port = _free_port()
+                process = _start_server(
+                    [f"{__package__}.reference_server", f"--db-url={url}", f"--port={port}"],
+                    port,
+                    directory / "reference.log",
+                )
+            seeded_s = time.perf_counter() - seeding
+            try:
+                figures = asyncio.run(_drive_open(process.url, tokens, held, work))
+            finally:
+                server_cpu = process.stop()
+    return {
+        **figures,
+        "live_slices_at_start": len(held),
+        "setup_s": round(seeded_s, 1),
+        "server_cpu_s": round(server_cpu, 1),
+    }
+
+
+def _seed_broker(
+    url: str, directory: Path, work: OpenLoop
+) -> tuple[list[tuple[int, str]], dict[str, str]]:
+    """The cluster file, a token per project's first user, and the sessions' and the
+    release pool's slices written straight to the database and granted by one pass
+    (submitting thousands through the API would take minutes): ``(id, project)`` each."""
+    from sqlalchemy.orm import Session
+
+    from ..config import load_config
+    from ..orm import SliceRow, make_engine
+    from ..service.auth import TokenStore
+    from ..store import Broker
+
+    live = work.sessions + work.churn
+    # Room for every live slice and the submits of the whole run, so that grants
+    # measure the broker, not a queue.
+    gpus = live + math.ceil(work.rate * MIX["submit"] * work.seconds) + GPUS_PER_NODE
+    (directory / "cluster.toml").write_text(_config(gpus))
+    store = TokenStore(url)  # initialises the schema too
+    try:
+        tokens = {project: store.create(_users(project)[0]) for project in PROJECTS}
+    finally:
+        store.close()
+    broker = Broker(url, load_config(directory / "cluster.toml"))
+    engine = make_engine(url)
+    try:
+        now = time.time()
+        rows = [
+            SliceRow(
+                project=PROJECTS[i % len(PROJECTS)],
+                user=_users(PROJECTS[i % len(PROJECTS)])[0],
+                gpus=1,
+                gpu_type=None,
+                kind="interactive",
+                min_runtime=3600.0,
+                resumable=False,
+                max_runtime=None,
+                priority=0,
+                submitted_at=now,
+                state="pending",
+                placements=[],
+                promised=[],
+                charged_gpu_seconds=0.0,
+            )
+            for i in range(live)
+        ]
+        with Session(engine) as session, session.begin():
+            session.add_all(rows)
+            session.flush()
+            held = [(row.id, row.project) for row in rows]
+        broker.run_pass()
+        granted = sum(1 for s in broker.list_slices(state="granted"))
+        if granted != live:
+            raise RuntimeError(f"seeding granted {granted} of {live} slices")
+    finally:
+        engine.dispose()
+        broker.close()
+    return held, tokens
+
+
+def _transport_name() -> str:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "tornado"
+    return "aiohttp"
+
+
+class _Transport:
+    """HTTP requests with a pool of ``MAX_CLIENTS`` connections: aiohttp when installed
+    (keep-alive connections: less client CPU per request), else tornado's client."""
+
+    def __init__(self) -> None:
+        self.name = _transport_name()
+        if self.name == "aiohttp":
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=MAX_CLIENTS))
+        else:
+            from tornado.httpclient import AsyncHTTPClient
+
+            self._http = AsyncHTTPClient(force_instance=True, max_clients=MAX_CLIENTS)
+
+    async def send(
+        self, method: str, url: str, token: str, body: bytes | None, timeout: float
+    ) -> tuple[int, bytes]:
+        """``(status, body)``; status 0 when no answer came (refused, reset, timed out)."""
+        headers = {"Authorization": f"token {token}", "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self.name == "aiohttp":
+            import aiohttp
+
+            try:
+                async with self._session.request(
+                    method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as response:
+                    return response.status, await response.read()
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return 0, b""
+        from tornado.httpclient import HTTPRequest
+
+        request = HTTPRequest(
+            url,
+            method=method,
+            headers=headers,
+            body=body,
+            allow_nonstandard_methods=True,
+            connect_timeout=timeout,
+            request_timeout=timeout,
+        )
+        try:
+            response = await self._http.fetch(request, raise_error=False)
+        except OSError:
+            return 0, b""
+        return (0 if response.code == 599 else response.code), response.body or b""
+
+    async def close(self) -> None:
+        if self.name == "aiohttp":
+            await self._session.close()
+        else:
+            self._http.close()
+
+
+@dataclass
+class _OpenRecord:
+    """Latencies (seconds, from the scheduled send) per kind; grants; errors; send lags."""
+
+    kinds: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ok: int = 0
+    grants: list[float] = field(default_factory=list)
+    not_granted: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    lags: list[float] = field(default_factory=list)
+    releases_without_slice: int = 0
+    last_answer: float = 0.0
+
+
+async def _drive_open(
+    url: str, tokens: dict[str, str], held: Sequence[tuple[int, str]], work: OpenLoop
+) -> dict[str, Any]:
+    """Send ``schedule(work)`` at its times, each request in a task of its own, so a
+    slow answer never delays the next send (no coordinated omission)."""
+    sends = schedule(work)
+    sessions = list(held[: work.sessions])
+    pool = deque(held[work.sessions :])  # slices for releases to take, oldest first
+    record = _OpenRecord()
+    transport = _Transport()
+    api = f"{url}{API_PREFIX}"
+    loop = asyncio.get_running_loop()
+    clock = loop.time
+
+    async def request(kind: str, method: str, path: str, project: str, body: Any, due: float):
+        data = None if body is None else json.dumps(body).encode()
+        timeout = REQUEST_TIMEOUT_S + (LONG_POLL_WAIT_S if kind == LONG_POLL else 0)
+        status, answer = await transport.send(method, api + path, tokens[project], data, timeout)
+        now = clock()
+        record.last_answer = now
+        record.kinds[kind].append(now - due)
+        if 200 <= status < 300:
+            if kind != LONG_POLL:
+                record.ok += 1
+            return json.loads(answer)
+        record.errors[f"{kind}: {status}"] += 1
+        return None
+
+    async def submit(due: float, project: str) -> None:
+        body = {"project": project, "gpus": 1, "kind": "interactive", "min_runtime": "1h"}
+        slice_ = await request("submit", "POST", "/slices", project, body, due)
+        if slice_ is None:
+            return
+        pool.append((slice_["id"], project))
+        while slice_ is not None and slice_["state"] == "pending":
+            path = f"/slices/{slice_['id']}?wait={LONG_POLL_WAIT_S}&state=pending"
+            slice_ = await request(LONG_POLL, "GET", path, project, None, clock())
+        if slice_ is not None and slice_["state"] == "granted":
+            record.grants.append(clock() - due)
+        else:
+            record.not_granted += 1
+
+    def start(send: _Send, due: float) -> Any:
+        slice_id, project = sessions[send.session]
+        if send.kind == "heartbeat":
+            path = f"/slices/{slice_id}/heartbeat"
+            return request("heartbeat", "POST", path, project, {}, due)
+        if send.kind == "get_slice":
+            return request("get_slice", "GET", f"/slices/{slice_id}", project, None, due)
+        if send.kind == "projects":
+            return request("projects", "GET", "/projects", project, None, due)
+        if send.kind == "submit":
+            return submit(due, project)
+        if not pool:
+            record.releases_without_slice += 1
+            return None
+        slice_id, project = pool.popleft()
+        return request("release", "DELETE", f"/slices/{slice_id}", project, None, due)
+
+    # The server is listening; wait until it answers before the clock starts.
+    for _ in range(100):
+        status, _body = await transport.send(
+            "GET", f"{api}/projects", tokens[PROJECTS[0]], None, 30
+        )
+        if status == 200:
+            break
+        await asyncio.sleep(0.1)
+    tasks = []
+    began = clock() + 0.1
+    cpu_before = time.process_time()
+    for send in sends:
+        due = began + send.at
+        if due > clock():
+            await asyncio.sleep(due - clock())
+        record.lags.append(clock() - due)
+        coroutine = start(send, due)
+        if coroutine is not None:
+            tasks.append(asyncio.ensure_future(coroutine))
+    done, late = await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S + LONG_POLL_WAIT_S)
+    for task in late:
+        task.cancel()
+    for task in done:
+        if task.exception() is not None:
+            record.errors[f"client: {type(task.exception()).__name__}"] += 1
+    driver_cpu = time.process_time() - cpu_before
+    await transport.close()
+    elapsed = max(record.last_answer, began + work.seconds) - began
+    answered = [t for kind, times in record.kinds.items() if kind != LONG_POLL for t in times]
+    return {
+        "offered_rate": round(len(sends) / work.seconds, 1),
+        "achieved_rate": round(record.ok / elapsed, 1),
+        "requests": len(sends),
+        "ok": record.ok,
+        "elapsed_s": round(elapsed, 2),
+        "latency_ms": _summary(answered),
+        "kinds": {kind: _summary(times) for kind, times in sorted(record.kinds.items())},
+        "grant_latency_ms": _summary(record.grants),
+        "not_granted": record.not_granted,
+        "errors": dict(sorted(record.errors.items())),
+        "unfinished": len(late),
+        "releases_without_slice": record.releases_without_slice,
+        "send_lag_ms": _summary(record.lags),
+        "driver_cpu_s": round(driver_cpu, 1),
+    }

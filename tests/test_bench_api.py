@@ -1,0 +1,64 @@
+"""The API benchmark's open loop (issue #11): its schedule, and a short run on SQLite
+against a real broker and the reference server."""
+
+from __future__ import annotations
+
+import json
+
+from broker.bench import api
+from broker.bench.__main__ import main
+
+KINDS = set(api.MIX)
+
+
+def test_the_schedule_is_fixed_by_its_seed_and_heartbeats_go_round_the_sessions():
+    work = api.OpenLoop(rate=200, seconds=5, heartbeat_every=2, seed=7)
+    sends = api.schedule(work)
+    assert sends == api.schedule(work)
+    assert sends != api.schedule(api.OpenLoop(rate=200, seconds=5, heartbeat_every=2, seed=8))
+    assert {send.kind for send in sends} == KINDS
+    times = [send.at for send in sends]
+    assert times == sorted(times) and times[0] > 0 and times[-1] < work.seconds
+    beats = [send.session for send in sends if send.kind == "heartbeat"]
+    assert beats == [i % work.sessions for i in range(len(beats))]
+    assert all(0 <= send.session < work.sessions for send in sends)
+
+
+def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
+    work = api.OpenLoop(rate=40, seconds=3, heartbeat_every=5)
+    assert (
+        main(
+            [
+                "api",
+                "--open-loop",
+                "--backend=sqlite",
+                "--rate=40",
+                "--duration=3",
+                "--heartbeat-every=5",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["benchmark"] == "api-open-loop"
+    [result] = report["results"]
+    assert result["db"] == "sqlite"
+    [point] = result["points"]
+    assert point["offered_rate"] == 40
+    for server in ("broker", "reference"):
+        figures = point[server]
+        assert figures["errors"] == {}, server
+        assert figures["unfinished"] == 0
+        assert figures["releases_without_slice"] == 0
+        # Every request scheduled was sent and answered 2xx.
+        assert figures["ok"] == figures["requests"] == figures["latency_ms"]["count"] > 0
+        assert set(figures["kinds"]) >= KINDS
+        submits = figures["kinds"]["submit"]["count"]
+        assert figures["grant_latency_ms"]["count"] == submits and figures["not_granted"] == 0
+        assert figures["send_lag_ms"]["count"] == figures["requests"]
+        for summary in (figures["latency_ms"], figures["grant_latency_ms"]):
+            assert summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
+        assert figures["achieved_rate"] > 0
+        assert figures["live_slices_at_start"] == work.sessions + work.churn
+    ratios = point["broker_over_reference"]
+    assert set(ratios) == {"achieved_rate", "p99"} and ratios["achieved_rate"] > 0
