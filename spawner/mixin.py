@@ -40,7 +40,6 @@ import os
 import time
 from collections.abc import Mapping
 from datetime import UTC
-from html import escape
 from typing import Any
 
 from jupyterhub.spawner import SpawnException
@@ -55,6 +54,7 @@ from slicebroker_lab import CULL_ENV, session_env
 from . import notices
 from .culler import CullLimits, Verdict, verdict, waiter_for
 from .options import (
+    FORM_TEMPLATE,
     OPTION_KEYS,
     Choices,
     OptionsError,
@@ -299,6 +299,16 @@ class SliceBrokerMixin(Configurable):
         all sessions of the hub together.""",
     ).tag(config=True)
 
+    options_form_template_paths = List(
+        Unicode(),
+        help=f"""Directories searched, in order, for the options form's template
+        ``{FORM_TEMPLATE}`` before the one shipped with the spawner. Copy the shipped
+        file into one of them and change the layout; the values it shows are computed
+        by the spawner (``spawner.options.form_context``) and escaped on output. An
+        edited file is read again on the next render. Empty (the default): the shipped
+        template.""",
+    ).tag(config=True)
+
     @default("start_timeout")
     def _start_timeout_default(self) -> int:
         # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
@@ -408,8 +418,13 @@ class SliceBrokerMixin(Configurable):
         try:
             projects, gpu_types, queue, nodes = await self._cluster_view()
         except web.HTTPError as err:
-            message = getattr(err, "jupyterhub_message", str(err))
-            return f'<div class="alert alert-danger" id="sb-broker-error">{escape(message)}</div>'
+            return render_form(
+                projects=[],
+                gpu_types=[],
+                choices=self.choices(),
+                broker_error=getattr(err, "jupyterhub_message", str(err)),
+                template_paths=self.options_form_template_paths,
+            )
         previous = self.orm_spawner.user_options if self.orm_spawner is not None else None
         return render_form(
             projects=projects,
@@ -420,6 +435,7 @@ class SliceBrokerMixin(Configurable):
             queue_total=queue,
             capacity=capacity_note(nodes, 1),
             queue_url=notices.pages_url(self.broker_url),
+            template_paths=self.options_form_template_paths,
         )
 
     async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:

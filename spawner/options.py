@@ -2,7 +2,8 @@
 
 Everything here is pure: it takes what the broker said (``GET /projects``,
 ``GET /nodes``) and what the hub admin offers (:class:`Choices`) and returns
-values or HTML. The spawner (:mod:`spawner.mixin`) does the I/O.
+values or HTML. The spawner (:mod:`spawner.mixin`) does the I/O; the form's
+layout is a Jinja2 template (:data:`FORM_TEMPLATE`), which the admin may replace.
 
 User options, from the form or from JupyterHub's REST API
 (``{"user_options": {...}}``), are::
@@ -22,8 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from html import escape
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+from jinja2 import ChoiceLoader, Environment, FileSystemLoader, Template
+from markupsafe import Markup
 
 from broker.config import format_duration, parse_duration
 from broker.units import gpu_hours
@@ -407,8 +412,61 @@ def _short_position(project: ProjectView) -> str:
 
 # ---- the form ------------------------------------------------------------------------------
 
+#: The options form's template, looked up first in the admin's directories
+#: (``SliceBrokerMixin.options_form_template_paths``), then in :data:`TEMPLATES`.
+FORM_TEMPLATE = "slicebroker_options_form.html"
+#: The templates shipped with the spawner.
+TEMPLATES = str(Path(__file__).with_name("templates"))
 
-def render_form(
+
+@dataclass(frozen=True, slots=True)
+class FieldOption:
+    """One ``<option>`` of a field: the value sent, the words shown, whether it is
+    preselected, and (projects only) the most GPUs the project may hold."""
+
+    value: str
+    label: str
+    selected: bool = False
+    cap: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRow:
+    """A project's row of the budget table, every cell as the form writes it."""
+
+    name: str
+    rank: str
+    entitled: str
+    used: str
+    fairshare: str
+    pending: int
+    gpus_held: int
+
+
+def render_form(*, template_paths: Sequence[str] = (), **view: Any) -> str:
+    """The options form's HTML (the fields only; JupyterHub adds the ``<form>`` and Start).
+
+    :func:`form_context` computes what the form shows from ``view`` (its arguments); the
+    template :data:`FORM_TEMPLATE`, from ``template_paths`` or else the shipped one, lays
+    it out.
+    """
+    return form_template(template_paths).render(form_context(**view))
+
+
+def form_template(template_paths: Sequence[str] = ()) -> Template:
+    """The form's template: the first :data:`FORM_TEMPLATE` in ``template_paths``, else the
+    shipped one. Autoescaped; a file edited since the last render is read again."""
+    return _environment(tuple(template_paths)).get_template(FORM_TEMPLATE)
+
+
+@lru_cache(maxsize=16)
+def _environment(template_paths: tuple[str, ...]) -> Environment:
+    # One environment per search path: it keeps the compiled template between forms.
+    loader = ChoiceLoader([FileSystemLoader(list(template_paths)), FileSystemLoader(TEMPLATES)])
+    return Environment(loader=loader, autoescape=True, trim_blocks=True, lstrip_blocks=True)
+
+
+def form_context(
     *,
     projects: Sequence[ProjectView],
     gpu_types: Sequence[GpuTypeView],
@@ -418,186 +476,113 @@ def render_form(
     queue_total: int = 0,
     capacity: str = "",
     queue_url: str = "",
-) -> str:
-    """The options form's HTML (the fields only; JupyterHub adds the ``<form>`` and Start).
+    broker_error: str = "",
+) -> dict[str, Any]:
+    """What the form's template receives (docs/hub-admin.md lists it).
 
     ``previous`` (the last user options) preselects values; ``notice_html``
     (why the last session ended) and ``capacity`` (:func:`capacity_note`: draining and
-    down nodes) are shown above the fields; ``queue_url`` links to the broker's queue page.
+    down nodes) go above the fields; ``queue_url`` links to the broker's queue page;
+    ``broker_error`` (the broker could not be asked) replaces the whole form.
     """
     previous = previous or {}
-    parts = ['<div class="slicebroker-options">']
-    if notice_html:
-        parts.append(notice_html)
-    if capacity:
-        parts.append(f'<div class="alert alert-info" id="sb-capacity">{escape(capacity)}</div>')
-    if not projects:
-        parts.append(
-            '<div class="alert alert-warning" id="sb-no-project">You are not a member of any '
-            "project that may use GPUs. Ask your hub admin to add you, or one of your groups, "
-            "to a project.</div></div>"
-        )
-        return "".join(parts)
-    parts.append(_project_field(projects, previous, choices))
-    parts.append(_budget_table(projects, queue_total, queue_url))
-    parts.append(_gpus_field(choices, previous))
-    parts.append(_gpu_type_field(gpu_types, choices, previous))
-    parts.append(_protected_field(choices, previous))
-    parts.append("</div>")
-    return "".join(parts)
+    return {
+        "broker_error": broker_error,
+        "notice_html": Markup(notice_html),  # the notice's own HTML, escaped where it is made
+        "capacity": capacity,
+        "projects": list(projects),
+        "project_options": _project_options(projects, previous, choices),
+        "budget_rows": [_budget_row(p) for p in projects],
+        "queue_total": queue_total,
+        "queue_text": _queue_text(queue_total),
+        "queue_url": queue_url,
+        "gpu_options": _gpu_options(choices, previous),
+        "capped": bool(choices.project_caps),
+        "gpu_type_options": _gpu_type_options(gpu_types, choices, previous),
+        "protected_options": _protected_options(choices, previous),
+        "idle_rule": idle_rule(choices),
+        "choices": choices,
+        "previous": previous,
+    }
 
 
-def _selected(condition: bool) -> str:
-    return " selected" if condition else ""
-
-
-def _project_field(
+def _project_options(
     projects: Sequence[ProjectView], previous: Mapping[str, Any], choices: Choices
-) -> str:
+) -> list[FieldOption]:
     names = [p.name for p in projects]
+    if not names:
+        return []
     chosen = previous.get("project")
     if chosen not in names:
         chosen = choices.default_project if choices.default_project in names else names[0]
-    options = "".join(
-        f'<option value="{escape(p.name)}"{_cap_attribute(p.name, choices)}'
-        f"{_selected(p.name == chosen)}>"
-        f"{escape(p.name)} — {escape(_short_position(p))}</option>"
+    caps = choices.project_caps
+    return [
+        FieldOption(
+            value=p.name,
+            label=f"{p.name} — {_short_position(p)}",
+            selected=p.name == chosen,
+            cap=int(caps[p.name]) if p.name in caps else None,
+        )
         for p in projects
-    )
-    return (
-        '<div class="mb-3"><label for="sb-project" class="form-label">Project '
-        "(charged for the GPU time)</label>"
-        f'<select class="form-select" name="project" id="sb-project">{options}</select></div>'
-    )
+    ]
 
 
-def _cap_attribute(project: str, choices: Choices) -> str:
-    cap = choices.project_caps.get(project)
-    return f' data-cap="{int(cap)}"' if cap is not None else ""
-
-
-# Disables the GPU counts above the chosen project's cap (the check on submit stays).
-_CAP_SCRIPT = """<script>
-(() => {
-  const project = document.getElementById("sb-project");
-  const gpus = document.getElementById("sb-gpus");
-  const note = document.getElementById("sb-gpus-cap");
-  const apply = () => {
-    const cap = Number(project.selectedOptions[0].dataset.cap || Infinity);
-    for (const option of gpus.options) option.disabled = Number(option.value) > cap;
-    if (gpus.selectedOptions[0].disabled) {
-      const allowed = [...gpus.options].filter((option) => !option.disabled);
-      if (allowed.length) allowed[allowed.length - 1].selected = true;
-    }
-    note.textContent = Number.isFinite(cap)
-      ? `Project ${project.value} may hold at most ${cap} GPUs at a time.` : "";
-  };
-  project.addEventListener("change", apply);
-  apply();
-})();
-</script>"""
-
-
-def _budget_table(projects: Sequence[ProjectView], queue_total: int, queue_url: str = "") -> str:
-    rows = "".join(
-        "<tr>"
-        f"<td>{escape(p.name)}</td>"
-        f"<td>{p.rank if p.rank is not None else '—'}</td>"
-        f"<td>{percent(p.entitlement)}</td>"
-        f"<td>{percent(p.used_fraction)}{' ▲' if p.over_share else ''}</td>"
-        f"<td>{gpu_hours(p.fairshare_value, unit=False)}</td>"
-        f"<td>{p.pending}</td>"
-        f"<td>{p.gpus_held}</td>"
-        "</tr>"
-        for p in projects
-    )
-    queue = (
-        f"{queue_total} request{'s' if queue_total != 1 else ''} waiting in the whole queue."
-        if queue_total
-        else "Nobody is waiting for GPUs right now."
-    )
-    return (
-        '<div class="mb-3"><table class="table table-sm" id="sb-budget">'
-        "<thead><tr><th>Your project</th><th>Rank</th><th>Entitled</th>"
-        "<th>Used (lookback window)</th><th>Fair-share value (GPU-h)</th><th>Waiting</th>"
-        "<th>GPUs in use</th></tr></thead>"
-        f"<tbody>{rows}</tbody></table>"
-        '<div class="form-text">Requests are served in fair-share order: the project with the '
-        "lowest usage ÷ entitlement first (▲: over its share). "
-        f'<span id="sb-queue-total">{escape(queue)}</span>{_queue_link(queue_url)}</div></div>'
+def _budget_row(project: ProjectView) -> BudgetRow:
+    return BudgetRow(
+        name=project.name,
+        rank=str(project.rank) if project.rank is not None else "—",
+        entitled=percent(project.entitlement),
+        used=percent(project.used_fraction) + (" ▲" if project.over_share else ""),
+        fairshare=gpu_hours(project.fairshare_value, unit=False),
+        pending=project.pending,
+        gpus_held=project.gpus_held,
     )
 
 
-def _queue_link(queue_url: str) -> str:
-    if not queue_url:
-        return ""
-    return f' <a id="sb-queue-link" href="{escape(queue_url)}" target="_blank">See the queue</a>'
+def _queue_text(queue_total: int) -> str:
+    if not queue_total:
+        return "Nobody is waiting for GPUs right now."
+    return f"{queue_total} request{'s' if queue_total != 1 else ''} waiting in the whole queue."
 
 
-def _gpus_field(choices: Choices, previous: Mapping[str, Any]) -> str:
+def _gpu_options(choices: Choices, previous: Mapping[str, Any]) -> list[FieldOption]:
     chosen = _whole(previous.get("gpus"))
     counts = choices.gpu_counts or (choices.default_gpus,)
     if chosen not in counts:
         chosen = choices.default_gpus
-    options = "".join(f'<option value="{n}"{_selected(n == chosen)}>{n}</option>' for n in counts)
-    capped = (
-        f'<div class="form-text" id="sb-gpus-cap"></div>{_CAP_SCRIPT}'
-        if choices.project_caps
-        else ""
-    )
-    return (
-        '<div class="mb-3"><label for="sb-gpus" class="form-label">GPUs</label>'
-        f'<select class="form-select" name="gpus" id="sb-gpus">{options}</select>{capped}</div>'
-    )
+    return [FieldOption(value=str(n), label=str(n), selected=n == chosen) for n in counts]
 
 
-def _gpu_type_field(
+def _gpu_type_options(
     gpu_types: Sequence[GpuTypeView], choices: Choices, previous: Mapping[str, Any]
-) -> str:
+) -> list[FieldOption]:
     by_name = {t.name: t for t in gpu_types}
     offered = offered_gpu_types(gpu_types, choices)
     chosen = previous.get("gpu_type") or ""
-    options = [f'<option value=""{_selected(chosen not in offered)}>any type</option>']
+    options = [FieldOption(value="", label="any type", selected=chosen not in offered)]
     for name in offered:
         view = by_name.get(name)
         free = ""
         if view:
             out = f"; {view.out_of_service} on draining nodes" if view.out_of_service else ""
             free = f" ({view.free} of {view.total} free now{out})"
-        options.append(
-            f'<option value="{escape(name)}"{_selected(name == chosen)}>{escape(name)}{free}'
-            "</option>"
-        )
-    return (
-        '<div class="mb-3"><label for="sb-gpu-type" class="form-label">GPU type</label>'
-        f'<select class="form-select" name="gpu_type" id="sb-gpu-type">{"".join(options)}'
-        "</select></div>"
-    )
+        options.append(FieldOption(value=name, label=name + free, selected=name == chosen))
+    return options
 
 
-def _protected_field(choices: Choices, previous: Mapping[str, Any]) -> str:
+def _protected_options(choices: Choices, previous: Mapping[str, Any]) -> list[FieldOption]:
     try:
         chosen = parse_duration(previous.get("protected"))
     except ValueError:
         chosen = None
     if chosen not in choices.protected:
         chosen = choices.protected_default
-    options = "".join(
-        f'<option value="{escape(format_duration(s))}"{_selected(s == chosen)}>'
-        f"{escape(protected_label(s, choices))}</option>"
+    return [
+        FieldOption(
+            value=format_duration(s), label=protected_label(s, choices), selected=s == chosen
+        )
         for s in choices.protected
-    )
-    return (
-        '<div class="mb-3"><label for="sb-protected" class="form-label">Protected length'
-        "</label>"
-        f'<select class="form-select" name="protected" id="sb-protected">{options}</select>'
-        '<div class="form-text">For this long after the GPUs are granted nothing can take them '
-        "from you. Afterwards the session keeps running, still charged, until a request that "
-        "ranks higher in fair share needs the GPUs; then you get a grace period to save your "
-        "work. Your project pays for the time the GPUs are held, busy or idle: stop the server "
-        "when you are done. Short protected lengths are granted soonest. "
-        f'<span id="sb-idle-rule">{escape(idle_rule(choices))}</span></div></div>'
-    )
+    ]
 
 
 def idle_rule(choices: Choices) -> str:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 import time
+import tomllib
+from fnmatch import fnmatch
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,8 @@ from spawner.notices import (
     wait_text,
 )
 from spawner.options import (
+    FORM_TEMPLATE,
+    TEMPLATES,
     Choices,
     GpuTypeView,
     OptionsError,
@@ -23,6 +30,7 @@ from spawner.options import (
     SliceRequest,
     budget_position,
     capacity_note,
+    form_template,
     gpu_type_views,
     options_from_form,
     project_views,
@@ -237,6 +245,101 @@ def test_the_form_escapes_names_and_says_when_there_is_no_project():
     )
     assert "<b>x</b>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
     assert 'id="sb-no-project"' in render_form(projects=[], gpu_types=[], choices=CHOICES)
+
+
+# ---- the form's template ----------------------------------------------------------------------
+
+ADMIN_TEMPLATE = """<ul id="my-projects">{% for option in project_options %}
+<li data-selected="{{ option.selected }}">{{ option.label }}</li>{% endfor %}</ul>
+<p id="my-queue">{{ queue_text }}</p>{{ notice_html }}"""
+
+
+def test_the_form_is_the_shipped_template_with_every_element_the_pages_use():
+    capped = Choices(max_gpus=4, project_caps={"vision": 2})
+    html = render_form(
+        projects=views(),
+        gpu_types=gpu_type_views(NODES),
+        choices=capped,
+        notice_html='<div class="alert" id="sb-notice">Your GPU session was preempted</div>',
+        queue_total=1,
+        capacity=capacity_note(NODES, 1),
+        queue_url="https://hub.example.org/services/slicebroker/queue?sort=rank&x=1",
+    )
+    ids = {
+        "sb-notice",
+        "sb-capacity",
+        "sb-project",
+        "sb-budget",
+        "sb-queue-total",
+        "sb-queue-link",
+        "sb-gpus",
+        "sb-gpus-cap",
+        "sb-gpu-type",
+        "sb-protected",
+        "sb-idle-rule",
+    }
+    assert ids <= set(re.findall(r'id="([^"]+)"', html))
+    assert html.startswith('<div class="slicebroker-options">')
+    assert '<div class="alert" id="sb-notice">' in html  # the notice's HTML, as it was made
+    assert "1 request waiting in the whole queue." in html
+    assert 'href="https://hub.example.org/services/slicebroker/queue?sort=rank&amp;x=1"' in html
+    assert "project.addEventListener" in html  # the script that applies the cap
+    assert Path(form_template().filename) == Path(TEMPLATES) / FORM_TEMPLATE
+
+
+def test_the_template_ships_with_the_package():
+    with open(Path(TEMPLATES).parents[1] / "pyproject.toml", "rb") as f:
+        shipped = tomllib.load(f)["tool"]["setuptools"]["package-data"]["spawner"]
+    name = f"{Path(TEMPLATES).name}/{FORM_TEMPLATE}"
+    assert any(fnmatch(name, pattern) for pattern in shipped)
+
+
+def test_a_broker_error_replaces_the_form_escaped():
+    html = render_form(
+        projects=views(), gpu_types=[], choices=CHOICES, broker_error="Not answering <now>"
+    )
+    assert html.strip() == (
+        '<div class="alert alert-danger" id="sb-broker-error">Not answering &lt;now&gt;</div>'
+    )
+
+
+def test_an_admins_template_replaces_the_shipped_one_and_values_stay_escaped(tmp_path):
+    mine, empty = tmp_path / "mine", tmp_path / "empty"
+    mine.mkdir()
+    empty.mkdir()
+    template = mine / FORM_TEMPLATE
+    template.write_text(ADMIN_TEMPLATE)
+    hostile = dict(ROWS[1], name='<script>alert("x")</script>', users=["alice"])
+    projects = project_views([ROWS[0], hostile], "alice", [])
+
+    html = render_form(
+        projects=projects,
+        gpu_types=[],
+        choices=CHOICES,
+        queue_total=3,
+        notice_html='<div id="sb-notice">ended</div>',
+        template_paths=[str(empty), str(mine)],
+    )
+    assert 'id="my-projects"' in html and 'id="sb-budget"' not in html
+    assert '<p id="my-queue">3 requests waiting in the whole queue.</p>' in html
+    assert "<script>" not in html
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; — rank 3" in html
+    assert '<div id="sb-notice">ended</div>' in html
+
+    # The admin edits the file: the next form shows the edit (no hub restart).
+    template.write_text('<p id="edited">{{ projects[0].name }}</p>')
+    later = template.stat().st_mtime + 10
+    os.utime(template, (later, later))
+    edited = render_form(
+        projects=projects, gpu_types=[], choices=CHOICES, template_paths=[str(empty), str(mine)]
+    )
+    assert edited == '<p id="edited">&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;</p>'
+
+    # A directory without the file leaves the shipped template in use.
+    shipped = render_form(
+        projects=projects, gpu_types=[], choices=CHOICES, template_paths=[str(empty)]
+    )
+    assert 'id="sb-budget"' in shipped and "<script>alert" not in shipped
 
 
 # ---- notices --------------------------------------------------------------------------------
