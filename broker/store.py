@@ -8,6 +8,9 @@ Every write transaction holds one database-wide lock (an advisory lock on
 PostgreSQL, the write lock on SQLite), so any number of Broker objects, in any
 number of processes, can share a database: passes and requests are applied
 one after another, never on a stale view, and a GPU is never granted twice.
+The service's Broker is its database's single writer (``single_writer``, behind
+the leader lock): it keeps the catalog — nodes, GPU types, the project tree and
+members — in memory instead of reading it for every request.
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ class Broker:
     answered granted when it fits (the service; tests drive passes by hand).
     ``usual_gap``: see :meth:`run_pass_and_list`. ``db_timeout``: how long (seconds)
     one statement may wait for the database (see :func:`~broker.orm.make_engine`).
+    ``single_writer``: no other process writes this database (the service's leader,
+    behind its leader lock, design.md §8), so the catalog — nodes, GPU types, the
+    project tree and members — is read once and kept in memory, reloaded only after
+    this Broker changed it.
     """
 
     def __init__(
@@ -112,8 +119,15 @@ class Broker:
         grant_at_once: bool = False,
         usual_gap: float | None = None,
         db_timeout: float | None = None,
+        single_writer: bool = False,
     ):
         self.config = config
+        self.single_writer = single_writer
+        self._catalog: _Catalog | None = None
+        # A transaction under way changed the catalog: it is reloaded from the
+        # database, not kept, until that transaction has ended either way.
+        self._catalog_unsettled = False
+        self._transaction_depth = 0
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
@@ -158,9 +172,35 @@ class Broker:
         harms nothing. It is as atomic and as locked as any other.
         """
         sessions = self._sessions if durable else self._not_durable
-        with sessions.begin() as session:
-            take_write_lock(session.connection())
-            yield session
+        self._transaction_depth += 1
+        try:
+            with sessions.begin() as session:
+                take_write_lock(session.connection())
+                yield session
+        finally:
+            self._transaction_depth -= 1
+            self._settle_catalog()
+
+    def _read_catalog(self, session: Session) -> _Catalog:
+        """The catalog as ``session`` sees it: kept in memory by a single writer."""
+        if self._catalog is not None:
+            return self._catalog
+        catalog = _Catalog(session)
+        if self.single_writer and not self._catalog_unsettled:
+            self._catalog = catalog
+        return catalog
+
+    def _catalog_changes(self) -> None:
+        """Say that the transaction under way changes the catalog."""
+        self._catalog = None
+        self._catalog_unsettled = True
+
+    def _settle_catalog(self) -> None:
+        # Committed or rolled back, the change is settled once the outermost
+        # transaction ends; the next read loads what the database holds.
+        if self._transaction_depth == 0 and self._catalog_unsettled:
+            self._catalog = None
+            self._catalog_unsettled = False
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
@@ -180,6 +220,7 @@ class Broker:
             session.add_all(
                 GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
             )
+            self._catalog_changes()
             self._sync_nodes(session, config.nodes, now)
             first_start = session.scalars(select(AccountRow.name).limit(1)).first() is None
             first_start = (
@@ -243,6 +284,7 @@ class Broker:
         """
         nodes = list(nodes)
         with self._write() as session:
+            self._catalog_changes()
             now = self._clock()
             known_types = set(_weights(session))
             for node in nodes:
@@ -323,9 +365,10 @@ class Broker:
                             f"request (slice {first.id}); use a new key for a new request"
                         )
                     now = self._clock()
-                    return _slice_dict(first, now, _Costs.load(session)), False
-            tree = _tree(session)
-            nodes = _nodes(session)
+                    return _slice_dict(first, now, self._read_catalog(session).costs), False
+            catalog = self._read_catalog(session)
+            tree = catalog.tree
+            nodes = list(catalog.nodes)
             validate_slice_request(
                 gpus=gpus,
                 kind=kind,
@@ -337,11 +380,11 @@ class Broker:
                 tree=tree,
                 nodes=nodes,
                 policy=self.config.policy,
-                known_gpu_types=_known_gpu_types(session, nodes),
+                known_gpu_types=catalog.known_gpu_types,
             )
             if not isinstance(resumable, bool):
                 raise InvalidRequest(f"resumable must be true or false, got {resumable!r}")
-            if not admin and not _is_member(session, project, user, groups):
+            if not admin and not catalog.is_member(project, user, groups):
                 raise Forbidden(f"{user!r} is not a member of project {project!r}")
             now = self._clock()
             row = SliceRow(
@@ -371,7 +414,7 @@ class Broker:
                 started = time.perf_counter()
                 decisions, live = self._pass(session, now, self.usual_gap)
                 self._side_passes.append((decisions, live, time.perf_counter() - started))
-                return _slice_dict(row, now, _Costs.load(session)), True
+                return _slice_dict(row, now, self._read_catalog(session).costs), True
             return _slice_dict(row, now, _Costs()), True
 
     def release(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
@@ -383,7 +426,7 @@ class Broker:
         with self._write() as session:
             row = _owned_row(session, slice_id, user, admin)
             now = self._clock()
-            costs = _Costs.load(session)
+            costs = self._read_catalog(session).costs
             if row.state == SliceState.PENDING:
                 self._end(session, row, EndReason.CANCELLED, now, costs, why="cancelled")
             elif row.state in HELD_STATES:
@@ -404,13 +447,13 @@ class Broker:
             now = self._clock()
             if row.state in LIVE_STATES:
                 row.lease_expires_at = now + self.lease
-            return _slice_dict(row, now, _Costs.load(session))
+            return _slice_dict(row, now, self._read_catalog(session).costs)
 
     def get_slice(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
         """The slice, as design.md §8 shows it; :class:`Forbidden` if ``user`` does not own it."""
         with self._read() as session:
             row = _owned_row(session, slice_id, user, admin)
-            return _slice_dict(row, self._clock(), _Costs.load(session))
+            return _slice_dict(row, self._clock(), self._read_catalog(session).costs)
 
     def list_slices(
         self,
@@ -433,7 +476,7 @@ class Broker:
         if user is not None:
             query = query.where(SliceRow.user == user)
         with self._read() as session:
-            now, costs = self._clock(), _Costs.load(session)
+            now, costs = self._clock(), self._read_catalog(session).costs
             return [_slice_dict(row, now, costs) for row in session.scalars(query)]
 
     def live_slice_ids(self) -> set[int]:
@@ -465,7 +508,7 @@ class Broker:
             for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
                 for p in row.placements:
                     held[p["node"]] = held.get(p["node"], 0) + len(p["gpu_indices"])
-            weights = _weights(session)
+            weights = self._read_catalog(session).weights
             return [
                 _node_dict(row, weights, held.get(row.name, 0))
                 for row in session.scalars(select(NodeRow).order_by(NodeRow.name))
@@ -492,6 +535,7 @@ class Broker:
                 raise NotFound(f"no node {name!r}")
             if not row.in_config:
                 raise Conflict(f"node {name!r} is not in the configuration any more")
+            self._catalog_changes()
             now = self._clock()
             if not (target is NodeState.DRAINING and row.state == NodeState.DRAINED):
                 _set_node(row, target, reason or f"set {target.value} by an admin", now)
@@ -521,6 +565,7 @@ class Broker:
         users = None if users is None else _member_names(users, "users")
         groups = None if groups is None else _member_names(groups, "groups")
         with self._write() as session:
+            self._catalog_changes()
             accounts = {a.name: a for a in _accounts(session)}
             accounts[name] = Account(name, share, parent)
             try:
@@ -574,6 +619,7 @@ class Broker:
                 raise Conflict(
                     f"project {name!r} has {live} live slice{'s' * (live != 1)}; release them first"
                 )
+            self._catalog_changes()
             session.execute(delete(MemberRow).where(MemberRow.project == name))
             session.execute(delete(AccountRow).where(AccountRow.name == name))
             event = _record(session, name, who, self._clock(), "delete", states[name], None)
@@ -606,6 +652,7 @@ class Broker:
                         f"project {name!r} has live slices; it cannot be removed or get "
                         "sub-accounts (release them first)"
                     )
+            self._catalog_changes()
             _write_tree(session, current, wanted, who, self._clock(), action="apply")
         return changes
 
@@ -648,13 +695,14 @@ class Broker:
         """
         with self._read() as session:
             now = self._clock()
-            tree = _tree(session)
+            catalog = self._read_catalog(session)
+            tree = catalog.tree
             live = session.scalars(select(SliceRow).where(SliceRow.state.in_(LIVE_STATES))).all()
-            usage = self._usage(session, now, _Costs.load(session), live)
+            usage = self._usage(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
             values = tree.share_values(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
-            members = _members(session)
+            members = catalog.members
             pending: dict[str, int] = {}
             held: dict[str, int] = {}
             for row in live:
@@ -708,7 +756,8 @@ class Broker:
             now = self._clock()
             since = now - self.config.policy.window if since is None else since
             until = now if until is None else until
-            tree = _tree(session)
+            catalog = self._read_catalog(session)
+            tree = catalog.tree
             if project in tree.accounts:
                 names = [p for p in tree.projects if project in tree.paths[p]]
             elif session.scalar(select(LedgerRow.id).where(LedgerRow.project == project).limit(1)):
@@ -721,7 +770,7 @@ class Broker:
                 )
             )
             entries = [_ledger_entry(row) for row in closed]
-            costs = _Costs.load(session)
+            costs = catalog.costs
             running = session.scalars(
                 select(SliceRow).where(SliceRow.state.in_(HELD_STATES), SliceRow.project.in_(names))
             )
@@ -764,7 +813,8 @@ class Broker:
         self, session: Session, now: float, usual_gap: float | None
     ) -> tuple[Decisions, list[dict[str, Any]]]:
         """Snapshot, schedule and apply in ``session``; the live slices after it."""
-        costs = _Costs.load(session)
+        catalog = self._read_catalog(session)
+        costs = catalog.costs
         rows = {
             row.id: row
             for row in session.scalars(
@@ -775,8 +825,8 @@ class Broker:
             self._cover_absence(session, rows.values(), now, usual_gap)
         snapshot = Snapshot(
             now=now,
-            nodes=tuple(_nodes(session)),
-            accounts=tuple(_accounts(session)),
+            nodes=catalog.nodes,
+            accounts=catalog.accounts,
             slices=tuple(_to_slice(row) for row in rows.values()),
             usage=self._usage(session, now, costs, rows.values()),
             gpu_type_weights=costs.weights,
@@ -928,6 +978,8 @@ class Broker:
                 fairshare_value=entry.fairshare_value if entry else None,
                 estimated_start=entry.estimated_start if entry else None,
             )
+        if decisions.node_changes:
+            self._catalog_changes()
         for change in decisions.node_changes:
             node = session.get(NodeRow, change.node)
             if node is None:
@@ -990,13 +1042,27 @@ class _Costs:
         self.node_types: Mapping[str, str] = node_types or {}
         self.weights: Mapping[str, float] = weights or {}
 
-    @classmethod
-    def load(cls, session: Session) -> _Costs:
-        node_types = dict(session.execute(select(NodeRow.name, NodeRow.gpu_type)).all())
-        return cls(node_types, _weights(session))
-
     def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
         return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
+
+
+class _Catalog:
+    """What nearly every request reads and only admins, the inventory and a pass's
+    node changes write: the nodes, the GPU types' weights, the project tree and its
+    members. A Broker that is its database's single writer keeps it in memory."""
+
+    def __init__(self, session: Session):
+        self.nodes = tuple(_nodes(session))
+        self.weights = _weights(session)
+        self.costs = _Costs({node.name: node.gpu_type for node in self.nodes}, self.weights)
+        self.accounts = tuple(_accounts(session))
+        self.tree = ProjectTree(self.accounts)
+        self.members = _members(session)
+        self.known_gpu_types = set(self.weights) | {node.gpu_type for node in self.nodes}
+
+    def is_member(self, project: str, user: str, groups: Iterable[str]) -> bool:
+        users, member_groups = self.members.get(project, (set(), set()))
+        return user in users or not member_groups.isdisjoint(groups)
 
 
 def _others_waiting(session: Session, slice_id: int) -> bool:
@@ -1143,10 +1209,6 @@ def _weights(session: Session) -> dict[str, float]:
     return dict(session.execute(select(GpuTypeRow.name, GpuTypeRow.weight)).all())
 
 
-def _known_gpu_types(session: Session, nodes: Iterable[Node]) -> set[str]:
-    return set(_weights(session)) | {node.gpu_type for node in nodes}
-
-
 def _members(session: Session) -> dict[str, tuple[set[str], set[str]]]:
     members: dict[str, tuple[set[str], set[str]]] = {}
     for row in session.scalars(select(MemberRow)):
@@ -1280,11 +1342,6 @@ def _project_event_dict(row: ProjectEventRow) -> dict[str, Any]:
         "before": row.before,
         "after": row.after,
     }
-
-
-def _is_member(session: Session, project: str, user: str, groups: Iterable[str]) -> bool:
-    users, member_groups = _members(session).get(project, (set(), set()))
-    return user in users or not member_groups.isdisjoint(groups)
 
 
 def _add_members(

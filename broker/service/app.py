@@ -547,6 +547,7 @@ class BrokerApp(Application):
                 upgrade=self.upgrade_db,
                 grant_at_once=True,
                 db_timeout=self.db_timeout,
+                single_writer=True,  # it holds the leader lock (design.md §8)
             )
         except DatabaseSchemaError as err:
             self.log.error("%s", err)

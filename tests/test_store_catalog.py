@@ -1,0 +1,127 @@
+"""A single writer keeps the catalog (nodes, GPU types, the project tree, members) in
+memory (design.md §8): it must answer exactly as a Broker that reads every time."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker.config import parse_config
+from broker.core.model import Node, NodeState
+from broker.errors import BrokerError
+from broker.store import Broker
+from tests.test_store import ask, cluster
+
+USERS = ("alice", "bob", "carol")
+PROJECTS = ("vision", "nlp", "speech")
+
+
+def random_step(rng: random.Random) -> tuple[str, Any]:
+    """One request of a random workload: mostly slices, with catalog changes mixed in."""
+    kind = rng.choice(
+        ["submit"] * 5 + ["release"] * 2 + ["pass"] * 2
+        + ["put_project", "delete_project", "apply_tree", "node", "inventory"]
+    )  # fmt: skip
+    if kind == "submit":
+        return kind, {
+            "user": rng.choice(USERS),
+            "project": rng.choice(PROJECTS),
+            "gpus": rng.choice([1, 2, 4, 5]),
+            "kind": rng.choice(["batch", "interactive"]),
+            "gpu_type": rng.choice([None, "h100", "b200", "a100"]),
+        }
+    if kind == "release":
+        return kind, rng.randrange(1, 40)
+    if kind == "put_project":
+        return kind, {
+            "name": rng.choice(PROJECTS),
+            "share": rng.choice([1.0, 2.0, -1.0]),
+            "parent": rng.choice(["org", None, "nowhere"]),
+            "users": rng.sample(USERS, rng.randrange(len(USERS) + 1)),
+        }
+    if kind == "delete_project":
+        return kind, rng.choice(PROJECTS)
+    if kind == "apply_tree":
+        return kind, [
+            {"name": "org", "share": 1.0, "parent": None},
+            *(
+                {"name": name, "share": rng.choice([1.0, 3.0]), "parent": "org",
+                 "users": rng.sample(USERS, rng.randrange(len(USERS) + 1)), "groups": []}
+                for name in rng.sample(PROJECTS, rng.randrange(1, len(PROJECTS) + 1))
+            ),
+        ]  # fmt: skip
+    if kind == "node":
+        return kind, (rng.choice(["h0", "b0", "x9"]), rng.choice(["draining", "ready", "down"]))
+    if kind == "inventory":
+        gpu_type = rng.choice(["h100", "a100"])
+        return kind, [Node("h0", "h100", 4), Node("b0", "b200", 4), Node("a0", gpu_type, 2)]
+    return kind, None
+
+
+def apply(broker: Broker, kind: str, argument: Any) -> Any:
+    """The step's answer, or the refusal's type and message: both must agree."""
+    try:
+        if kind == "submit":
+            return broker.submit(**argument)
+        if kind == "release":
+            return broker.release(argument)
+        if kind == "put_project":
+            return broker.put_project(**argument)
+        if kind == "delete_project":
+            return broker.delete_project(argument)
+        if kind == "apply_tree":
+            return broker.apply_tree(argument)
+        if kind == "node":
+            return broker.set_node_state(*argument)
+        if kind == "inventory":
+            return broker.sync_inventory(argument)
+        return broker.run_pass()
+    except BrokerError as err:
+        return type(err).__name__, str(err)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clock, seed):
+    config = parse_config(cluster())
+    kept = Broker(f"sqlite:///{tmp_path / 'kept.sqlite'}", config, clock, single_writer=True)
+    read = Broker(f"sqlite:///{tmp_path / 'read.sqlite'}", config, clock)
+    rng = random.Random(seed)
+    try:
+        for number in range(80):
+            kind, argument = random_step(rng)
+            assert apply(kept, kind, argument) == apply(read, kind, argument), (number, kind)
+            clock.advance(rng.choice([0, 30, 600]))
+            assert kept.projects() == read.projects(), (number, kind)
+            assert kept.nodes() == read.nodes(), (number, kind)
+            assert kept.list_slices() == read.list_slices(), (number, kind)
+    finally:
+        kept.close()
+        read.close()
+
+
+@pytest.fixture
+def broker(db_url, clock) -> Iterator[Broker]:
+    """A single writer on the test database (SQLite and PostgreSQL)."""
+    broker = Broker(db_url, parse_config(cluster()), clock, single_writer=True)
+    yield broker
+    broker.close()
+
+
+def test_a_refused_change_leaves_the_kept_catalog_as_the_database_has_it(broker):
+    ask(broker)  # the catalog is loaded and kept
+    with pytest.raises(BrokerError):
+        broker.put_project("vision", share=1.0, parent="vision")  # a cycle: refused
+    assert [p["parent"] for p in broker.projects() if p["name"] == "vision"] == ["org"]
+    broker.put_project("speech", share=1.0, parent="org", users=["carol"])
+    assert ask(broker, user="carol", project="speech")["project"] == "speech"
+
+
+def test_a_pass_that_drains_a_node_is_seen_by_the_next_request(broker):
+    broker.set_node_state("h0", "draining")
+    broker.run_pass()  # nothing runs on h0: it reports drained
+    assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "drained"
+    broker.sync_inventory([Node("h0", "h100", 4, NodeState.DOWN), Node("b0", "b200", 4)])
+    assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "down"
