@@ -22,7 +22,9 @@ from broker.core.model import (
     SliceState,
 )
 from broker.core.ordering import queue_order
+from broker.core.preemption import DebugLane, Preemptor
 from broker.core.scheduler import schedule
+from broker.core.standing import Standings
 
 
 def granted_ids(decisions):
@@ -602,3 +604,111 @@ def test_a_gang_waits_without_preempting_while_a_holder_is_protected():
     assert d.preemptions == ()
     (reservation,) = d.reservations
     assert not reservation.promised and reservation.due_at == protected.protected_until + 60
+
+
+# ---- the victim indexes ----------------------------------------------------------
+
+
+def scan_every_node(preemptor, requester, free):
+    """The victim search without its indexes: every node, the rule asked of every
+    candidate in victim order (design.md §5.3), the best node by its score."""
+    if not requester.allocated:
+        return None
+    best = None
+    for name, entries in preemptor.candidates.items():
+        node = preemptor.nodes.get(name)
+        if node is None or node.gpu_count < requester.gpus:
+            continue
+        if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
+            continue
+        need = requester.gpus - len(free.get(name, ()))
+        if need <= 0:
+            continue
+        weight = preemptor.weights.get(node.gpu_type, 1.0)
+        chosen, lost, freed = [], {}, 0
+        for victim, gpus in entries:
+            before = lost.get(victim.project, 0.0)
+            reason = preemptor.reason(requester, victim, weight, before)
+            if reason is not None:
+                chosen.append((victim, reason, gpus))
+                if victim.allocated:
+                    lost[victim.project] = before + victim.gpus * weight
+                freed += gpus
+                if freed >= need:
+                    break
+        else:
+            continue
+        for taken in reversed(chosen[:-1]):
+            if freed - taken[2] >= need:
+                chosen.remove(taken)
+                freed -= taken[2]
+        score = (sum(1 for v, _, _ in chosen if v.allocated), len(chosen), freed, name)
+        if best is None or score < best[0]:
+            best = (score, [(v, r) for v, r, _ in chosen])
+    return best
+
+
+@st.composite
+def crowded_clusters(draw):
+    """Four 8-GPU nodes, some GPUs free, the rest held by slices of random
+    projects, contracts, kinds and ages; and a random request."""
+    projects = ("a", "b", "c", "d")
+    slices = []
+    free = {}
+    for node in ("n0", "n1", "n2", "n3"):
+        start = draw(st.integers(0, 3))
+        free[node] = set(range(start))
+        while start < 8:
+            size = draw(st.integers(1, 8 - start))
+            slices.append(
+                running(
+                    draw(st.sampled_from(projects)),
+                    node,
+                    tuple(range(start, start + size)),
+                    granted_ago=draw(st.sampled_from([MIN, 2 * HOUR, 3 * HOUR])),
+                    min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR])),
+                    kind=draw(st.sampled_from(list(SliceKind))),
+                    priority=draw(st.integers(-1, 1)),
+                )
+            )
+            start += size
+    requester = pending(
+        draw(st.sampled_from(projects)),
+        draw(st.integers(1, 8)),
+        kind=draw(st.sampled_from(list(SliceKind))),
+        min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR])),
+        priority=draw(st.integers(-1, 1)),
+    )
+    shares = {p: draw(st.sampled_from([1.0, 2.0, 3.0])) for p in projects}
+    return flat_tree(*projects, shares=shares), slices, free, requester
+
+
+@settings(max_examples=300, deadline=None)
+@given(crowded_clusters())
+def test_the_indexed_victim_search_picks_what_a_scan_of_every_node_picks(cluster):
+    accounts, slices, free, requester = cluster
+    tree = ProjectTree(accounts)
+    policy = Policy(debug_lane_fraction=0.25)
+    wanting = {s.project for s in slices if s.allocated} | {requester.project}
+    standings = Standings.now(tree, 32.0, wanting)
+    lane = DebugLane.for_cluster(32, policy)
+    for s in slices:
+        if s.allocated:
+            standings.record(s.project, float(s.gpus))
+    preemptor = Preemptor(
+        now=NOW,
+        policy=policy,
+        standings=standings,
+        lane=lane,
+        nodes={n.name: n for n in nodes(4)},
+        weights={},
+        running=slices,
+    )
+    expected = scan_every_node(preemptor, requester, free)
+    found = preemptor.find(requester, free)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert found.placement.node == expected[0][3]
+        assert [(v.id, r) for v, r in found.victims] == [(v.id, r) for v, r in expected[1]]

@@ -142,17 +142,27 @@ class Preemptor:
         self.by_project: Counter[str] = Counter()
         self.unallocated = 0
         self.batch = 0
+        # The victim indexes: per group of candidates (a project's allocated
+        # ones, all unallocated ones, all allocated batch ones), the GPUs they
+        # hold on each node. A search visits only the nodes of the groups the
+        # rule could take from, instead of asking it about every candidate.
+        self.nodes_of: dict[_Group, Counter[str]] = {}
         standing = {project: standings.standing(project) for project in standings.tree.projects}
         for node_name, entries in self.candidates.items():
             entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
             self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
-            for slice_, _ in entries:
-                self._tally(slice_, 1)
+            for slice_, gpus in entries:
+                self._tally(slice_, node_name, gpus, 1)
 
-    def _tally(self, slice_: Slice, step: int) -> None:
+    def _tally(self, slice_: Slice, node_name: str, gpus: int, step: int) -> None:
         self.by_project[slice_.project] += step
         self.unallocated += step * (not slice_.allocated)
         self.batch += step * (slice_.kind is SliceKind.BATCH)
+        for group in _groups(slice_):
+            nodes = self.nodes_of.setdefault(group, Counter())
+            nodes[node_name] += step * gpus
+            if not nodes[node_name]:
+                del nodes[node_name]
 
     def reason(
         self,
@@ -201,8 +211,30 @@ class Preemptor:
         for placement in slice_.placements:
             entries = self.candidates[placement.node]
             entries[:] = [e for e in entries if e[0].id != slice_.id]
-            self.candidate_gpus[placement.node] -= len(placement.gpu_indices)
-            self._tally(slice_, -1)
+            gpus = len(placement.gpu_indices)
+            self.candidate_gpus[placement.node] -= gpus
+            self._tally(slice_, placement.node, gpus, -1)
+
+    def _eligible(self, requester: Slice) -> tuple[list[_Group], set[_Group]]:
+        """The groups of candidates the rule could let ``requester`` take from,
+        each asked at its most lenient (as :meth:`hopeless` does): any other
+        candidate is refused whatever the search has already taken.
+
+        Returned as the groups to visit and the groups whose members are worth
+        asking about (the latter also holds the requester's own project, since
+        a project's own lower-ranked work may be taken whatever fair share says).
+        """
+        visit: list[_Group] = [_UNALLOCATED, (_PROJECT, requester.project)]
+        visit += [
+            (_PROJECT, project)
+            for project, count in self.by_project.items()
+            if count
+            and project != requester.project
+            and self.standings.may_take(requester.project, project, 0.0, 0.0)
+        ]
+        if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
+            visit.append(_BATCH)
+        return visit, set(visit)
 
     def find(self, requester: Slice, free: Mapping[str, set[int]]) -> Victims | None:
         """The least harmful way to make ``requester`` fit on one node, or None.
@@ -212,11 +244,46 @@ class Preemptor:
         already cost its project; then each is put back if the request still
         fits without it. Nodes compare by (allocated victims, victims, victim
         GPUs, node name).
+
+        Unallocated candidates come first in that order and may always be
+        taken, so a node whose unallocated GPUs make the request fit costs no
+        allocated victim, and every other node costs at least one: those nodes
+        are searched first, the others only when none of them serves.
         """
         if self.hopeless(requester):
             return None
+        unallocated = self.nodes_of.get(_UNALLOCATED, {})
+        free_only = [
+            name
+            for name, gpus in unallocated.items()
+            if gpus + len(free.get(name, ())) >= requester.gpus
+        ]
+        best = self._search(requester, free, free_only, {_UNALLOCATED})
+        if best is None:
+            visit, eligible = self._eligible(requester)
+            where: set[str] = set()
+            for group in visit:
+                where.update(self.nodes_of.get(group, ()))
+            where.difference_update(free_only)
+            best = self._search(requester, free, where, eligible)
+        if best is None:
+            return None
+        _, node_name, chosen = best
+        freed = sorted(i for s, _ in chosen for i in _gpus_on(s, node_name))
+        gpu_indices = sorted(free.get(node_name, set())) + freed
+        placement = Placement(node_name, tuple(sorted(gpu_indices[: requester.gpus])))
+        return Victims(placement, tuple(chosen))
+
+    def _search(
+        self,
+        requester: Slice,
+        free: Mapping[str, set[int]],
+        node_names: Iterable[str],
+        eligible: set[_Group],
+    ) -> tuple | None:
+        """The best (score, node, victims) among ``node_names``, or None (see :meth:`find`)."""
         best: tuple | None = None
-        for node_name, entries in self.candidates.items():
+        for node_name in node_names:
             node = self.nodes.get(node_name)
             if node is None or node.gpu_count < requester.gpus:
                 continue
@@ -224,6 +291,13 @@ class Preemptor:
                 continue
             need = requester.gpus - len(free.get(node_name, ()))
             if need <= 0 or self.candidate_gpus[node_name] < need:
+                continue
+            # Only candidates of an eligible group could be taken (the rest the
+            # rule refuses): too few of their GPUs, and the node cannot serve.
+            entries = [
+                e for e in self.candidates[node_name] if not eligible.isdisjoint(_groups(e[0]))
+            ]
+            if sum(gpus for _, gpus in entries) < need:
                 continue
             weight = self.weights.get(node.gpu_type, 1.0)
             chosen: list[tuple[Slice, PreemptReason, int]] = []
@@ -254,13 +328,22 @@ class Preemptor:
             )
             if best is None or score < best[0]:
                 best = (score, node_name, [(s, r) for s, r, _ in chosen])
-        if best is None:
-            return None
-        _, node_name, chosen = best
-        freed = sorted(i for s, _ in chosen for i in _gpus_on(s, node_name))
-        gpu_indices = sorted(free.get(node_name, set())) + freed
-        placement = Placement(node_name, tuple(sorted(gpu_indices[: requester.gpus])))
-        return Victims(placement, tuple(chosen))
+        return best
+
+
+_Group = tuple[str, str]
+_PROJECT = "project"
+_UNALLOCATED = ("unallocated", "")
+_BATCH = ("batch", "")
+
+
+def _groups(slice_: Slice) -> tuple[_Group, ...]:
+    """The victim-index groups a candidate belongs to (see :class:`Preemptor`)."""
+    if not slice_.allocated:
+        return (_UNALLOCATED,)
+    if slice_.kind is SliceKind.BATCH:
+        return ((_PROJECT, slice_.project), _BATCH)
+    return ((_PROJECT, slice_.project),)
 
 
 def _gpus_on(slice_: Slice, node: str) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ same decisions.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -68,6 +69,7 @@ class _Pass:
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
         self._spans_memo: dict[tuple, tuple[str, ...]] = {}
+        self._latest_due_memo: tuple[int, float] = (0, -math.inf)
         self._lendable: list[list[Placement]] = []  # per backfill reservation
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
@@ -588,6 +590,14 @@ class _Pass:
             if placements is not None:
                 return placements
             self._smallest_misfit[key] = slice_.gpus
+        if slice_.allocated:
+            # It may use none if it would outlast every reservation: the first
+            # tests of _may_use_reserved, asked of the latest due time at once.
+            latest, contract = self._latest_due(reserved), slice_.contract
+            if self.now + contract.min_runtime + self.policy.grace_period > latest and (
+                contract.max_runtime is None or self.now + contract.max_runtime > latest
+            ):
+                return None
         # Whether a reservation may be used depends on these traits only.
         traits = (
             slice_.project,
@@ -629,6 +639,16 @@ class _Pass:
                 for p in self._lendable[i]
             ]
         return placements
+
+    def _latest_due(self, reserved: list[tuple[Reservation, Slice]]) -> float:
+        """When the last of ``reserved`` falls due (-inf: none has a due time);
+        kept while the list does not grow."""
+        count, latest = self._latest_due_memo
+        if count != len(reserved):
+            dues = [r.due_at for r, _ in reserved if r.due_at is not None]
+            latest = max(dues, default=-math.inf)
+            self._latest_due_memo = (len(reserved), latest)
+        return latest
 
     def _held_back(self, slice_: Slice) -> bool:
         """Whether ``slice_`` would fit on free GPUs now but for ``debug_headroom``."""
