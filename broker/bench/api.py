@@ -453,6 +453,7 @@ def run_open_loop(
                 work = OpenLoop(offered, seconds, heartbeat_every, seed)
                 point = {
                     "offered_rate": offered,
+                    "load_average_before": round(os.getloadavg()[0], 2),
                     "broker": _open_run("broker", backend, work, postgres_url),
                     "reference": _open_run("reference", backend, work, postgres_url),
                 }
@@ -512,10 +513,9 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
                 held, tokens = _seed_broker(url, directory, work)
                 process = _start_broker(url, directory)
             else:
-                tokens = {p: f"reference-{p}" for p in PROJECTS}
-                held = [
-                    (i + 1, PROJECTS[i % len(PROJECTS)]) for i in range(work.sessions + work.churn)
-                ]
+                tokens = {user: f"reference-{user}" for p in PROJECTS for user in _users(p)}
+                owners = _owners(work.sessions + work.churn)
+                held = [(i + 1, project, user) for i, (project, user) in enumerate(owners)]
                 port = _free_port()
                 process = _start_server(
                     [f"{__package__}.reference_server", f"--db-url={url}", f"--port={port}"],
@@ -535,12 +535,20 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
     }
 
 
-def _seed_broker(
-    url: str, directory: Path, work: OpenLoop
-) -> tuple[list[tuple[int, str]], dict[str, str]]:
-    """The cluster file, a token per project's first user, and the sessions' and the
-    release pool's slices written straight to the database and granted by one pass
-    (submitting thousands through the API would take minutes): ``(id, project)`` each."""
+#: A live slice the driver knows: its id, project and user.
+_Held = tuple[int, str, str]
+
+
+def _owners(count: int) -> list[tuple[str, str]]:
+    """``(project, user)`` for ``count`` slices, spread over every project and user."""
+    users = [(project, user) for project in PROJECTS for user in _users(project)]
+    return [users[i % len(users)] for i in range(count)]
+
+
+def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held], dict[str, str]]:
+    """The cluster file, a token per user, and the sessions' and the release pool's
+    slices written straight to the database and granted by one pass (submitting
+    thousands through the API, a pass each, would take minutes)."""
     from sqlalchemy.orm import Session
 
     from ..config import load_config
@@ -555,7 +563,7 @@ def _seed_broker(
     (directory / "cluster.toml").write_text(_config(gpus))
     store = TokenStore(url)  # initialises the schema too
     try:
-        tokens = {project: store.create(_users(project)[0]) for project in PROJECTS}
+        tokens = {user: store.create(user) for project in PROJECTS for user in _users(project)}
     finally:
         store.close()
     broker = Broker(url, load_config(directory / "cluster.toml"))
@@ -564,8 +572,8 @@ def _seed_broker(
         now = time.time()
         rows = [
             SliceRow(
-                project=PROJECTS[i % len(PROJECTS)],
-                user=_users(PROJECTS[i % len(PROJECTS)])[0],
+                project=project,
+                user=user,
                 gpus=1,
                 gpu_type=None,
                 kind="interactive",
@@ -579,12 +587,12 @@ def _seed_broker(
                 promised=[],
                 charged_gpu_seconds=0.0,
             )
-            for i in range(live)
+            for project, user in _owners(live)
         ]
         with Session(engine) as session, session.begin():
             session.add_all(rows)
             session.flush()
-            held = [(row.id, row.project) for row in rows]
+            held = [(row.id, row.project, row.user) for row in rows]
         broker.run_pass()
         granted = sum(1 for s in broker.list_slices(state="granted"))
         if granted != live:
@@ -678,7 +686,7 @@ class _OpenRecord:
 
 
 async def _drive_open(
-    url: str, tokens: dict[str, str], held: Sequence[tuple[int, str]], work: OpenLoop
+    url: str, tokens: dict[str, str], held: Sequence[_Held], work: OpenLoop
 ) -> dict[str, Any]:
     """Send ``schedule(work)`` at its times, each request in a task of its own, so a
     slow answer never delays the next send (no coordinated omission)."""
@@ -691,10 +699,10 @@ async def _drive_open(
     loop = asyncio.get_running_loop()
     clock = loop.time
 
-    async def request(kind: str, method: str, path: str, project: str, body: Any, due: float):
+    async def request(kind: str, method: str, path: str, user: str, body: Any, due: float):
         data = None if body is None else json.dumps(body).encode()
         timeout = REQUEST_TIMEOUT_S + (LONG_POLL_WAIT_S if kind == LONG_POLL else 0)
-        status, answer = await transport.send(method, api + path, tokens[project], data, timeout)
+        status, answer = await transport.send(method, api + path, tokens[user], data, timeout)
         now = clock()
         record.last_answer = now
         record.kinds[kind].append(now - due)
@@ -705,41 +713,41 @@ async def _drive_open(
         record.errors[f"{kind}: {status}"] += 1
         return None
 
-    async def submit(due: float, project: str) -> None:
+    async def submit(due: float, project: str, user: str) -> None:
         body = {"project": project, "gpus": 1, "kind": "interactive", "min_runtime": "1h"}
-        slice_ = await request("submit", "POST", "/slices", project, body, due)
+        slice_ = await request("submit", "POST", "/slices", user, body, due)
         if slice_ is None:
             return
-        pool.append((slice_["id"], project))
+        pool.append((slice_["id"], project, user))
         while slice_ is not None and slice_["state"] == "pending":
             path = f"/slices/{slice_['id']}?wait={LONG_POLL_WAIT_S}&state=pending"
-            slice_ = await request(LONG_POLL, "GET", path, project, None, clock())
+            slice_ = await request(LONG_POLL, "GET", path, user, None, clock())
         if slice_ is not None and slice_["state"] == "granted":
             record.grants.append(clock() - due)
         else:
             record.not_granted += 1
 
     def start(send: _Send, due: float) -> Any:
-        slice_id, project = sessions[send.session]
+        slice_id, project, user = sessions[send.session]
         if send.kind == "heartbeat":
             path = f"/slices/{slice_id}/heartbeat"
-            return request("heartbeat", "POST", path, project, {}, due)
+            return request("heartbeat", "POST", path, user, {}, due)
         if send.kind == "get_slice":
-            return request("get_slice", "GET", f"/slices/{slice_id}", project, None, due)
+            return request("get_slice", "GET", f"/slices/{slice_id}", user, None, due)
         if send.kind == "projects":
-            return request("projects", "GET", "/projects", project, None, due)
+            return request("projects", "GET", "/projects", user, None, due)
         if send.kind == "submit":
-            return submit(due, project)
+            return submit(due, project, user)
         if not pool:
             record.releases_without_slice += 1
             return None
-        slice_id, project = pool.popleft()
-        return request("release", "DELETE", f"/slices/{slice_id}", project, None, due)
+        slice_id, _project, user = pool.popleft()
+        return request("release", "DELETE", f"/slices/{slice_id}", user, None, due)
 
     # The server is listening; wait until it answers before the clock starts.
     for _ in range(100):
         status, _body = await transport.send(
-            "GET", f"{api}/projects", tokens[PROJECTS[0]], None, 30
+            "GET", f"{api}/projects", next(iter(tokens.values())), None, 30
         )
         if status == 200:
             break
