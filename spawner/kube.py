@@ -13,10 +13,11 @@ KubeSpawner creates the pod, changed as follows (:meth:`slice_pod`):
 - labelled with the slice id and project (``slicebroker.io/slice-id``,
   ``slicebroker.io/project``), so that an operator (and a cleanup) finds them.
 
-``profile_list`` keeps working: the options form shows KubeSpawner's own form
-(its profiles) above the slice form, and both sets of options are kept
-(KubeSpawner applies the profile's overrides in ``start()``, after the grant;
-the slice's GPUs win).
+``profile_list`` keeps working: KubeSpawner's ``options_form`` and
+``options_from_form`` stay its own, and the mixin adds to them (its
+``get_options_form()``, ``run_options_from_form()``): the form shows the profiles
+above the slice form, and both sets of options are kept (KubeSpawner applies the
+profile's overrides in ``start()``, after the grant; the slice's GPUs win).
 
 The progress page shows the broker's events (queue position, the grant), then
 KubeSpawner's own: the pod's events (scheduling, image pulls, start).
@@ -26,8 +27,9 @@ The spawner adds to KubeSpawner through its public interface: the
 profile overrides built it, so the grant wins over a profile's
 ``node_selector`` or ``extra_resource_limits``; ``modify_pod_hook`` stays the
 admin's), ``progress()``, and the values of its ``options_form`` and
-``options_from_form`` traits. The version of KubeSpawner is bounded above in
-the package's extras.
+``options_from_form`` traits, read through JupyterHub's ``get_options_form()`` and
+``run_options_from_form()``. The version of KubeSpawner is bounded above in the
+package's extras.
 
 The mixin does the rest: on preemption the server (the pod) is stopped after
 the grace period, and ``poll()`` sees a pod that vanished (evicted, deleted by
@@ -41,15 +43,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jupyterhub.utils import maybe_future
 from kubespawner import KubeSpawner
-from traitlets import Bool, Unicode, default
+from traitlets import Bool, Unicode
 
 from broker.kube.inventory import GPU_RESOURCE, MIG_PREFIX, gpu_resource, kube_node_name
 from broker.kube.reaper import SLICE_LABEL
 
-from .mixin import SliceBrokerMixin, render_options_form
-from .options import options_from_form
+from .mixin import SliceBrokerMixin
 
 PROJECT_LABEL = "slicebroker.io/project"
 #: The progress of the grant's event (:func:`spawner.notices.grant_event`): the pod's
@@ -79,34 +79,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         limits for extended resources; turning this off leaves requests to the
         defaults, which then equal the limits).""",
     ).tag(config=True)
-
-    # ---- options: profiles and the slice form together -----------------------------
-
-    @default("options_form")
-    def _options_form_default(self) -> Any:
-        return self._slice_and_profile_form
-
-    async def _slice_and_profile_form(self, spawner: Any) -> str:
-        slice_form = await render_options_form(spawner)
-        # KubeSpawner's own value of the trait: its profile form, or a function that
-        # renders it (a callable profile_list), or "" without profiles.
-        profiles = KubeSpawner._options_form_default(self)
-        if callable(profiles):
-            profiles = await maybe_future(profiles(spawner))
-        if not profiles:
-            return slice_form
-        return f"{profiles}\n{slice_form}"
-
-    @default("options_from_form")
-    def _options_from_form_default(self) -> Any:
-        return self._slice_and_profile_options
-
-    def _slice_and_profile_options(self, formdata: Mapping[str, Any]) -> dict[str, Any]:
-        options = options_from_form(formdata)
-        if self.profile_list:
-            # KubeSpawner's own value of the trait reads the profile and its options.
-            options.update(KubeSpawner._options_from_form_default(self)(formdata))
-        return options
 
     # ---- progress: the queue, then the pod ---------------------------------------------
 

@@ -12,6 +12,12 @@ and changes its life cycle as follows.
   then starts the server through the spawner below it. If the spawn is
   cancelled (the hub's ``start_timeout``, a DELETE of the pending server) or
   fails, the request is withdrawn before the error goes on.
+- The options form is the spawner's own form, if it has one (KubeSpawner's
+  profiles, an admin's ``options_form``), then the slice form: the user's projects
+  and their budget position, GPUs, GPU type, protected length
+  (:mod:`spawner.options`, laid out by a template the admin may replace:
+  ``options_form_template_paths``). The slice's fields become user options here,
+  the others as the spawner's own ``options_from_form`` reads them.
 - ``progress()`` streams the queue position, fair-share value and estimated
   wait while the request waits, then the grant and the launch.
 - ``poll()`` says "running" while ``start()`` runs (waiting in the queue
@@ -38,11 +44,12 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC
 from typing import Any
 
 from jupyterhub.spawner import SpawnException
+from jupyterhub.utils import maybe_future
 from tornado import web
 from traitlets import Dict, Float, Int, List, Unicode, Union, default, validate
 from traitlets.config import Configurable
@@ -314,17 +321,17 @@ class SliceBrokerMixin(Configurable):
         # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
         return 3600
 
-    @default("options_form")
-    def _options_form_default(self) -> Any:
-        return render_options_form
-
-    @default("options_from_form")
-    def _options_from_form_default(self) -> Any:
-        return options_from_form
-
     @default("apply_user_options")
     def _apply_user_options_default(self) -> Any:
         return apply_slice_options
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not self.options_form:
+            # The spawner below has no form of its own: the slice form is the whole form.
+            # (Not a trait default, which would hide the default of the spawner below:
+            # KubeSpawner's profile form.)
+            self.options_form = render_options_form
 
     # ---- run-time state ----------------------------------------------------------
 
@@ -411,6 +418,36 @@ class SliceBrokerMixin(Configurable):
         projects = project_views(rows, self.user.name, self._user_groups())
         queue = sum(int(r.get("pending") or 0) for r in rows if r.get("is_project"))
         return projects, gpu_type_views(nodes), queue, nodes
+
+    async def get_options_form(self) -> str:
+        """The spawner's own form (its ``options_form``: KubeSpawner's profiles, an
+        admin's form), then the slice form."""
+        slice_form = await self.slice_options_form()
+        if self.options_form is render_options_form:
+            return slice_form
+        own = await super().get_options_form()
+        return f"{own}\n{slice_form}" if own else slice_form
+
+    async def run_options_from_form(self, form_data: Mapping[str, Any]) -> dict[str, Any]:
+        """User options from the submitted form (:meth:`_own_and_slice_options`)."""
+        return await self._own_and_slice_options(form_data, super().run_options_from_form)
+
+    async def options_from_query(self, query_data: Mapping[str, Any]) -> dict[str, Any]:
+        """User options from ``/hub/spawn?project=...`` (:meth:`_own_and_slice_options`)."""
+        return await self._own_and_slice_options(query_data, super().options_from_query)
+
+    async def _own_and_slice_options(
+        self, form_data: Mapping[str, Any], own: Callable[[dict[str, Any]], Any]
+    ) -> dict[str, Any]:
+        """The slice's fields as :func:`~spawner.options.options_from_form` reads them, and
+        the other fields, where the spawner has a form of its own, as ``own`` (its
+        ``options_from_form``) reads them: KubeSpawner's profile and profile options."""
+        options: dict[str, Any] = {}
+        if self.options_form is not render_options_form:
+            others = {k: v for k, v in form_data.items() if k not in OPTION_KEYS}
+            options.update(await maybe_future(own(others)))
+        options.update(options_from_form(form_data))
+        return options
 
     async def slice_options_form(self) -> str:
         """The options form: the user's projects with their budget position and queue,

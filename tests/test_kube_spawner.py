@@ -22,7 +22,9 @@ from servicefixtures import serving_in_process
 
 from broker.kube.reaper import PodReaper
 from spawner.kube import PROJECT_LABEL, SLICE_LABEL, KubeSliceBrokerSpawner
+from spawner.mixin import render_options_form
 from spawner.notices import describe
+from spawner.options import FORM_TEMPLATE
 
 
 def pod(limits=None, selector=None):
@@ -318,14 +320,18 @@ PROFILES = [
 ]
 
 
-async def test_profile_list_keeps_working_and_the_grant_wins(tmp_path, monkeypatch):
+async def test_profile_list_keeps_working_and_the_grant_wins(tmp_path, monkeypatch, caplog):
     kube = FakeKube()
     async with kube_session(tmp_path, monkeypatch, kube) as (_, make):
         spawner = make(traits={"profile_list": PROFILES}, profile="big")
-        form = await spawner.options_form(spawner)
-        assert 'value="big"' in form and 'name="project"' in form
-        options = spawner.options_from_form({"profile": ["big"], "project": ["vision"]})
-        assert options["profile"] == "big" and options["project"] == "vision"
+        form = await spawner.get_options_form()
+        assert form.index('value="big"') < form.index('name="project"')  # profiles first
+        submitted = {"profile": ["big"], "project": ["vision"], "gpus": ["2"], "x": ["y"]}
+        options = await spawner.run_options_from_form(submitted)
+        assert options == {"profile": "big", "project": "vision", "gpus": "2"}
+        # KubeSpawner read only the fields that are not the slice's.
+        assert "Ignoring unrecognized form data in spawn request: x\n" in caplog.text
+        assert await spawner.options_from_query(submitted) == options
         await spawner.start()
         (pod,) = kube.pods("jhub")
         container = pod["spec"]["containers"][0]
@@ -333,6 +339,30 @@ async def test_profile_list_keeps_working_and_the_grant_wins(tmp_path, monkeypat
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
         await spawner.stop()
         assert kube.pods("jhub") == []
+
+
+async def test_the_slice_form_comes_from_the_admins_template_after_any_form_of_their_own(
+    tmp_path, monkeypatch
+):
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / FORM_TEMPLATE).write_text(
+        '<p id="ours">{% for option in project_options %}{{ option.value }} {% endfor %}</p>'
+    )
+    kube = FakeKube()
+    async with kube_session(tmp_path, monkeypatch, kube) as (_, make):
+        spawner = make(traits={"options_form_template_paths": [str(templates)]})
+        assert spawner.options_form is render_options_form  # KubeSpawner offers no form
+        assert (await spawner.get_options_form()).strip() == '<p id="ours">vision </p>'
+        options = await spawner.run_options_from_form({"project": ["vision"], "x": ["y"]})
+        assert options == {"project": "vision"}
+
+        # An admin's own form: shown first, its fields read by the admin's options_from_form.
+        own = make(traits={"options_form": '<p id="own"></p>', "options_from_form": "simple"})
+        form = await own.get_options_form()
+        assert form.startswith('<p id="own"></p>\n') and 'id="sb-project"' in form
+        options = await own.run_options_from_form({"project": ["vision"], "x": ["y"]})
+        assert options == {"x": "y", "project": "vision"}
 
 
 async def test_pod_events_follow_the_grant_on_the_progress_stream(tmp_path, monkeypatch):
