@@ -327,10 +327,10 @@ class SliceBrokerMixin(Configurable):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not self.options_form:
+        if self.has_trait("options_form") and not self.options_form:
             # The spawner below has no form of its own: the slice form is the whole form.
             # (Not a trait default, which would hide the default of the spawner below:
-            # KubeSpawner's profile form.)
+            # KubeSpawner's profile form. The mixin alone, without a spawner, has none.)
             self.options_form = render_options_form
 
     # ---- run-time state ----------------------------------------------------------
