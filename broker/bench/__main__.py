@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep", action="store_true", help="open loop: step the rate until p99 > 100 ms"
     )
     load.add_argument(
+        "--rates",
+        default=",".join(str(r) for r in api.SWEEP_RATES),
+        help="sweep: the offered rates to step through, comma-separated",
+    )
+    load.add_argument(
         "--heartbeat-every",
         type=float,
         default=30.0,
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seconds,
             args.postgres_url,
             sweep=args.sweep,
+            sweep_rates=[float(r) for r in args.rates.split(",")],
             heartbeat_every=args.heartbeat_every,
             seed=args.seed,
         )

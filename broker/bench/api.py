@@ -103,9 +103,9 @@ def _database(backend: str, directory: Path, postgres_url: str) -> Iterator[str]
         yield url
 
 
-def _config(clients: int) -> str:
-    """A cluster with a GPU per client, four projects of ten users each."""
-    nodes = max(1, -(-clients // GPUS_PER_NODE))
+def _config(gpus: int) -> str:
+    """A cluster of at least ``gpus`` GPUs, four projects of ten users each."""
+    nodes = max(1, -(-gpus // GPUS_PER_NODE))
     lines = [
         'admins = ["root"]',
         "[policy]",
@@ -139,13 +139,13 @@ def _free_port() -> int:
 
 
 @dataclass
-class _Broker:
+class _Server:
     process: subprocess.Popen
     url: str
     log: Path
 
     def stop(self) -> float:
-        """SIGTERM and wait; the CPU seconds the broker used."""
+        """SIGTERM and wait; the CPU seconds the server used."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -160,7 +160,7 @@ class _Broker:
         return usage.ru_utime + usage.ru_stime
 
 
-def _start_broker(url: str, directory: Path) -> _Broker:
+def _start_broker(url: str, directory: Path) -> _Server:
     config = directory / "cluster.toml"
     port = _free_port()
     return _start_server(
@@ -178,7 +178,7 @@ def _start_broker(url: str, directory: Path) -> _Broker:
     )
 
 
-def _start_server(module_args: list[str], port: int, log: Path) -> _Broker:
+def _start_server(module_args: list[str], port: int, log: Path) -> _Server:
     """``python -m <module_args>`` listening on ``port``, once it accepts connections."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -192,7 +192,7 @@ def _start_server(module_args: list[str], port: int, log: Path) -> _Broker:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    server = _Broker(process, f"http://127.0.0.1:{port}", log)
+    server = _Server(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
@@ -361,8 +361,9 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
 #: balance, so the number of live slices stays about constant; each spawn reads
 #: the project tree (the options form) and watchers read single slices.
 MIX = {"heartbeat": 0.70, "get_slice": 0.10, "projects": 0.04, "submit": 0.08, "release": 0.08}
-#: The sweep's offered rates (requests/s), tried in order until p99 passes the limit.
-SWEEP_RATES = (250, 500, 1000, 1500, 2000, 3000, 4000)
+#: The sweep's offered rates (requests/s), tried in order until p99 passes the limit;
+#: the low steps place a broker that is far from the goal.
+SWEEP_RATES = (50, 100, 250, 500, 1000, 1500, 2000, 3000, 4000)
 SWEEP_P99_S = 0.100
 #: Per-request limit; a request past it counts as an error (status 0) with this latency.
 REQUEST_TIMEOUT_S = 10.0
@@ -436,14 +437,15 @@ def run_open_loop(
     postgres_url: str = SCRATCH_POSTGRES_URL,
     *,
     sweep: bool = False,
+    sweep_rates: Sequence[float] = SWEEP_RATES,
     heartbeat_every: float = 30.0,
     seed: int = 1,
 ) -> dict[str, Any]:
     """The broker and the reference server (:mod:`.reference_server`), each on a fresh
     database per rate, driven by the same open-loop schedule: at ``rate``, or with
-    ``sweep`` at :data:`SWEEP_RATES` until the broker's p99 passes 100 ms."""
+    ``sweep`` at ``sweep_rates`` in turn until the broker's p99 passes 100 ms."""
     backends = ["sqlite", "postgresql"] if db == "both" else [db]
-    rates = SWEEP_RATES if sweep else (rate,)
+    rates = sweep_rates if sweep else (rate,)
     load = os.getloadavg()[0]  # other work on the machine skews every figure
     results = []
     for backend in backends:
