@@ -258,7 +258,7 @@ class Preemptor:
             for name, gpus in unallocated.items()
             if gpus + len(free.get(name, ())) >= requester.gpus
         ]
-        best = self._search(requester, free, free_only, {_UNALLOCATED})
+        best = self._search_unallocated(requester, free, free_only)
         if best is None:
             visit, eligible = self._eligible(requester)
             where: set[str] = set()
@@ -273,6 +273,38 @@ class Preemptor:
         gpu_indices = sorted(free.get(node_name, set())) + freed
         placement = Placement(node_name, tuple(sorted(gpu_indices[: requester.gpus])))
         return Victims(placement, tuple(chosen))
+
+    def _search_unallocated(
+        self, requester: Slice, free: Mapping[str, set[int]], node_names: Iterable[str]
+    ) -> tuple | None:
+        """:meth:`_search` on nodes whose unallocated candidates alone make the
+        request fit: they lead each node's victim order and the rule always lets
+        an allocated request take them, so it need not be asked."""
+        best: tuple | None = None
+        for node_name in node_names:
+            node = self.nodes.get(node_name)
+            if node is None or node.gpu_count < requester.gpus:
+                continue
+            if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
+                continue
+            need = requester.gpus - len(free.get(node_name, ()))
+            if need <= 0:
+                continue
+            chosen: list[tuple[Slice, int]] = []
+            freed = 0
+            for entry in self.candidates[node_name]:
+                chosen.append(entry)
+                freed += entry[1]
+                if freed >= need:
+                    break
+            for victim in reversed(chosen[:-1]):
+                if freed - victim[1] >= need:
+                    chosen.remove(victim)
+                    freed -= victim[1]
+            score = (0, len(chosen), freed, node_name)
+            if best is None or score < best[0]:
+                best = (score, node_name, [(s, PreemptReason.UNALLOCATED) for s, _ in chosen])
+        return best
 
     def _search(
         self,

@@ -14,6 +14,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from contextlib import contextmanager
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from . import backfill
 from .fairshare import ProjectTree
@@ -40,17 +41,29 @@ from .preemption import DebugLane, Preemptor, Victims, is_debug, preempt_reason
 from .standing import Standings
 from .transitions import granted, requeued
 
+if TYPE_CHECKING:
+    from .incremental import PassState
+
 
 def schedule(snapshot: Snapshot, tree: ProjectTree | None = None) -> Decisions:
-    """Run one scheduling pass. ``tree`` may be given to reuse a validated tree."""
+    """Run one scheduling pass. ``tree`` may be given to reuse a validated tree.
+
+    :class:`~broker.core.incremental.PassState` gives the same decisions while
+    keeping, between passes, what this finds anew each time.
+    """
     return _Pass(snapshot, tree or ProjectTree(snapshot.accounts)).run()
 
 
 class _Pass:
-    """The working state of one pass; :meth:`run` lists its phases in order."""
+    """The working state of one pass; :meth:`run` lists its phases in order.
 
-    def __init__(self, snapshot: Snapshot, tree: ProjectTree):
+    ``kept``: the state kept between passes, already updated to ``snapshot``;
+    it spares the walks and sorts of every live slice, never changes a decision.
+    """
+
+    def __init__(self, snapshot: Snapshot, tree: ProjectTree, kept: PassState | None = None):
         self.snap = snapshot
+        self.kept = kept
         self.now = snapshot.now
         self.policy = snapshot.policy
         self.tree = tree
@@ -62,7 +75,9 @@ class _Pass:
         self.node_changes: list[NodeChange] = []
         self.queue: list[QueueEntry] = []
         self.timings: dict[str, float] = {}
-        self.live: dict[int, Slice] = {s.id: s for s in snapshot.slices}
+        self.live: dict[int, Slice] = (
+            dict(kept.slices) if kept is not None else {s.id: s for s in snapshot.slices}
+        )
         self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
         self.leaving: set[int] = set()  # preempted in this pass
@@ -142,7 +157,8 @@ class _Pass:
 
     def end_finished(self) -> None:
         now = self.now
-        for slice_ in map(self.live.__getitem__, self.ids):
+        due = self.ids if self.kept is None else self.kept.due(now, self.nodes)
+        for slice_ in map(self.live.__getitem__, due):
             if slice_.holds_gpus:
                 if any(
                     self.nodes.get(p.node) is None or self.nodes[p.node].state is NodeState.DOWN
@@ -205,12 +221,18 @@ class _Pass:
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        # One walk over the live slices sorts them out for the phases that follow.
+        # One walk over the live slices, in id order, sorts them out for the
+        # phases that follow; the kept state has them sorted out already unless
+        # the first phase ended or requeued some.
         self.holding: list[Slice] = []
         self.pending: list[Slice] = []
-        for slice_ in self.live.values():
-            if slice_.id not in self.ended:
-                (self.holding if slice_.holds_gpus else self.pending).append(slice_)
+        if self.kept is not None and not self.endings:
+            self.holding = list(self.kept.holding())
+            self.pending = list(self.kept.pending())
+        else:
+            for slice_ in map(self.live.__getitem__, self.ids):
+                if slice_.id not in self.ended:
+                    (self.holding if slice_.holds_gpus else self.pending).append(slice_)
         self.free = FreeGpus(
             ready, self.snap.gpu_type_weights, (p for s in self.holding for p in s.placements)
         )
@@ -292,6 +314,15 @@ class _Pass:
     def _sort_backlog(self) -> None:
         """The queue, less kept promises: allocated slices for :meth:`allocate`,
         unallocated ones after them for :meth:`backfill_unallocated`."""
+        if self.kept is not None and not self.endings:
+            # The kept queues hold exactly this pass's pending slices.
+            allocated = self.kept.backlog(iter(self.project_rank), True)
+            unallocated = self.kept.backlog(iter(self.project_rank), False)
+            if self.promised:
+                allocated = [s for s in allocated if s.id not in self.promised]
+                unallocated = [s for s in unallocated if s.id not in self.promised]
+            self.allocated_backlog, self.unallocated_backlog = allocated, unallocated
+            return
         pending = self.pending
         if self.promised:
             pending = [s for s in pending if s.id not in self.promised]

@@ -1,0 +1,170 @@
+"""The pass's state kept between passes (design.md §5): updated by what changed
+instead of rebuilt.
+
+:class:`PassState` answers exactly what :func:`~broker.core.scheduler.schedule`
+answers for the same snapshot. Between passes it keeps what a pass would
+otherwise find by walking or sorting every live slice:
+
+- the backlog in queue order, as one list per project (and allocated or not)
+  sorted by the project's own order, submit time and id; a pass joins them in
+  the projects' rank instead of sorting the whole backlog;
+- the slices that hold GPUs, in id order, and on which nodes;
+- when each slice is due to end (max runtime, grace, lease), so that the first
+  phase looks only at slices that are due or on a node that went away.
+
+It learns what changed by comparing each snapshot's slices with the last one's:
+slices are immutable values, so a slice object seen before is unchanged, and
+only new or replaced ones (submitted, granted, preempted, ended, requeued) are
+filed again.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Iterator, Mapping
+
+from .fairshare import ProjectTree
+from .model import Decisions, Node, NodeState, Slice, Snapshot
+from .ordering import within_project_key
+from .scheduler import _Pass
+
+
+class PassState:
+    """What the scheduling pass keeps between passes; :meth:`schedule` runs one."""
+
+    def __init__(self, tree: ProjectTree | None = None):
+        """``tree`` may be given to reuse a validated tree, as for ``schedule``;
+        without it, the tree is built from the snapshot's accounts when they change."""
+        self.tree = tree
+        self.fixed_tree = tree is not None
+        self.accounts: tuple = ()
+        self.slices: dict[int, Slice] = {}
+        # (allocated, project) -> that project's pending slices in its queue
+        # order, and their sort keys (kept apart so that a pass joins the
+        # slices without unpacking pairs).
+        self.queues: dict[tuple[bool, str], tuple[list[tuple], list[Slice]]] = {}
+        self.holding_ids: list[int] = []  # slices that hold GPUs, in id order
+        self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
+        self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
+
+    def schedule(self, snapshot: Snapshot) -> Decisions:
+        """One pass on ``snapshot``, after taking in what changed since the last."""
+        self.update(snapshot)
+        assert self.tree is not None
+        return _Pass(snapshot, self.tree, self).run()
+
+    def update(self, snapshot: Snapshot) -> None:
+        """Take in ``snapshot``: file its new and changed slices, forget the gone."""
+        if not self.fixed_tree and (self.tree is None or self.accounts != snapshot.accounts):
+            self.tree = ProjectTree(snapshot.accounts)
+            self.accounts = snapshot.accounts
+        known = self.slices
+        current: dict[int, Slice] = {}
+        added = 0
+        for slice_ in snapshot.slices:
+            current[slice_.id] = slice_
+            before = known.get(slice_.id)
+            if before is slice_:
+                continue
+            if before is None:
+                added += 1
+            else:
+                self._forget(before)
+            self._file(slice_)
+        if len(known) + added != len(current):  # some slices are gone
+            for gone in known.keys() - current.keys():
+                self._forget(known[gone])
+        self.slices = current
+
+    # -- what a pass asks ----------------------------------------------------
+
+    def due(self, now: float, nodes: Mapping[str, Node]) -> list[int]:
+        """Ids of the slices the first phase must look at, in id order: those due
+        to end by ``now`` and those holding GPUs on a node that is down or gone."""
+        ids = set()
+        for at, slice_id in self.deadlines:
+            if at > now:
+                break
+            ids.add(slice_id)
+        for name, held in self.holders.items():
+            node = nodes.get(name)
+            if held and (node is None or node.state is NodeState.DOWN):
+                ids.update(held)
+        return sorted(ids)
+
+    def holding(self) -> Iterator[Slice]:
+        """The slices that hold GPUs, in id order."""
+        return map(self.slices.__getitem__, self.holding_ids)
+
+    def pending(self) -> Iterator[Slice]:
+        """The pending slices, in no particular order."""
+        for _, slices in self.queues.values():
+            yield from slices
+
+    def backlog(self, ranked: Iterator[str], allocated: bool) -> list[Slice]:
+        """The pending slices of ``allocated`` work in queue order, for projects
+        in rank order (:func:`~broker.core.ordering.queue_order`)."""
+        ordered: list[Slice] = []
+        for project in ranked:
+            queue = self.queues.get((allocated, project))
+            if queue is not None:
+                ordered += queue[1]
+        return ordered
+
+    # -- filing --------------------------------------------------------------
+
+    def _file(self, slice_: Slice) -> None:
+        if slice_.holds_gpus:
+            insort(self.holding_ids, slice_.id)
+            for placement in slice_.placements:
+                self.holders.setdefault(placement.node, set()).add(slice_.id)
+        else:
+            keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
+            key = _queue_key(slice_)
+            at = bisect_left(keys, key)
+            keys.insert(at, key)
+            slices.insert(at, slice_)
+        for at in _deadlines(slice_):
+            insort(self.deadlines, (at, slice_.id))
+
+    def _forget(self, slice_: Slice) -> None:
+        if slice_.holds_gpus:
+            del self.holding_ids[bisect_left(self.holding_ids, slice_.id)]
+            for placement in slice_.placements:
+                held = self.holders[placement.node]
+                held.discard(slice_.id)
+                if not held:
+                    del self.holders[placement.node]
+        else:
+            where = (slice_.allocated, slice_.project)
+            keys, slices = self.queues[where]
+            at = bisect_left(keys, _queue_key(slice_))
+            del keys[at], slices[at]
+            if not keys:
+                del self.queues[where]
+        for at in _deadlines(slice_):
+            del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
+
+
+def _queue_key(slice_: Slice) -> tuple:
+    """A pending slice's place within its project's queue (design.md §5.1, 3–4)."""
+    return (*within_project_key(slice_), slice_.submitted_at, slice_.id)
+
+
+def _deadlines(slice_: Slice) -> list[float]:
+    """When the first phase of a pass must look at ``slice_`` (the tests of
+    ``end_finished``, each as the time from which it holds)."""
+    times = []
+    if slice_.holds_gpus:
+        max_runtime = slice_.contract.max_runtime
+        if max_runtime is not None:
+            if slice_.granted_at is not None:
+                times.append(slice_.granted_at + max_runtime)
+            elif max_runtime <= 0:
+                times.append(-math.inf)  # counted from whenever the pass runs: due at once
+        if slice_.preempt_deadline is not None:
+            times.append(slice_.preempt_deadline)
+    if slice_.lease_expires_at is not None:
+        times.append(slice_.lease_expires_at)
+    return times
