@@ -289,19 +289,24 @@ class _Pass:
         promised = sorted((s for s in self.pending if s.promised), key=attrgetter("id"))
         if not promised:
             return
-        held = {(p.node, i) for s in self.holding for p in s.placements for i in p.gpu_indices}
+        # (node, GPU) -> the slice holding it: a promise's blockers without a
+        # walk over every holding per promise (a busy cluster has hundreds of both).
+        holder_of = {
+            (p.node, i): s for s in self.holding for p in s.placements for i in p.gpu_indices
+        }
         leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
         leaving |= self.leaving
         for slice_ in promised:
             nodes_ok = all(p.node in self.free.nodes for p in slice_.promised)
             gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
-            blockers = [s for s in self.holding if _holds_any(s, gpus)]
+            found = (holder_of[g] for g in gpus if g in holder_of)
+            blockers = list({s.id: s for s in found}.values())
             if not nodes_ok or any(s.id not in leaving for s in blockers):
                 continue  # the promise no longer holds: queue as usual
             self.promised.add(slice_.id)
             self.free.take(slice_.promised)
             self._count(slice_, slice_.promised)
-            if not any(g in held for g in gpus):
+            if not blockers:
                 self.grants.append(Grant(slice_.id, slice_.promised))
             else:
                 deadline = max(s.preempt_deadline or self.now for s in blockers)
@@ -387,7 +392,27 @@ class _Pass:
         # With debug headroom, whether a debug session may use it depends on its
         # user's place in the lane, which its shape does not tell: never settled.
         headroom, policy = self.policy.debug_headroom, self.policy
-        for slice_ in self.allocated_backlog:
+        backlog = self.allocated_backlog
+        unsettled: set[str] = set()  # projects whose rest of the backlog was not all blocked
+        at = 0
+        while at < len(backlog):
+            slice_ = backlog[at]
+            at += 1
+            if (
+                planned >= max_reservations
+                and slice_.project in tried_preemption
+                and slice_.project not in unsettled
+            ):
+                end = self._blocked_until(backlog, at - 1, backfill_reserved)
+                if end is None:
+                    unsettled.add(slice_.project)
+                else:
+                    value = values[slice_.project]
+                    for blocked in backlog[at - 1 : end]:
+                        position += 1
+                        enqueue(QueueEntry(blocked.id, position, value))
+                    at = end
+                    continue
             position += 1
             value = values[slice_.project]
             # One preemption attempt per project and pass, for its first blocked
@@ -460,6 +485,36 @@ class _Pass:
             enqueue(QueueEntry(slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
+
+    def _blocked_until(
+        self, backlog: list[Slice], start: int, reserved: list[tuple[Reservation, Slice]]
+    ) -> int | None:
+        """Where the run of ``backlog[start]``'s project ends, if nothing in it can
+        be placed; else None.
+
+        Asked once the project has made its preemption attempt and no more
+        reservations are planned: its remaining work can then only be granted,
+        or wait. It waits if no request fits in the free GPUs and none may
+        borrow reserved ones (the tests of :meth:`_place`, asked of the whole
+        run at once), and then each only takes its place in the queue.
+        """
+        project = backlog[start].project
+        free = self.free.free_total
+        latest = self._latest_due(reserved) if reserved else None
+        now, grace = self.now, self.policy.grace_period
+        end = start
+        while end < len(backlog) and backlog[end].project == project:
+            slice_ = backlog[end]
+            if slice_.gpus <= free:
+                return None
+            if latest is not None:
+                contract = slice_.contract
+                if now + contract.min_runtime + grace <= latest or (
+                    contract.max_runtime is not None and now + contract.max_runtime <= latest
+                ):
+                    return None
+            end += 1
+        return end
 
     def _claim_due_gang(self, slice_: Slice, reservation: Reservation, position: int) -> bool:
         """Honour a multi-node reservation that has fallen due.
@@ -609,18 +664,17 @@ class _Pass:
         """
         headroom = self._headroom_for(slice_)
         gang = slice_.kind is SliceKind.BATCH
-        spans = self._spans_memo.get((slice_.gpu_type, slice_.gpus))
-        if spans is None:
+        spans = None
+        if slice_.gpus <= self.free.free_total - headroom:
             spans = self._spans(slice_)
-        key = (slice_.gpu_type, gang, spans, ())
-        if (
-            slice_.gpus <= self.free.free_total - headroom
-            and slice_.gpus < self._smallest_misfit.get(key, _NEVER)
-        ):
-            placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
-            if placements is not None:
-                return placements
-            self._smallest_misfit[key] = slice_.gpus
+            key = (slice_.gpu_type, gang, spans, ())
+            if slice_.gpus < self._smallest_misfit.get(key, _NEVER):
+                placements = self.free.fit(slice_.gpus, slice_.gpu_type, gang)
+                if placements is not None:
+                    return placements
+                self._smallest_misfit[key] = slice_.gpus
+        if not reserved:
+            return None  # no reserved GPUs to borrow
         if slice_.allocated:
             # It may use none if it would outlast every reservation: the first
             # tests of _may_use_reserved, asked of the latest due time at once.
@@ -648,6 +702,8 @@ class _Pass:
             self._usable[(traits, len(reserved))] = usable
         if not usable:
             return None
+        if spans is None:
+            spans = self._spans(slice_)
         key = (slice_.gpu_type, gang, spans, usable)
         if slice_.gpus >= self._smallest_misfit.get(key, _NEVER):
             return None
@@ -701,10 +757,12 @@ class _Pass:
 
     def _spans(self, slice_: Slice) -> tuple[str, ...]:
         """The GPU types on which ``slice_`` needs several nodes; kept for the pass
-        (``_spans_memo``, read by :meth:`_place` on its hot path)."""
-        largest = self.free.largest
-        spans = tuple(t for t in self.free.types(slice_.gpu_type) if slice_.gpus > largest[t])
-        self._spans_memo[slice_.gpu_type, slice_.gpus] = spans
+        (``_spans_memo``: :meth:`_place` asks on its hot path)."""
+        spans = self._spans_memo.get((slice_.gpu_type, slice_.gpus))
+        if spans is None:
+            largest = self.free.largest
+            spans = tuple(t for t in self.free.types(slice_.gpu_type) if slice_.gpus > largest[t])
+            self._spans_memo[slice_.gpu_type, slice_.gpus] = spans
         return spans
 
     # -- phase 6 -----------------------------------------------------------
@@ -737,8 +795,3 @@ def _shape(slice_: Slice) -> tuple:
         contract.min_runtime,
         contract.max_runtime,
     )
-
-
-def _holds_any(slice_: Slice, gpus: list[tuple[str, int]]) -> bool:
-    wanted = set(gpus)
-    return any((p.node, i) in wanted for p in slice_.placements for i in p.gpu_indices)
