@@ -4,7 +4,9 @@ A policy is a callable from a :class:`~broker.core.model.Snapshot` to
 :class:`~broker.core.model.Decisions`, with a ``name`` and the
 :class:`~broker.core.model.Policy` it runs under (which also tells the engine how
 to count usage: a hard window or a half-life). ``fairshare`` is the real
-scheduling pass, :func:`broker.core.scheduler.schedule`, called as is. The
+scheduling pass, run from state kept between passes
+(:class:`broker.core.incremental.PassState`: the same decisions as
+:func:`broker.core.scheduler.schedule`, less work per pass). The
 baselines are small pure functions of their own, sharing only the
 housekeeping every cluster does (:func:`settle`) and the core's free-GPU map
 for placement, so that they differ from ours in ordering, quotas and
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..core.fairshare import ProjectTree
+from ..core.incremental import PassState
 from ..core.model import (
     DAY,
     Account,
@@ -46,7 +49,6 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.placement import FreeGpus
-from ..core.scheduler import schedule
 
 
 class Scheduler(Protocol):
@@ -59,16 +61,19 @@ class Scheduler(Protocol):
 
 
 class FairShare:
-    """Ours: the real pass (design.md §4–§6), with the project tree built once."""
+    """Ours: the real pass (design.md §4–§6), with the project tree built once
+    and the pass's state kept from one pass to the next, as a long-running
+    broker would keep it."""
 
     name = "fairshare"
 
     def __init__(self, accounts: Sequence[Account], policy: Policy | None = None):
         self.tree = ProjectTree(accounts)
         self.policy = policy or Policy()
+        self.kept = PassState(self.tree)
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
-        return schedule(snapshot, self.tree)
+        return self.kept.schedule(snapshot)
 
 
 # ---- what every baseline does ----------------------------------------------------
