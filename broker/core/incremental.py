@@ -13,9 +13,9 @@ otherwise find by walking or sorting every live slice:
   phase looks only at slices that are due or on a node that went away.
 
 It learns what changed by comparing each snapshot's slices with the last one's:
-slices are immutable values, so a slice object seen before is unchanged, and
-only new or replaced ones (submitted, granted, preempted, ended, requeued) are
-filed again.
+slices are immutable values, so a slice object seen before is unchanged (one
+made anew, as from a database row, is compared by value), and only new or
+changed ones (submitted, granted, preempted, ended, requeued) are filed again.
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ class PassState:
         current: dict[int, Slice] = {}
         added = 0
         for slice_ in snapshot.slices:
-            current[slice_.id] = slice_
             before = known.get(slice_.id)
-            if before is slice_:
+            if before is slice_ or (before is not None and before == slice_):
+                current[slice_.id] = before  # unchanged: the same object from now on
                 continue
+            current[slice_.id] = slice_
             if before is None:
                 added += 1
             else:
