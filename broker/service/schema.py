@@ -1,23 +1,32 @@
-"""The API's JSON schemas, and the checks that hold requests to them.
+"""The API's schemas, as pydantic models, and the check that holds requests to them.
 
-The component schemas below are published as they are in ``/openapi.json``
-(:mod:`broker.service.openapi`), and request bodies and query parameters are
-checked against the very same schemas by :func:`validate`, so the document and
-the handlers cannot drift apart. :func:`validate` understands the subset of
-OpenAPI 3.0 schemas used here: ``type`` (with ``nullable``), ``enum``,
-``properties``/``required``/``additionalProperties``, ``items``, ``minimum``/
-``maximum`` (with 3.0's boolean ``exclusiveMinimum``), ``minLength``/
-``maxLength``, ``pattern``, ``minItems``/``maxItems``, ``anyOf`` and ``$ref``
-to a component.
+Every component of ``/openapi.json`` (:mod:`broker.service.openapi`) is the
+JSON schema of one model below (:data:`COMPONENTS`, in OpenAPI 3.0's dialect:
+:class:`OpenAPI30`), and :func:`validate` holds request bodies to the very same
+models, so the document and the handlers cannot drift apart. Parameters are
+declared as OpenAPI schemas (:class:`~broker.service.apihandlers.base.Param`);
+:func:`validate` checks them with the pydantic type each describes.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import re
-from collections.abc import Mapping
-from typing import Any
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import ErrorDetails, core_schema
 
 from ..core.model import EndReason, NodeState, PreemptReason, SliceKind, SliceState
 from ..errors import InvalidRequest
@@ -32,490 +41,527 @@ DURATION_PATTERN = (
 )
 #: The broker's account names (as ``broker.config`` accepts them in the file).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+#: Text without control characters: a name with one matches no login (its user would
+#: silently lose access) and PostgreSQL refuses NUL in text.
+TEXT_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
 #: Shares an admin may set through the API.
 MIN_SHARE = 1e-6
 MAX_SHARE = 1e6
+
+#: Exactly the declared types: a boolean is no number, 1.0 no whole number, "2" no
+#: number; numbers are finite (JSON's 1e400 reads as infinity).
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
 def ref(name: str) -> dict[str, str]:
     return {"$ref": REF_PREFIX + name}
 
 
-def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
-    return {**schema, "nullable": True}
+class OpenAPI30(GenerateJsonSchema):
+    """JSON schemas as OpenAPI 3.0 writes them: ``nullable`` rather than a null type,
+    ``enum`` rather than ``const``; no titles, and no defaults (a description says
+    what leaving a key out means)."""
+
+    def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
+        inner = self.generate_inner(schema["schema"])
+        if "$ref" in inner:
+            # 3.0 ignores a $ref's siblings: a model that may be null says so in its own
+            # component (AccountState).
+            return inner
+        if "enum" in inner:
+            inner = {**inner, "enum": [*inner["enum"], None]}
+        return {**inner, "nullable": True}
+
+    def literal_schema(self, schema: core_schema.LiteralSchema) -> JsonSchemaValue:
+        json_schema = super().literal_schema(schema)
+        if "const" in json_schema:
+            json_schema["enum"] = [json_schema.pop("const")]
+        return json_schema
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+    def model_schema(self, schema: core_schema.ModelSchema) -> JsonSchemaValue:
+        json_schema = super().model_schema(schema)
+        json_schema.pop("title", None)
+        return json_schema
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
 
 
-def _enum(values: list[str], *, nullable: bool = False, description: str = "") -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string", "enum": [*values, *([None] if nullable else [])]}
-    if nullable:
-        schema["nullable"] = True
-    if description:
-        schema["description"] = description
-    return schema
+# ---- the types of values ---------------------------------------------------------------
 
-
-def _obj(
-    properties: Mapping[str, Any], required: list[str] | None = None, description: str = ""
-) -> dict[str, Any]:
-    schema: dict[str, Any] = {
-        "type": "object",
-        "properties": dict(properties),
-        "additionalProperties": False,
-    }
-    if required:
-        schema["required"] = required
-    if description:
-        schema["description"] = description
-    return schema
-
-
-EPOCH = {"type": "number", "description": "seconds since the epoch"}
-EPOCH_OR_NULL = _nullable(EPOCH)
-SECONDS = {"type": "number", "minimum": 0, "description": "seconds"}
-STRINGS = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 255}}
-#: Text without control characters: a name with one matches no login (its user would
-#: silently lose access) and PostgreSQL refuses NUL in text.
-TEXT_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
 #: A user, group, project or GPU type name in a request.
-NAME_TEXT = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": TEXT_PATTERN}
-#: A list of user or group names in a request.
-NAMES = {"type": "array", "items": NAME_TEXT}
+NameText = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=TEXT_PATTERN)]
+#: Its schema, for the parameters that take one.
+NAME_TEXT = TypeAdapter(NameText, config=STRICT).json_schema(schema_generator=OpenAPI30)
+#: An account's name where one is made: as the configuration file allows them.
+NewName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=NAME_PATTERN)]
+Share = Annotated[float, Field(ge=MIN_SHARE, le=MAX_SHARE)]
+#: Names in an answer.
+Names = list[Annotated[str, StringConstraints(min_length=1, max_length=255)]]
+Epoch = Annotated[float, Field(description="seconds since the epoch")]
+Seconds = Annotated[float, Field(ge=0, description="seconds")]
+
+_DURATION_SECONDS = TypeAdapter(Annotated[float, Field(ge=0)], config=STRICT)
+_DURATION_TEXT = TypeAdapter(
+    Annotated[str, StringConstraints(max_length=64, pattern=DURATION_PATTERN)], config=STRICT
+)
 
 
-def duration(description: str, *, nullable: bool = False) -> dict[str, Any]:
-    """Seconds as a number, or text such as ``"90s"``, ``"15m"``, ``"1h30m"``."""
-    schema: dict[str, Any] = {
-        "anyOf": [
-            {"type": "number", "minimum": 0},
-            {"type": "string", "pattern": DURATION_PATTERN, "maxLength": 64},
-        ],
-        "description": description
+def _duration(value: Any) -> float | str:
+    """A number of seconds or a duration text, each held to its own rules (a union
+    would answer with the problems of both)."""
+    if isinstance(value, str):
+        return _DURATION_TEXT.validate_python(value)
+    return _DURATION_SECONDS.validate_python(value)
+
+
+#: Seconds as a number, or text such as ``"90s"``, ``"15m"``, ``"1h30m"``.
+Duration = Annotated[
+    float | str,
+    PlainValidator(_duration),
+    WithJsonSchema({"anyOf": [_DURATION_SECONDS.json_schema(), _DURATION_TEXT.json_schema()]}),
+]
+
+
+def duration_field(description: str) -> Any:
+    """The field of a duration a request may leave out."""
+    return Field(
+        None,
+        description=description
         + " Seconds (a number) or a duration string such as '90s', '15m', '2h', '1h30m'.",
-    }
-    if nullable:
-        schema["nullable"] = True
+    )
+
+
+def _enum(values: Sequence[str]) -> Any:
+    return Literal[tuple(values)]
+
+
+SliceKindName = _enum([k.value for k in SliceKind])
+SliceStateName = _enum([s.value for s in SliceState])
+EndReasonName = _enum([r.value for r in EndReason])
+PreemptReasonName = _enum([r.value for r in PreemptReason])
+NodeStateName = _enum([s.value for s in NodeState])
+DrainOrigin = _enum(DRAIN_ORIGINS)
+
+
+# ---- the components ----------------------------------------------------------------------
+
+
+class ApiObject(BaseModel):
+    """A JSON object of the API: exactly its keys (others are refused), each of exactly
+    its type. A key that may be left out defaults to None, which is never validated:
+    an explicit null is refused unless the key's type allows it."""
+
+    model_config = ConfigDict(**STRICT, extra="forbid")
+
+
+class ErrorDetail(ApiObject):
+    code: str = Field(description="stable, machine-readable name of the error")
+    message: str = Field(description="what went wrong, for people")
+
+
+class Error(ApiObject):
+    """Every 4xx/5xx response has this shape."""
+
+    error: ErrorDetail
+
+
+class Version(ApiObject):
+    version: str
+    api: Literal["v1"]
+    role: Literal["leader", "standby"] = Field(
+        None,
+        description="`leader`: this broker serves the API; `standby`: it waits for the "
+        "leader lock and answers every other request 503 `standby`",
+    )
+
+
+class Identity(ApiObject):
+    name: str
+    kind: Literal["user", "service"]
+    groups: Names
+    admin: bool
+    agent: bool = Field(description="may act on behalf of any user (e.g. the JupyterHub spawner)")
+    projects: Names = Field(
+        description="the projects this identity may charge (every project for admins)"
+    )
+
+
+class Placement(ApiObject):
+    node: str
+    gpu_indices: list[Annotated[int, Field(ge=0)]]
+
+
+class SliceRequest(ApiObject):
+    project: NameText = Field(
+        description="the project to charge; the caller (or `user`) must be a member"
+    )
+    gpus: Annotated[int, Field(ge=1, le=100000)]
+    gpu_type: NameText | None = Field(
+        None, description="a GPU type (e.g. h100); any type when left out"
+    )
+    kind: SliceKindName
+    min_runtime: Duration | None = duration_field(
+        "Protected period after the grant; 0 makes the slice unallocated (free and "
+        "preemptible). Default: the configuration's default for the kind."
+    )
+    resumable: bool | None = Field(
+        None, description="requeue (batch) instead of ending when preempted"
+    )
+    max_runtime: Duration | None = duration_field(
+        "Hard end after the grant. Default: the configuration's default for the kind."
+    )
+    priority: Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None = Field(
+        None, description="orders slices within the project only; default 0"
+    )
+    user: NameText | None = Field(
+        None,
+        description="submit on behalf of this user (agents and admins only; others may "
+        "only name themselves)",
+    )
+    groups: list[NameText] | None = Field(
+        None,
+        description="the user's groups, for membership (agents and admins only; others "
+        "may only repeat their own)",
+    )
+
+
+class Slice(ApiObject):
+    id: int
+    project: str
+    user: str
+    gpus: int
+    gpu_type: str | None
+    kind: SliceKindName
+    min_runtime: Seconds
+    resumable: bool
+    max_runtime: Seconds | None
+    priority: int
+    state: SliceStateName
+    end_reason: EndReasonName | None
+    placements: list[Placement]
+    submitted_at: Epoch
+    granted_at: Epoch | None
+    protected_until: Epoch | None
+    preempt_deadline: Epoch | None
+    preempt_reason: PreemptReasonName | None
+    ended_at: Epoch | None
+    lease_expires_at: Epoch | None
+    queue_position: Annotated[int, Field(ge=1)] | None
+    fairshare_value: float | None
+    estimated_start: Epoch | None
+    charged_gpu_seconds: float = Field(
+        description="weighted GPU-seconds charged so far (accruing while held)"
+    )
+
+
+class SliceList(ApiObject):
+    slices: list[Slice]
+
+
+class SliceEvent(ApiObject):
+    at: Epoch
+    from_state: SliceStateName | None
+    to_state: SliceStateName
+    reason: str
+
+
+class SliceEventList(ApiObject):
+    events: list[SliceEvent]
+
+
+class Project(ApiObject):
+    name: str
+    parent: str | None
+    share: float
+    entitlement: float = Field(
+        description="fraction of the cluster (product of share ratios down the tree)"
+    )
+    is_project: bool = Field(description="a leaf that runs work (false for parent accounts)")
+    usage: float = Field(
+        description="weighted GPU-seconds in the lookback window, summed over the subtree"
+    )
+    fairshare_value: float = Field(description="usage / entitlement")
+    rank: Annotated[int, Field(ge=1)] | None
+    users: Names
+    groups: Names
+    pending: int = Field(description="slices waiting")
+    gpus_held: int
+
+
+class ProjectList(ApiObject):
+    projects: list[Project]
+
+
+class ProjectUpdate(ApiObject):
+    share: Share = Field(
+        description="weight among siblings; kept within a range where entitlements "
+        "(products of share ratios down the tree) stay well above zero"
+    )
+    parent: NameText | None = Field(
+        None, description="parent account; top level when null or left out"
+    )
+    users: list[NameText] = Field(None, description="replace the members (users) when given")
+    groups: list[NameText] = Field(None, description="replace the members (groups) when given")
+
+
+class AccountState(ApiObject):
+    """An account and its members; null where the account does not exist."""
+
+    model_config = ConfigDict(json_schema_extra={"nullable": True})
+
+    share: float
+    parent: str | None
+    users: Names
+    groups: Names
+
+
+class ProjectEvent(ApiObject):
+    id: int
+    account: str
+    who: str = Field(
+        description="the admin who made the change, or 'file NAME' for the cluster file "
+        "that seeded the tree"
+    )
+    at: Epoch
+    action: Literal["seed", "set", "apply", "delete"] = Field(
+        description="seed: from the cluster file on the first start; set: "
+        "PUT /projects/{name}; apply: PUT /projects; delete: DELETE /projects/{name}"
+    )
+    before: AccountState | None
+    after: AccountState | None
+
+
+class ProjectEventList(ApiObject):
+    events: list[ProjectEvent]
+
+
+class ProjectTreeEntry(ApiObject):
+    """One account of a project tree."""
+
+    name: NewName = Field(
+        description="letters, digits, '.', '_' and '-', starting with a letter or digit"
+    )
+    share: Share = Field(description="weight among siblings")
+    parent: NameText | None = Field(
+        None, description="parent account; top level when null or left out"
+    )
+    users: list[NameText] = Field(None, description="the members (users)")
+    groups: list[NameText] = Field(None, description="the members (groups)")
+
+
+class ProjectTree(ApiObject):
+    """The whole project tree with its members, as the cluster file's [projects] gives it."""
+
+    projects: list[ProjectTreeEntry]
+
+
+class ProjectChange(ApiObject):
+    account: str
+    change: Literal["added", "removed", "changed"]
+    before: AccountState | None
+    after: AccountState | None
+
+
+class ProjectChangeList(ApiObject):
+    changes: list[ProjectChange]
+    applied: bool = Field(description="false for a dry run")
+
+
+class UsageRow(ApiObject):
+    project: str
+    user: str = Field(None, description="present when by=user")
+    since: Epoch
+    until: Epoch
+    slices: int
+    gpu_seconds: float
+    weighted_gpu_seconds: float
+
+
+class UsageReport(ApiObject):
+    project: str
+    by: Literal["user", "project"]
+    usage: list[UsageRow]
+
+
+class Node(ApiObject):
+    name: str
+    gpu_type: str
+    gpu_count: int
+    weight: float = Field(description="cost units per GPU-second")
+    state: NodeStateName
+    state_reason: str
+    state_changed_at: Epoch | None
+    in_config: bool
+    drained_by: DrainOrigin | None = Field(
+        description="who took the node out of service: an admin (it stays out until an "
+        "admin undrains it) or the live inventory (a Kubernetes cordon, undone by an "
+        "uncordon); null when nobody did"
+    )
+    gpus_held: int
+
+
+class NodeList(ApiObject):
+    nodes: list[Node]
+
+
+class NodeChange(ApiObject):
+    reason: Annotated[str, Field(max_length=1000)] = Field(None, description="shown on the node")
+
+
+#: Every component of the document, in the order the reference lists them.
+MODELS: dict[str, type[ApiObject]] = {
+    model.__name__: model
+    for model in (
+        Error,
+        ErrorDetail,
+        Version,
+        Identity,
+        Placement,
+        SliceRequest,
+        Slice,
+        SliceList,
+        SliceEvent,
+        SliceEventList,
+        Project,
+        ProjectList,
+        ProjectUpdate,
+        AccountState,
+        ProjectEvent,
+        ProjectEventList,
+        ProjectTree,
+        ProjectTreeEntry,
+        ProjectChange,
+        ProjectChangeList,
+        UsageRow,
+        UsageReport,
+        Node,
+        NodeList,
+        NodeChange,
+    )
+}
+
+
+def _component(model: type[ApiObject]) -> dict[str, Any]:
+    schema = model.model_json_schema(
+        ref_template=REF_PREFIX + "{model}", schema_generator=OpenAPI30
+    )
+    schema.pop("$defs", None)  # the nested models are components of their own
     return schema
 
 
-COMPONENTS: dict[str, dict[str, Any]] = {
-    "Error": _obj(
-        {
-            "error": _obj(
-                {
-                    "code": {
-                        "type": "string",
-                        "description": "stable, machine-readable name of the error",
-                    },
-                    "message": {"type": "string", "description": "what went wrong, for people"},
-                },
-                ["code", "message"],
-            )
-        },
-        ["error"],
-        "Every 4xx/5xx response has this shape.",
-    ),
-    "Version": _obj(
-        {
-            "version": {"type": "string"},
-            "api": {"type": "string", "enum": ["v1"]},
-            "role": _enum(
-                ["leader", "standby"],
-                description="`leader`: this broker serves the API; `standby`: it waits "
-                "for the leader lock and answers every other request 503 `standby`",
-            ),
-        },
-        ["version", "api"],
-    ),
-    "Identity": _obj(
-        {
-            "name": {"type": "string"},
-            "kind": _enum(["user", "service"]),
-            "groups": STRINGS,
-            "admin": {"type": "boolean"},
-            "agent": {
-                "type": "boolean",
-                "description": "may act on behalf of any user (e.g. the JupyterHub spawner)",
-            },
-            "projects": {
-                **STRINGS,
-                "description": "the projects this identity may charge (every project for admins)",
-            },
-        },
-        ["name", "kind", "groups", "admin", "agent", "projects"],
-    ),
-    "Placement": _obj(
-        {
-            "node": {"type": "string"},
-            "gpu_indices": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        },
-        ["node", "gpu_indices"],
-    ),
-    "SliceRequest": _obj(
-        {
-            "project": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": 255,
-                "pattern": TEXT_PATTERN,
-                "description": "the project to charge; the caller (or `user`) must be a member",
-            },
-            "gpus": {"type": "integer", "minimum": 1, "maximum": 100000},
-            "gpu_type": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": 255,
-                "pattern": TEXT_PATTERN,
-                "nullable": True,
-                "description": "a GPU type (e.g. h100); any type when left out",
-            },
-            "kind": _enum([k.value for k in SliceKind]),
-            "min_runtime": duration(
-                "Protected period after the grant; 0 makes the slice unallocated (free and "
-                "preemptible). Default: the configuration's default for the kind.",
-                nullable=True,
-            ),
-            "resumable": {
-                "type": "boolean",
-                "nullable": True,
-                "description": "requeue (batch) instead of ending when preempted",
-            },
-            "max_runtime": duration(
-                "Hard end after the grant. Default: the configuration's default for the kind.",
-                nullable=True,
-            ),
-            "priority": {
-                "type": "integer",
-                "minimum": PRIORITY_MIN,
-                "maximum": PRIORITY_MAX,
-                "nullable": True,
-                "description": "orders slices within the project only; default 0",
-            },
-            "user": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": 255,
-                "pattern": TEXT_PATTERN,
-                "nullable": True,
-                "description": "submit on behalf of this user (agents and admins only; "
-                "others may only name themselves)",
-            },
-            "groups": {
-                **NAMES,
-                "nullable": True,
-                "description": "the user's groups, for membership (agents and admins only; "
-                "others may only repeat their own)",
-            },
-        },
-        ["project", "gpus", "kind"],
-    ),
-    "Slice": _obj(
-        {
-            "id": {"type": "integer"},
-            "project": {"type": "string"},
-            "user": {"type": "string"},
-            "gpus": {"type": "integer"},
-            "gpu_type": _nullable({"type": "string"}),
-            "kind": _enum([k.value for k in SliceKind]),
-            "min_runtime": SECONDS,
-            "resumable": {"type": "boolean"},
-            "max_runtime": _nullable(SECONDS),
-            "priority": {"type": "integer"},
-            "state": _enum([s.value for s in SliceState]),
-            "end_reason": _enum([r.value for r in EndReason], nullable=True),
-            "placements": {"type": "array", "items": ref("Placement")},
-            "submitted_at": EPOCH,
-            "granted_at": EPOCH_OR_NULL,
-            "protected_until": EPOCH_OR_NULL,
-            "preempt_deadline": EPOCH_OR_NULL,
-            "preempt_reason": _enum([r.value for r in PreemptReason], nullable=True),
-            "ended_at": EPOCH_OR_NULL,
-            "lease_expires_at": EPOCH_OR_NULL,
-            "queue_position": _nullable({"type": "integer", "minimum": 1}),
-            "fairshare_value": _nullable({"type": "number"}),
-            "estimated_start": EPOCH_OR_NULL,
-            "charged_gpu_seconds": {
-                "type": "number",
-                "description": "weighted GPU-seconds charged so far (accruing while held)",
-            },
-        },
-        [
-            "id",
-            "project",
-            "user",
-            "gpus",
-            "gpu_type",
-            "kind",
-            "min_runtime",
-            "resumable",
-            "max_runtime",
-            "priority",
-            "state",
-            "end_reason",
-            "placements",
-            "submitted_at",
-            "granted_at",
-            "protected_until",
-            "preempt_deadline",
-            "preempt_reason",
-            "ended_at",
-            "lease_expires_at",
-            "queue_position",
-            "fairshare_value",
-            "estimated_start",
-            "charged_gpu_seconds",
-        ],
-    ),
-    "SliceList": _obj(
-        {"slices": {"type": "array", "items": ref("Slice")}},
-        ["slices"],
-    ),
-    "SliceEvent": _obj(
-        {
-            "at": EPOCH,
-            "from_state": _enum([s.value for s in SliceState], nullable=True),
-            "to_state": _enum([s.value for s in SliceState]),
-            "reason": {"type": "string"},
-        },
-        ["at", "from_state", "to_state", "reason"],
-    ),
-    "SliceEventList": _obj(
-        {"events": {"type": "array", "items": ref("SliceEvent")}},
-        ["events"],
-    ),
-    "Project": _obj(
-        {
-            "name": {"type": "string"},
-            "parent": _nullable({"type": "string"}),
-            "share": {"type": "number"},
-            "entitlement": {
-                "type": "number",
-                "description": "fraction of the cluster (product of share ratios down the tree)",
-            },
-            "is_project": {
-                "type": "boolean",
-                "description": "a leaf that runs work (false for parent accounts)",
-            },
-            "usage": {
-                "type": "number",
-                "description": "weighted GPU-seconds in the lookback window, summed over "
-                "the subtree",
-            },
-            "fairshare_value": {"type": "number", "description": "usage / entitlement"},
-            "rank": _nullable({"type": "integer", "minimum": 1}),
-            "users": STRINGS,
-            "groups": STRINGS,
-            "pending": {"type": "integer", "description": "slices waiting"},
-            "gpus_held": {"type": "integer"},
-        },
-        [
-            "name",
-            "parent",
-            "share",
-            "entitlement",
-            "is_project",
-            "usage",
-            "fairshare_value",
-            "rank",
-            "users",
-            "groups",
-            "pending",
-            "gpus_held",
-        ],
-    ),
-    "ProjectList": _obj(
-        {"projects": {"type": "array", "items": ref("Project")}},
-        ["projects"],
-    ),
-    "ProjectUpdate": _obj(
-        {
-            "share": {
-                "type": "number",
-                "minimum": MIN_SHARE,
-                "maximum": MAX_SHARE,
-                "description": "weight among siblings; kept within a range where entitlements "
-                "(products of share ratios down the tree) stay well above zero",
-            },
-            "parent": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": 255,
-                "pattern": TEXT_PATTERN,
-                "nullable": True,
-                "description": "parent account; top level when null or left out",
-            },
-            "users": {**NAMES, "description": "replace the members (users) when given"},
-            "groups": {**NAMES, "description": "replace the members (groups) when given"},
-        },
-        ["share"],
-    ),
-    "AccountState": _nullable(
-        _obj(
-            {
-                "share": {"type": "number"},
-                "parent": _nullable({"type": "string"}),
-                "users": STRINGS,
-                "groups": STRINGS,
-            },
-            ["share", "parent", "users", "groups"],
-            "an account and its members; null where the account does not exist",
-        )
-    ),
-    "ProjectEvent": _obj(
-        {
-            "id": {"type": "integer"},
-            "account": {"type": "string"},
-            "who": {
-                "type": "string",
-                "description": "the admin who made the change, or 'file NAME' for the "
-                "cluster file that seeded the tree",
-            },
-            "at": EPOCH,
-            "action": _enum(
-                ["seed", "set", "apply", "delete"],
-                description="seed: from the cluster file on the first start; set: "
-                "PUT /projects/{name}; apply: PUT /projects; delete: DELETE /projects/{name}",
-            ),
-            "before": ref("AccountState"),
-            "after": ref("AccountState"),
-        },
-        ["id", "account", "who", "at", "action", "before", "after"],
-    ),
-    "ProjectEventList": _obj(
-        {"events": {"type": "array", "items": ref("ProjectEvent")}},
-        ["events"],
-    ),
-    "ProjectTree": _obj(
-        {
-            "projects": {
-                "type": "array",
-                "items": _obj(
-                    {
-                        "name": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": 255,
-                            "pattern": NAME_PATTERN,
-                        },
-                        "share": {"type": "number", "minimum": MIN_SHARE, "maximum": MAX_SHARE},
-                        "parent": {**NAME_TEXT, "nullable": True},
-                        "users": NAMES,
-                        "groups": NAMES,
-                    },
-                    ["name", "share"],
-                ),
-            }
-        },
-        ["projects"],
-        "the whole project tree with its members, as the cluster file's [projects] gives it",
-    ),
-    "ProjectChange": _obj(
-        {
-            "account": {"type": "string"},
-            "change": _enum(["added", "removed", "changed"]),
-            "before": ref("AccountState"),
-            "after": ref("AccountState"),
-        },
-        ["account", "change", "before", "after"],
-    ),
-    "ProjectChangeList": _obj(
-        {
-            "changes": {"type": "array", "items": ref("ProjectChange")},
-            "applied": {"type": "boolean", "description": "false for a dry run"},
-        },
-        ["changes", "applied"],
-    ),
-    "UsageRow": _obj(
-        {
-            "project": {"type": "string"},
-            "user": {"type": "string", "description": "present when by=user"},
-            "since": EPOCH,
-            "until": EPOCH,
-            "slices": {"type": "integer"},
-            "gpu_seconds": {"type": "number"},
-            "weighted_gpu_seconds": {"type": "number"},
-        },
-        ["project", "since", "until", "slices", "gpu_seconds", "weighted_gpu_seconds"],
-    ),
-    "UsageReport": _obj(
-        {
-            "project": {"type": "string"},
-            "by": _enum(["user", "project"]),
-            "usage": {"type": "array", "items": ref("UsageRow")},
-        },
-        ["project", "by", "usage"],
-    ),
-    "Node": _obj(
-        {
-            "name": {"type": "string"},
-            "gpu_type": {"type": "string"},
-            "gpu_count": {"type": "integer"},
-            "weight": {"type": "number", "description": "cost units per GPU-second"},
-            "state": _enum([s.value for s in NodeState]),
-            "state_reason": {"type": "string"},
-            "state_changed_at": EPOCH_OR_NULL,
-            "in_config": {"type": "boolean"},
-            "drained_by": _enum(
-                list(DRAIN_ORIGINS),
-                nullable=True,
-                description="who took the node out of service: an admin (it stays out until "
-                "an admin undrains it) or the live inventory (a Kubernetes cordon, undone by "
-                "an uncordon); null when nobody did",
-            ),
-            "gpus_held": {"type": "integer"},
-        },
-        [
-            "name",
-            "gpu_type",
-            "gpu_count",
-            "weight",
-            "state",
-            "state_reason",
-            "state_changed_at",
-            "in_config",
-            "drained_by",
-            "gpus_held",
-        ],
-    ),
-    "NodeList": _obj(
-        {"nodes": {"type": "array", "items": ref("Node")}},
-        ["nodes"],
-    ),
-    "NodeChange": _obj(
-        {"reason": {"type": "string", "maxLength": 1000, "description": "shown on the node"}},
-    ),
-}
+COMPONENTS: dict[str, dict[str, Any]] = {name: _component(m) for name, m in MODELS.items()}
 
 
 # ---- validation -------------------------------------------------------------------
 
 
 def validate(value: Any, schema: Mapping[str, Any], where: str = "body") -> None:
-    """Raise :class:`InvalidRequest` naming the first place where ``value`` breaks ``schema``."""
-    problem = _problem(value, schema, where)
-    if problem is not None:
-        raise InvalidRequest(problem)
-
-
-_TYPES = {
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "array": (lambda v: isinstance(v, list), "an array"),
-    "string": (lambda v: isinstance(v, str), "a string"),
-    "boolean": (lambda v: isinstance(v, bool), "true or false"),
-    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
-    "number": (
-        lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
-        "a number",
-    ),
-}
+    """Raise :class:`InvalidRequest` naming the first place where ``value`` breaks
+    ``schema``: a component's ``$ref`` or a parameter's schema."""
+    key = json.dumps(schema, sort_keys=True)
+    try:
+        _adapter(key).validate_python(value)
+    except ValidationError as err:
+        raise InvalidRequest(_message(err.errors(include_url=False)[0], where, schema)) from None
 
 
 @functools.cache
-def _pattern(pattern: str) -> re.Pattern[str]:
-    """``pattern`` as JSON Schema (ECMA 262) reads it: a final ``$`` is the end of the
-    text, where Python's ``$`` also matches before a final newline (``"a\\n"``)."""
-    if pattern.endswith("$") and not pattern.endswith("\\$"):
-        pattern = pattern[:-1] + r"\Z"
-    return re.compile(pattern)
+def _adapter(schema_json: str) -> TypeAdapter[Any]:
+    """The validator of a schema, by its JSON text (a dict is no cache key); each is
+    built once: a handful of schemas are declared, and building one is slow."""
+    schema = json.loads(schema_json)
+    if "$ref" in schema:
+        return TypeAdapter(MODELS[schema["$ref"].removeprefix(REF_PREFIX)])
+    return TypeAdapter(_parameter_type(schema), config=STRICT)
+
+
+#: The type of each OpenAPI scalar type.
+_SCALARS = {"integer": int, "number": float, "string": str, "boolean": bool}
+#: Each OpenAPI constraint a parameter may have, as the Field argument that states it.
+_CONSTRAINTS = {
+    "minimum": "ge",
+    "maximum": "le",
+    "minLength": "min_length",
+    "maxLength": "max_length",
+    "pattern": "pattern",
+}
+
+
+def _parameter_type(schema: Mapping[str, Any]) -> Any:
+    """The type a parameter's schema describes: a scalar, one of an enum, or an array."""
+    if "enum" in schema:
+        kind: Any = _enum(schema["enum"])
+    elif schema["type"] == "array":
+        kind = list[_parameter_type(schema["items"])]
+    else:
+        kind = _SCALARS[schema["type"]]
+    constraints = {arg: schema[key] for key, arg in _CONSTRAINTS.items() if key in schema}
+    return Annotated[kind, Field(**constraints)] if constraints else kind
+
+
+#: What a value of the wrong type should have been, by pydantic's error type.
+_EXPECTED = {
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "finite_number": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "an array",
+    "model_type": "an object",
+}
+#: The sentence for each other error, by pydantic's error type.
+_SENTENCES = {
+    "literal_error": "{place} must be {expected}, got {value}",
+    "string_too_long": "{place} is longer than {max_length} characters",
+    "string_pattern_mismatch": "{place} has an invalid format: {value}",
+    "string_unicode": "{place} is not valid Unicode text",
+    "greater_than_equal": "{place} must be >= {ge:g}, got {value}",
+    "less_than_equal": "{place} must be <= {le:g}, got {value}",
+}
+
+
+def _message(error: ErrorDetails, where: str, schema: Mapping[str, Any]) -> str:
+    """One line for one of pydantic's errors, naming the place as ``body.groups[1]``."""
+    kind, loc, value = error["type"], error["loc"], error["input"]
+    if kind == "missing":
+        return f"{_place(where, loc[:-1])} needs {loc[-1]!r}"
+    if kind == "extra_forbidden":
+        known = ", ".join(_keys_at(schema, loc[:-1]))
+        return f"{_place(where, loc[:-1])} has an unknown key {loc[-1]!r}; expected: {known}"
+    place = _place(where, loc)
+    if kind in _EXPECTED:
+        if value is None:
+            return f"{place} must not be null"
+        return f"{place} must be {_EXPECTED[kind]}, got {_describe(value)}"
+    if kind == "string_too_short":
+        return f"{place} must not be empty" if value == "" else f"{place} is too short"
+    sentence = _SENTENCES.get(kind, "{place}: {message}")
+    message = error["msg"][0].lower() + error["msg"][1:]
+    return sentence.format(
+        place=place, value=_describe(value), message=message, **error.get("ctx", {})
+    )
+
+
+def _place(where: str, loc: Sequence[int | str]) -> str:
+    return where + "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in loc)
+
+
+def _keys_at(schema: Mapping[str, Any], loc: Sequence[int | str]) -> list[str]:
+    """The keys of the object at ``loc`` in the model ``schema`` refers to."""
+    model = MODELS[schema["$ref"].removeprefix(REF_PREFIX)]
+    for step in loc:
+        if isinstance(step, str):
+            annotation = model.model_fields[step].annotation
+            model = next(
+                arg
+                for arg in (annotation, *get_args(annotation))
+                if isinstance(arg, type) and issubclass(arg, BaseModel)
+            )
+    return list(model.model_fields)
 
 
 def _describe(value: Any) -> str:
@@ -529,66 +575,3 @@ def _describe(value: Any) -> str:
         return "an array"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _problem(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
-    if "$ref" in schema:
-        return _problem(value, COMPONENTS[schema["$ref"].removeprefix(REF_PREFIX)], where)
-    if value is None:
-        return None if schema.get("nullable") else f"{where} must not be null"
-    if "anyOf" in schema:
-        problems = [_problem(value, option, where) for option in schema["anyOf"]]
-        if all(problems):
-            return next(p for p in problems if p)
-        return None
-    kind = schema.get("type")
-    if kind is not None:
-        check, name = _TYPES[kind]
-        if not check(value):
-            return f"{where} must be {name}, got {_describe(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        choices = ", ".join(str(v) for v in schema["enum"] if v is not None)
-        return f"{where} must be one of {choices}; got {_describe(value)}"
-    if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0):
-            return f"{where} must not be empty" if not value else f"{where} is too short"
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            return f"{where} is longer than {schema['maxLength']} characters"
-        if "pattern" in schema and not _pattern(schema["pattern"]).search(value):
-            return f"{where} has an invalid format: {_describe(value)}"
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema:
-            low = schema["minimum"]
-            if schema.get("exclusiveMinimum") and not value > low:
-                return f"{where} must be > {low:g}, got {value!r}"
-            if value < low:
-                return f"{where} must be >= {low:g}, got {value!r}"
-        if "maximum" in schema and value > schema["maximum"]:
-            return f"{where} must be <= {schema['maximum']:g}, got {value!r}"
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            return f"{where} needs at least {schema['minItems']} items"
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            return f"{where} has more than {schema['maxItems']} items"
-        items = schema.get("items")
-        if items is not None:
-            for index, item in enumerate(value):
-                problem = _problem(item, items, f"{where}[{index}]")
-                if problem:
-                    return problem
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                return f"{where} needs {key!r}"
-        if schema.get("additionalProperties") is False:
-            for key in value:
-                if key not in properties:
-                    known = ", ".join(properties)
-                    return f"{where} has an unknown key {key!r}; expected: {known}"
-        for key, item in value.items():
-            if key in properties:
-                problem = _problem(item, properties[key], f"{where}.{key}")
-                if problem:
-                    return problem
-    return None
