@@ -11,6 +11,10 @@ parameter and body field with unicode-heavy text (other scripts' digits,
 control characters, NUL, bidi marks, astral characters) and oversized values
 (thousands of digits, tens of kilobytes, bodies over the 1 MiB limit), with the
 same acceptance: never a 5xx, the JSON error shape on every error.
+
+The components are the JSON schemas of the models in ``broker.service.schema``,
+written in OpenAPI 3.0's dialect; a body that breaks its model is refused in
+one line that names the place and the problem.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from servicefixtures import REPO_ROOT, BrokerService, running_service
 
+from broker.errors import InvalidRequest
 from broker.service.apihandlers import default_handlers
 from broker.service.app import BrokerApp
 from broker.service.openapi import build_document, markdown
+from broker.service.schema import COMPONENTS, REF_PREFIX, ref, validate
 
 #: Examples per operation and generation mode: enough to find mismatches, bounded in time.
 MAX_EXAMPLES = 25
@@ -240,3 +246,92 @@ def test_the_generator_prints_the_reference_and_the_document():
 def test_the_reference_names_no_local_paths():
     text = (Path(REPO_ROOT) / "docs" / "api.md").read_text()
     assert str(REPO_ROOT) not in text
+
+
+# ---- the models behind the components -------------------------------------------------
+
+
+def schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object in ``schema``, nested ones included."""
+    if isinstance(schema, dict):
+        yield schema
+        for key, value in schema.items():
+            children = value.values() if key == "properties" else [value]
+            for child in children:
+                yield from schema_nodes(child)
+    elif isinstance(schema, list):
+        for item in schema:
+            yield from schema_nodes(item)
+
+
+def test_the_components_are_written_in_openapi_3_0():
+    """What pydantic writes in JSON Schema 2020-12 and 3.0 lacks (null types, const,
+    $defs, siblings of a $ref) never reaches the document."""
+    for name, component in COMPONENTS.items():
+        for node in schema_nodes(component):
+            assert not {"const", "$defs", "title", "default"} & set(node), (name, node)
+            assert isinstance(node.get("type", ""), str) and node.get("type") != "null", node
+            if "$ref" in node:
+                assert set(node) == {"$ref"}, (name, node)
+                assert node["$ref"].removeprefix(REF_PREFIX) in COMPONENTS, (name, node)
+            if node.get("nullable") and "enum" in node:
+                assert None in node["enum"], (name, node)
+
+
+REQUEST = {"project": "vision", "gpus": 1, "kind": "batch"}
+
+
+@pytest.mark.parametrize(
+    ("component", "body", "message"),
+    [
+        ("SliceRequest", {**REQUEST, "gpus": True}, "body.gpus must be a whole number, got true"),
+        ("SliceRequest", {**REQUEST, "gpus": 1e400}, "body.gpus must be a whole number, got inf"),
+        ("SliceRequest", {**REQUEST, "kind": "serial"},
+         "body.kind must be 'interactive' or 'batch', got 'serial'"),
+        ("SliceRequest", {**REQUEST, "gpu": 1}, "body has an unknown key 'gpu'; expected: "
+         "project, gpus, gpu_type, kind, min_runtime, resumable, max_runtime, priority, user, "
+         "groups"),
+        ("SliceRequest", {"gpus": 1, "kind": "batch"}, "body needs 'project'"),
+        ("SliceRequest", {**REQUEST, "min_runtime": "15 pc"},
+         "body.min_runtime has an invalid format: '15 pc'"),
+        ("SliceRequest", {**REQUEST, "max_runtime": -5}, "body.max_runtime must be >= 0, got -5"),
+        ("SliceRequest", {**REQUEST, "groups": ["a", "b\n"]},
+         "body.groups[1] has an invalid format: 'b\\n'"),
+        ("SliceRequest", {**REQUEST, "project": "a\ud800"},
+         "body.project is not valid Unicode text"),
+        ("ProjectUpdate", {"share": 1, "users": None}, "body.users must not be null"),
+        ("ProjectUpdate", {"share": "1"}, "body.share must be a number, got '1'"),
+        ("ProjectTree", {"projects": [{"name": "a", "share": 1, "owner": "x"}]},
+         "body.projects[0] has an unknown key 'owner'; expected: name, share, parent, users, "
+         "groups"),
+        ("NodeChange", {"reason": "x" * 1001}, "body.reason is longer than 1000 characters"),
+        ("NodeChange", [], "body must be an object, got an array"),
+    ],
+)  # fmt: skip
+def test_a_body_that_breaks_its_model_is_refused_in_one_line(component, body, message):
+    with pytest.raises(InvalidRequest) as caught:
+        validate(body, ref(component))
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        REQUEST,
+        {**REQUEST, "min_runtime": "1h30m", "max_runtime": 7200, "gpu_type": None},
+        {**REQUEST, "user": "alice", "groups": ["team"], "priority": -100, "resumable": None},
+    ],
+)
+def test_a_body_that_keeps_to_its_model_passes(body):
+    validate(body, ref("SliceRequest"))
+
+
+def test_the_service_answers_a_broken_body_with_the_one_line(service):
+    response = send(service, "POST", "/slices", json={**REQUEST, "gpus": True})
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "code": "invalid_request",
+            "message": "body.gpus must be a whole number, got true",
+        }
+    }
