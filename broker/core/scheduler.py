@@ -85,6 +85,7 @@ class _Pass:
         self._usable: dict[tuple, tuple[int, ...]] = {}
         self._spans_memo: dict[tuple, tuple[str, ...]] = {}
         self._latest_due_memo: tuple[int, float] = (0, -math.inf)
+        self._as_granted: dict[int, Slice] = {}  # see _may_use_reserved
         self._lendable: list[list[Placement]] = []  # per backfill reservation
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
@@ -605,10 +606,12 @@ class _Pass:
         if protected_until is None:
             protected_until = self.now
         unprotected = max(self.now, protected_until)
+        at = unprotected + self.policy.grace_period
+        if known is not None and known <= at:
+            return known  # gone before the rule could make it go, whatever it says
         weight = self.snap.weight(self.nodes[holder.placements[0].node].gpu_type)
         if self._could_preempt(requester, holder, unprotected, weight):
-            at = unprotected + self.policy.grace_period
-            return at if known is None else min(known, at)
+            return at
         return known
 
     def _could_preempt(
@@ -646,7 +649,10 @@ class _Pass:
         if protected_end + self.policy.grace_period > due:
             return False
         weight = self.snap.weight(self.nodes[reservation.placements[0].node].gpu_type)
-        as_granted = granted(slice_, reservation.placements, self.now)
+        # The rule reads no placements: one granted copy per slice serves every reservation.
+        as_granted = self._as_granted.get(slice_.id)
+        if as_granted is None:
+            as_granted = self._as_granted[slice_.id] = granted(slice_, (), self.now)
         # Not yet counted in its project's holdings: what it would lose, it has not gained.
         return self._could_preempt(
             owner, as_granted, protected_end, weight, lost_before=-slice_.gpus * weight
