@@ -394,10 +394,12 @@ class OpenLoop:
 
     @property
     def sessions(self) -> int:
+        """Open notebooks, each holding a slice: enough for the heartbeats' share."""
         return max(1, math.ceil(self.rate * self.heartbeat_every * MIX["heartbeat"]))
 
     @property
     def churn(self) -> int:
+        """Slices held at the start for the releases to take."""
         return max(10, math.ceil(self.rate * MIX["release"] * CHURN_POOL_S))
 
 
