@@ -1,18 +1,30 @@
-"""Time of one scheduling pass on a large synthetic cluster (design.md §5)."""
+"""Time of one scheduling pass on a large synthetic cluster (design.md §5).
+
+Beside it, in the same run: a minimal pass (sort the backlog, best-fit what
+fits onto free GPUs, nothing else) as the reference, and the pass from kept
+state (:class:`~broker.core.incremental.PassState`) after one change.
+"""
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from operator import attrgetter
 
 from ..core.fairshare import ProjectTree
+from ..core.incremental import PassState
 from ..core.model import (
     Account,
     Contract,
+    Grant,
     Node,
+    NodeState,
     Placement,
     Policy,
     Slice,
@@ -20,6 +32,7 @@ from ..core.model import (
     SliceState,
     Snapshot,
 )
+from ..core.placement import FreeGpus
 from ..core.scheduler import schedule
 
 HOUR = 3600.0
@@ -113,20 +126,98 @@ def synthetic_snapshot(scale: Scale, seed: int = 1) -> Snapshot:
     )
 
 
-def time_passes(snapshot: Snapshot, repeat: int) -> dict:
-    tree = ProjectTree(snapshot.accounts)
-    durations = []
-    cpu = []  # CPU time too: on a shared machine it is steadier than wall time
-    decisions = None
-    for _ in range(repeat):
-        started, started_cpu = time.perf_counter(), time.thread_time()
-        decisions = schedule(snapshot, tree)
-        durations.append(time.perf_counter() - started)
-        cpu.append(time.thread_time() - started_cpu)
-    durations.sort()
-    cpu.sort()
-    assert decisions is not None
+def minimal_pass(snapshot: Snapshot) -> list[Grant]:
+    """The reference: pending work sorted by submit time, each request best-fit
+    onto the free GPUs left (the pass's own free map), no fair share,
+    preemption, reservation or queue shown to users."""
+    ready = [n for n in snapshot.nodes if n.state is NodeState.READY]
+    held = (p for s in snapshot.slices if s.holds_gpus for p in s.placements)
+    free = FreeGpus(ready, snapshot.gpu_type_weights, held)
+    pending = sorted(
+        (s for s in snapshot.slices if s.state is SliceState.PENDING),
+        key=attrgetter("submitted_at", "id"),
+    )
+    grants = []
+    for slice_ in pending:
+        placements = free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+        if placements is not None:
+            free.take(placements)
+            grants.append(Grant(slice_.id, placements))
+    return grants
+
+
+def one_change_at_a_time(snapshot: Snapshot, count: int) -> list[Snapshot]:
+    """``count`` snapshots, each one change after the one before: a second
+    later, a new request submitted, then withdrawn again, and so on."""
+    rng = random.Random(2)
+    projects = sorted({s.project for s in snapshot.slices})
+    next_id = max(s.id for s in snapshot.slices) + 1
+    snapshots = []
+    current = snapshot
+    for i in range(count):
+        slices = current.slices
+        if i % 2 == 0:
+            gpus = rng.choice([1, 2, 4, 8])
+            kind = rng.choice(list(SliceKind))
+            new = Slice(
+                id=next_id,
+                project=rng.choice(projects),
+                user="user0",
+                gpus=gpus,
+                kind=kind,
+                contract=Contract(HOUR),
+                submitted_at=current.now,
+            )
+            next_id += 1
+            slices = (*slices, new)
+        else:
+            slices = slices[:-1]
+        current = replace(current, now=current.now + 1.0, slices=slices)
+        snapshots.append(current)
+    return snapshots
+
+
+def _timed(run: Callable[[], object], durations: list[float], cpu: list[float]) -> None:
+    started, started_cpu = time.perf_counter(), time.thread_time()
+    run()
+    durations.append(time.perf_counter() - started)
+    cpu.append(time.thread_time() - started_cpu)
+
+
+def _summary(durations: list[float], cpu: list[float]) -> dict:
+    durations, cpu = sorted(durations), sorted(cpu)
     return {
+        "median_ms": round(statistics.median(durations) * 1000, 3),
+        "p99_ms": round(_p99(durations) * 1000, 3),
+        "cpu_median_ms": round(statistics.median(cpu) * 1000, 3),
+        "cpu_p99_ms": round(_p99(cpu) * 1000, 3),
+    }
+
+
+def time_passes(snapshot: Snapshot, repeat: int) -> dict:
+    """The pass, the minimal reference and the kept-state pass, interleaved so
+    that a busy moment of the machine falls on all three alike."""
+    tree = ProjectTree(snapshot.accounts)
+    changed = one_change_at_a_time(snapshot, repeat)
+    kept = PassState(tree)
+    kept.schedule(snapshot)
+    decisions = schedule(snapshot, tree)
+    # Everything built so far lives for the whole run: out of the collector's
+    # way, as the service does after start-up.
+    gc.collect()
+    gc.freeze()
+    full: tuple[list[float], list[float]] = ([], [])
+    minimal: tuple[list[float], list[float]] = ([], [])
+    incremental: tuple[list[float], list[float]] = ([], [])
+    try:
+        for after_one_change in changed:
+            _timed(partial(schedule, snapshot, tree), *full)
+            _timed(partial(minimal_pass, snapshot), *minimal)
+            _timed(partial(kept.schedule, after_one_change), *incremental)
+    finally:
+        gc.unfreeze()
+    same = kept.schedule(changed[-1]) == schedule(changed[-1], tree)
+    result = {
         "gpus": sum(n.gpu_count for n in snapshot.nodes),
         "nodes": len(snapshot.nodes),
         "projects": sum(1 for a in snapshot.accounts if a.name.startswith("proj")),
@@ -134,16 +225,21 @@ def time_passes(snapshot: Snapshot, repeat: int) -> dict:
         "running": sum(1 for s in snapshot.slices if s.holds_gpus),
         "pending": sum(1 for s in snapshot.slices if not s.holds_gpus),
         "repeat": repeat,
-        "median_ms": round(statistics.median(durations) * 1000, 3),
-        "p99_ms": round(_p99(durations) * 1000, 3),
-        "cpu_median_ms": round(statistics.median(cpu) * 1000, 3),
-        "cpu_p99_ms": round(_p99(cpu) * 1000, 3),
+        **_summary(*full),
+        "minimal": _summary(*minimal),
+        "incremental_after_one_change": _summary(*incremental),
+        "incremental_same_decisions": same,
         "decisions": {
             "grants": len(decisions.grants),
             "preemptions": len(decisions.preemptions),
             "reservations": len(decisions.reservations),
         },
     }
+    for figure in ("median_ms", "p99_ms"):
+        result[f"ratio_to_minimal_{figure[:-3]}"] = round(
+            result[figure] / result["minimal"][figure], 2
+        )
+    return result
 
 
 def _p99(sorted_values: list[float]) -> float:
