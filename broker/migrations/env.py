@@ -50,7 +50,9 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    if config.config_file_name is not None:
+    if config.cmd_opts is not None and config.config_file_name is not None:
+        # Only alembic's own command line sets up logging; a program running the
+        # migrations (the broker, its tests) keeps its own handlers.
         fileConfig(config.config_file_name, disable_existing_loggers=False)
     engine = make_engine(_url())
     try:
