@@ -128,6 +128,7 @@ class Broker:
         # database, not kept, until that transaction has ended either way.
         self._catalog_unsettled = False
         self._transaction_depth = 0
+        self._group: Session | None = None  # the transaction of a group commit under way
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
@@ -171,6 +172,11 @@ class Broker:
         commit's flush to disk: only for writes whose loss in a power failure
         harms nothing. It is as atomic and as locked as any other.
         """
+        if self._group is not None:
+            # Inside a group commit: a savepoint, so that a refusal undoes only its own.
+            with self._group.begin_nested():
+                yield self._group
+            return
         sessions = self._sessions if durable else self._not_durable
         self._transaction_depth += 1
         try:
@@ -180,6 +186,20 @@ class Broker:
         finally:
             self._transaction_depth -= 1
             self._settle_catalog()
+
+    @contextmanager
+    def group_commit(self, *, durable: bool = True) -> Iterator[None]:
+        """Writes made inside share one transaction, committed once on leaving: a
+        group commit (design.md §8). Each write is a savepoint of it, so a refused
+        one undoes only itself; if the commit fails, none of them happened.
+        ``durable`` as for every write (``False`` only for writes that may be lost).
+        """
+        with self._write(durable=durable) as session:
+            self._group = session
+            try:
+                yield
+            finally:
+                self._group = None
 
     def _read_catalog(self, session: Session) -> _Catalog:
         """The catalog as ``session`` sees it: kept in memory by a single writer."""
@@ -204,6 +224,9 @@ class Broker:
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
+        if self._group is not None:  # a write's answer: it sees what the group wrote
+            yield self._group
+            return
         with self._reads() as session:
             yield session
 

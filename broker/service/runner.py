@@ -3,7 +3,16 @@
 :class:`BrokerRunner` owns the :class:`~broker.store.Broker` and one worker
 thread. Every call into the Broker — requests, passes, token look-ups — runs on
 that thread, one after another, so the event loop never blocks on the
-database and database work in this process is serialised. Reads go through
+database and database work in this process is serialised.
+
+Requests that write (:meth:`BrokerRunner.write`, :meth:`BrokerRunner.change`)
+are journaled by group commit: the writes that queued while the thread was
+busy run together, each in a savepoint of one transaction, which is committed
+once; each request is answered only after that commit (design.md §8). Under
+load a commit, and its flush to disk, is shared by many requests; alone, a
+request waits for nothing more than its own commit. Requests in flight at the
+same time have no order between them, so a group runs its durable writes in one
+commit and the writes that may be lost (heartbeats) in another. Reads go through
 :meth:`BrokerRunner.read`, which today uses the same thread: reads on threads
 of their own (they take no write lock) were measured slower under load, as
 they and the event loop then fight for the GIL (docs/benchmarks-api.md).
@@ -39,9 +48,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import OperationalError
@@ -152,6 +163,23 @@ class SliceWatchers:
                     future.set_result(key)
 
 
+#: A pass a submission ran (grant at once): its decisions, the live slices, seconds.
+SidePass = tuple[Decisions, list[dict[str, Any]], float]
+
+
+@dataclass(eq=False)
+class _Write:
+    """A write waiting for its group commit."""
+
+    call: Callable[[], Any]
+    durable: bool
+    future: asyncio.Future
+    #: Set on the event loop when nobody waits for the answer any more: not run then.
+    abandoned: bool = False
+    #: Set once committed: the passes the write ran (a submission granted at once).
+    side_passes: list[SidePass] = field(default_factory=list)
+
+
 class DatabaseTimeout(BrokerError):
     """The database did not answer within the service's ``db_timeout``."""
 
@@ -195,6 +223,10 @@ class BrokerRunner:
         self._task: asyncio.Task | None = None
         self._first_pass = asyncio.Event()
         self._between_passes: dict[Callable[[], Any], Any] = {}
+        # Writes waiting for the next group commit; the lock guards them and the flag.
+        self._writes: list[_Write] = []
+        self._writes_lock = threading.Lock()
+        self._commit_queued = False
 
     # ---- database work ------------------------------------------------------------
 
@@ -259,24 +291,91 @@ class BrokerRunner:
             self._between_passes[fn] = await self.read(fn)
         return self._between_passes[fn]
 
+    async def write(
+        self, fn: Callable[..., T], *args: Any, durable: bool = True, **kwargs: Any
+    ) -> T:
+        """``fn(*args, **kwargs)``, a Broker write, in the next group commit (see the
+        module's docstring); answered once committed. ``durable=False`` only for
+        writes the Broker itself makes without a flush to disk (heartbeats)."""
+        return (await self._written(fn, args, kwargs, durable)).future.result()
+
+    async def _written(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, durable: bool
+    ) -> _Write:
+        """Queue a write, wait for its commit within ``db_timeout`` and its slack."""
+        loop = asyncio.get_running_loop()
+        write = _Write(functools.partial(fn, *args, **kwargs), durable, loop.create_future())
+        with self._writes_lock:
+            self._writes.append(write)
+            if not self._commit_queued:
+                self._commit_queued = True
+                self.executor.submit(self._commit_group, loop)
+        bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
+        try:
+            await asyncio.wait_for(asyncio.shield(write.future), bound)
+        except TimeoutError:
+            write.abandoned = True
+            raise DatabaseTimeout(
+                f"the database did not answer within {bound:g} s; try again shortly"
+            ) from None
+        return write
+
+    def _commit_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the database thread: run the queued writes, durable ones in one commit
+        and the others in another, then hand their answers to the event loop."""
+        with self._writes_lock:
+            writes, self._writes = self._writes, []
+            self._commit_queued = False
+        for durable in (True, False):
+            group = [w for w in writes if w.durable is durable and not w.abandoned]
+            if group:
+                answers = self._run_group(group, durable)
+                loop.call_soon_threadsafe(self._answer, answers)
+
+    def _run_group(
+        self, group: list[_Write], durable: bool
+    ) -> list[tuple[_Write, Any, BaseException | None, list[SidePass]]]:
+        answers: list[tuple[_Write, Any, BaseException | None, list[SidePass]]] = []
+        try:
+            with self.broker.group_commit(durable=durable):
+                for write in group:
+                    try:
+                        value = write.call()
+                    except Exception as err:  # a refusal: its savepoint is undone
+                        self.broker.take_side_passes()
+                        answers.append((write, None, err, []))
+                    else:
+                        answers.append((write, value, None, self.broker.take_side_passes()))
+        except Exception as err:  # no commit: none of the group happened
+            self.broker.take_side_passes()
+            return [(write, None, err, []) for write in group]
+        return answers
+
+    def _answer(self, answers: list[tuple[_Write, Any, BaseException | None, list]]) -> None:
+        """On the event loop: take in the passes the group ran, then answer each write."""
+        for write, value, error, side_passes in answers:
+            for decisions, live, seconds in side_passes:
+                self._passed(decisions, live, seconds)
+            write.side_passes = side_passes
+            if write.abandoned or write.future.done():
+                continue
+            if error is not None:
+                write.future.set_exception(error)
+            else:
+                write.future.set_result(value)
+
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
-        """A request that may change the schedule: run it, tell waiters, ask for a pass.
+        """A request that may change the schedule: write it, tell waiters, ask for a pass.
 
         A request that ran the pass itself (a submission granted at once) needs no
         other: its pass is taken in as any pass is (:meth:`_passed`), and the loop
         is woken only if that pass left a deadline sooner than its next timed pass.
         """
-
-        def job() -> tuple[dict, list]:
-            # On the database thread, like every Broker call.
-            return fn(*args, **kwargs), self.broker.take_side_passes()
-
-        slice_, side_passes = await self.run(job)
-        for decisions, live, seconds in side_passes:
-            self._passed(decisions, live, seconds)
+        write = await self._written(fn, args, kwargs, durable=True)
+        slice_ = write.future.result()
         self._between_passes.clear()
         soon = self.next_wake is not None and self.next_wake < self._wakes_at
-        if not side_passes or soon:
+        if not write.side_passes or soon:
             self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
             self._remember(slice_)

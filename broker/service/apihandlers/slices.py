@@ -160,13 +160,18 @@ class _OwnedSliceHandler(APIHandler):
     """A handler of one slice: the caller's own, unless an agent or admin."""
 
     async def owned(
-        self, method, slice_id: int, *, change: bool = False, write: bool = False
+        self, method, slice_id: int, *, change: bool = False, heartbeat: bool = False
     ) -> Any:
-        """``method(slice_id, ...)`` for the caller: on a read thread, unless it may
-        ``change`` the schedule (then a pass follows) or otherwise ``write``."""
-        call = self.runner.change if change else self.runner.run if write else self.runner.read
+        """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
+        the schedule (then a pass follows) or is a ``heartbeat`` (a write the Broker
+        makes without a flush to disk, so it joins the group commit of such writes)."""
+        owner = owner_filter(self.identity)
         try:
-            return await call(method, slice_id, **owner_filter(self.identity))
+            if change:
+                return await self.runner.change(method, slice_id, **owner)
+            if heartbeat:
+                return await self.runner.write(method, slice_id, durable=False, **owner)
+            return await self.runner.read(method, slice_id, **owner)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
 
@@ -286,7 +291,7 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), heartbeat=True)
         self.write_json(slice_)
 
 

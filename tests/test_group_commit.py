@@ -1,0 +1,97 @@
+"""Group commit (design.md §8): writes that queue while the database thread is busy
+share one transaction, each in a savepoint; each is answered only once committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import tomllib
+from collections.abc import AsyncIterator
+
+import pytest
+from servicefixtures import TEST_CONFIG
+from sqlalchemy import event
+
+from broker.config import parse_config
+from broker.errors import Forbidden
+from broker.service.runner import BrokerRunner
+from broker.store import Broker
+
+
+@pytest.fixture
+async def runner(tmp_path) -> AsyncIterator[BrokerRunner]:
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        single_writer=True,
+    )
+    runner = BrokerRunner(broker, pass_interval=600.0)
+    yield runner
+    await runner.stop()
+
+
+def count_commits(broker: Broker) -> list[int]:
+    commits = [0]
+
+    def committed(_connection) -> None:
+        commits[0] += 1
+
+    event.listen(broker._engine, "commit", committed)
+    return commits
+
+
+async def while_busy(runner: BrokerRunner, writes) -> list:
+    """Queue ``writes`` while the database thread is held, then let it go: they
+    queue together, as requests do while a pass or another commit runs."""
+    go = threading.Event()
+    held = asyncio.ensure_future(runner.run(go.wait))
+    tasks = [asyncio.ensure_future(write) for write in writes]
+    await asyncio.sleep(0)  # every task has queued its write
+    go.set()
+    await held
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def submit(runner: BrokerRunner, user: str = "alice", project: str = "vision"):
+    return runner.write(runner.broker.submit, user=user, project=project, gpus=1, kind="batch")
+
+
+async def test_writes_queued_together_share_one_commit(runner):
+    commits = count_commits(runner.broker)
+    answers = await while_busy(runner, [submit(runner) for _ in range(20)])
+    assert [a["state"] for a in answers] == ["pending"] * 20
+    assert len({a["id"] for a in answers}) == 20
+    assert commits[0] == 1
+    assert len(runner.broker.list_slices()) == 20
+
+
+async def test_a_refused_write_undoes_only_itself(runner):
+    answers = await while_busy(
+        runner, [submit(runner), submit(runner, user="mallory"), submit(runner)]
+    )
+    assert isinstance(answers[1], Forbidden)
+    assert [a["id"] for a in answers[0::2]] == [1, 2]
+    assert [s["user"] for s in runner.broker.list_slices()] == ["alice", "alice"]
+
+
+async def test_a_failed_commit_fails_every_write_in_it_and_keeps_none(runner):
+    def fail(_session) -> None:
+        raise RuntimeError("the disk is full")
+
+    event.listen(runner.broker._sessions, "before_commit", fail)
+    answers = await while_busy(runner, [submit(runner) for _ in range(3)])
+    assert [str(a) for a in answers] == ["the disk is full"] * 3
+    event.remove(runner.broker._sessions, "before_commit", fail)
+    assert runner.broker.list_slices() == []
+    again = await submit(runner)  # the next group starts afresh
+    assert again["state"] == "pending"
+
+
+async def test_heartbeats_commit_apart_from_durable_writes(runner):
+    made = await submit(runner)
+    commits = count_commits(runner.broker)
+    beat = runner.write(runner.broker.heartbeat, made["id"], durable=False)
+    answers = await while_busy(runner, [submit(runner), beat, submit(runner)])
+    assert [a["id"] for a in answers] == [2, 1, 3]
+    assert answers[1]["lease_expires_at"] is not None
+    assert commits[0] == 2  # one for the submissions, one for the heartbeat
