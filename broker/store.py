@@ -10,7 +10,8 @@ number of processes, can share a database: passes and requests are applied
 one after another, never on a stale view, and a GPU is never granted twice.
 The service's Broker is its database's single writer (``single_writer``, behind
 the leader lock): it keeps the catalog — nodes, GPU types, the project tree and
-members — in memory instead of reading it for every request.
+members — and the live slices in memory instead of reading them for every
+request and pass; the database is their journal (design.md §8).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from .config import ClusterConfig
 from .core import accounting, transitions
 from .core.fairshare import ProjectTree
+from .core.incremental import PassState
 from .core.model import (
     Account,
     Contract,
@@ -38,6 +41,8 @@ from .core.model import (
     Node,
     NodeState,
     Placement,
+    QueueEntry,
+    Reservation,
     Slice,
     SliceKind,
     SliceState,
@@ -104,7 +109,8 @@ class Broker:
     ``single_writer``: no other process writes this database (the service's leader,
     behind its leader lock, design.md §8), so the catalog — nodes, GPU types, the
     project tree and members — is read once and kept in memory, reloaded only after
-    this Broker changed it.
+    this Broker changed it; so are the live slices, and the default pass keeps its
+    state between passes (:class:`~broker.core.incremental.PassState`).
     """
 
     def __init__(
@@ -123,12 +129,20 @@ class Broker:
     ):
         self.config = config
         self.single_writer = single_writer
+        if single_writer and schedule is default_schedule:
+            # The same decisions, with what the pass finds by walking every live
+            # slice kept between passes (design.md §5).
+            schedule = PassState().schedule
         self._catalog: _Catalog | None = None
         # A transaction under way changed the catalog: it is reloaded from the
         # database, not kept, until that transaction has ended either way.
         self._catalog_unsettled = False
         self._transaction_depth = 0
         self._group: Session | None = None  # the transaction of a group commit under way
+        # The live slices as the transaction under way sees them, by id (oldest first):
+        # kept between transactions by a single writer, else loaded once per pass.
+        # Every flush of a slice updates it; any rollback drops it.
+        self._live: dict[int, _LiveSlice] | None = None
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
@@ -142,6 +156,8 @@ class Broker:
         self._not_durable = sessionmaker(
             self._engine.execution_options(**{NOT_DURABLE_OPTION: True}), expire_on_commit=False
         )
+        for writes in (self._sessions, self._not_durable):
+            event.listen(writes, "after_flush", self._follow_flush)
         try:
             self._prepare_schema(upgrade)
             self._sync_config()
@@ -174,8 +190,12 @@ class Broker:
         """
         if self._group is not None:
             # Inside a group commit: a savepoint, so that a refusal undoes only its own.
-            with self._group.begin_nested():
-                yield self._group
+            try:
+                with self._group.begin_nested():
+                    yield self._group
+            except BaseException:
+                self._live = None
+                raise
             return
         sessions = self._sessions if durable else self._not_durable
         self._transaction_depth += 1
@@ -183,9 +203,14 @@ class Broker:
             with sessions.begin() as session:
                 take_write_lock(session.connection())
                 yield session
+        except BaseException:
+            self._live = None
+            raise
         finally:
             self._transaction_depth -= 1
             self._settle_catalog()
+            if self._transaction_depth == 0 and not self.single_writer:
+                self._live = None
 
     @contextmanager
     def group_commit(self, *, durable: bool = True) -> Iterator[None]:
@@ -214,6 +239,31 @@ class Broker:
         """Say that the transaction under way changes the catalog."""
         self._catalog = None
         self._catalog_unsettled = True
+
+    def _live_slices(self, session: Session) -> dict[int, _LiveSlice]:
+        """The live slices as ``session`` sees them, by id, oldest first."""
+        session.flush()  # what the transaction changed so far reaches them first
+        if self._live is None:
+            rows = session.scalars(
+                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+            )
+            self._live = {row.id: _LiveSlice.of(row) for row in rows}
+        return self._live
+
+    def _follow_flush(self, session: Session, _context: Any) -> None:
+        """Keep the live slices as the flush just wrote them (ids only grow, so new
+        slices go last and the order stays oldest first)."""
+        if self._live is None:
+            return
+        if any(isinstance(row, SliceRow) for row in session.deleted):
+            self._live = None
+            return
+        for row in (*session.new, *session.dirty):
+            if isinstance(row, SliceRow):
+                if row.state in LIVE_STATES:
+                    self._live[row.id] = _LiveSlice.of(row)
+                else:
+                    self._live.pop(row.id, None)
 
     def _settle_catalog(self) -> None:
         # Committed or rolled back, the change is settled once the outermost
@@ -721,7 +771,7 @@ class Broker:
             catalog = self._read_catalog(session)
             tree = catalog.tree
             live = session.scalars(select(SliceRow).where(SliceRow.state.in_(LIVE_STATES))).all()
-            usage = self._usage(session, now, catalog.costs, live)
+            usage = self._usage(session, now, catalog.costs, [_to_slice(row) for row in live])
             subtree = tree.subtree_usage(usage)
             values = tree.share_values(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
@@ -838,32 +888,26 @@ class Broker:
         """Snapshot, schedule and apply in ``session``; the live slices after it."""
         catalog = self._read_catalog(session)
         costs = catalog.costs
-        rows = {
-            row.id: row
-            for row in session.scalars(
-                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-            )
-        }
         if usual_gap is not None:
-            self._cover_absence(session, rows.values(), now, usual_gap)
+            self._cover_absence(session, now, usual_gap)
+        live = self._live_slices(session)
+        slices = tuple(entry.slice for entry in live.values())
         snapshot = Snapshot(
             now=now,
             nodes=catalog.nodes,
             accounts=catalog.accounts,
-            slices=tuple(_to_slice(row) for row in rows.values()),
-            usage=self._usage(session, now, costs, rows.values()),
+            slices=slices,
+            usage=self._usage(session, now, costs, slices),
             gpu_type_weights=costs.weights,
             policy=self.config.policy,
         )
         decisions = self._schedule(snapshot)
         nodes = {node.name: node for node in snapshot.nodes}
-        self._apply(session, decisions, rows, nodes, now, costs)
-        live = [_slice_dict(row, now, costs) for row in rows.values() if row.state in LIVE_STATES]
-        return decisions, live
+        self._apply(session, decisions, live, nodes, now, costs)
+        # As journaled: a held slice's charge is not accrued to now here.
+        return decisions, [entry.view for entry in self._live_slices(session).values()]
 
-    def _cover_absence(
-        self, session: Session, live: Iterable[SliceRow], now: float, usual_gap: float
-    ) -> None:
+    def _cover_absence(self, session: Session, now: float, usual_gap: float) -> None:
         """Extend every live lease by the time no broker could take heartbeats.
 
         That is the time since the last pass, when it is longer than
@@ -882,7 +926,11 @@ class Broker:
             alive.alive_at = max(alive.alive_at, now)
         if not renew and (away is None or away <= usual_gap):
             return
-        leased = [row for row in live if row.lease_expires_at is not None]
+        leased = session.scalars(
+            select(SliceRow).where(
+                SliceRow.state.in_(LIVE_STATES), SliceRow.lease_expires_at.is_not(None)
+            )
+        ).all()
         for row in leased:
             if renew:
                 row.lease_expires_at = max(row.lease_expires_at, now + self.lease)
@@ -904,9 +952,10 @@ class Broker:
         session: Session,
         now: float,
         costs: _Costs,
-        live: Iterable[SliceRow] | None = None,
+        live: Iterable[Slice],
     ) -> dict[str, float]:
-        """Each project's charged usage at ``now``: the ledger plus what is running."""
+        """Each project's charged usage at ``now``: the ledger plus the ``live`` slices
+        that hold GPUs."""
         policy = self.config.policy
         horizon = accounting.usage_horizon(policy.window, policy.half_life)
         # Plain rows, not ORM objects: the window's ledger is the largest thing a pass
@@ -925,9 +974,7 @@ class Broker:
             accounting.LedgerEntry(slice_id, project, user, start, end, gpus * weight, gpus)
             for slice_id, project, user, start, end, gpus, weight in session.execute(ledger)
         )
-        if live is None:
-            live = session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES)))
-        running = [costs.entry(_to_slice(row), now) for row in live if row.state in HELD_STATES]
+        running = [costs.entry(slice_, now) for slice_ in live if slice_.state in HELD_STATES]
         return accounting.usage_by_project(
             closed,
             (entry for entry in running if entry is not None),
@@ -940,12 +987,17 @@ class Broker:
         self,
         session: Session,
         decisions: Decisions,
-        rows: Mapping[int, SliceRow],
+        live: Mapping[int, _LiveSlice],
         nodes: Mapping[str, Node],
         now: float,
         costs: _Costs,
     ) -> None:
-        """Write a pass's decisions; endings first, as they free what grants take."""
+        """Write a pass's decisions; endings first, as they free what grants take.
+
+        Only the rows a decision or a new queue place changes are read."""
+        promised = {r.slice_id: r for r in decisions.reservations if r.promised}
+        queue = {entry.slice_id: entry for entry in decisions.queue}
+        rows = _rows(session, _changed_ids(decisions, live, promised, queue))
         for ending in decisions.endings:
             row = _live(rows, ending.slice_id, LIVE_STATES, "end")
             if row is not None:
@@ -970,7 +1022,7 @@ class Broker:
             if preemption.for_slice is not None:
                 why += f" (for slice {preemption.for_slice})"
             _event(session, row, SliceState.GRANTED, why, now)
-        held = _held_gpus(rows.values())
+        held = _held_gpus(live, rows)
         for grant in decisions.grants:
             row = _live(rows, grant.slice_id, (SliceState.PENDING,), "grant")
             if row is None:
@@ -987,8 +1039,6 @@ class Broker:
             row.preempt_reason = None
             where = ", ".join(f"{p.node}{list(p.gpu_indices)}" for p in grant.placements)
             _event(session, row, SliceState.PENDING, f"granted on {where}", now)
-        promised = {r.slice_id: r for r in decisions.reservations if r.promised}
-        queue = {entry.slice_id: entry for entry in decisions.queue}
         for row in rows.values():
             waiting = row.state == SliceState.PENDING
             promise = promised.get(row.id) if waiting else None
@@ -1146,10 +1196,15 @@ def _to_slice(row: SliceRow) -> Slice:
 
 def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
     """A slice as design.md §8 shows it; a held allocated slice's charge accrues to ``now``."""
-    charged = row.charged_gpu_seconds
+    view = _row_view(row)
     if row.state in HELD_STATES:
         entry = costs.entry(_to_slice(row), now)
-        charged += entry.weighted_gpu_seconds if entry else 0.0
+        view["charged_gpu_seconds"] += entry.weighted_gpu_seconds if entry else 0.0
+    return view
+
+
+def _row_view(row: SliceRow) -> dict[str, Any]:
+    """A slice as design.md §8 shows it, charged as journaled."""
     granted = row.granted_at
     return {
         "id": row.id,
@@ -1175,8 +1230,69 @@ def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
         "queue_position": row.queue_position,
         "fairshare_value": row.fairshare_value,
         "estimated_start": row.estimated_start,
-        "charged_gpu_seconds": charged,
+        "charged_gpu_seconds": row.charged_gpu_seconds,
     }
+
+
+@dataclass(frozen=True)
+class _LiveSlice:
+    """A live slice kept in memory: the core's value for the pass, and the API's view
+    (charged as journaled). Never changed in place: a change makes a new one."""
+
+    slice: Slice
+    view: dict[str, Any]
+
+    @classmethod
+    def of(cls, row: SliceRow) -> _LiveSlice:
+        return cls(_to_slice(row), _row_view(row))
+
+
+def _changed_ids(
+    decisions: Decisions,
+    live: Mapping[int, _LiveSlice],
+    promised: Mapping[int, Reservation],
+    queue: Mapping[int, QueueEntry],
+) -> set[int]:
+    """The live slices a pass's decisions change: those it ends, preempts or grants,
+    and the waiting ones whose promise or queue place moves."""
+    ids = {e.slice_id for e in decisions.endings}
+    ids.update(p.slice_id for p in decisions.preemptions)
+    ids.update(g.slice_id for g in decisions.grants)
+    for slice_id, entry in live.items():
+        if slice_id in ids or entry.slice.state is not SliceState.PENDING:
+            continue
+        promise, place = promised.get(slice_id), queue.get(slice_id)
+        now_shown = (
+            promise.placements if promise else (),
+            place.position if place else None,
+            place.fairshare_value if place else None,
+            place.estimated_start if place else None,
+        )
+        view = entry.view
+        shown = (
+            entry.slice.promised,
+            view["queue_position"],
+            view["fairshare_value"],
+            view["estimated_start"],
+        )
+        if now_shown != shown:
+            ids.add(slice_id)
+    return ids & live.keys()
+
+
+#: How many ids one ``IN`` list holds (SQLite allows a few thousand parameters).
+IDS_PER_QUERY = 1000
+
+
+def _rows(session: Session, ids: Iterable[int]) -> dict[int, SliceRow]:
+    """The slice rows of ``ids``, by id."""
+    wanted = sorted(ids)
+    rows: dict[int, SliceRow] = {}
+    for start in range(0, len(wanted), IDS_PER_QUERY):
+        chunk = wanted[start : start + IDS_PER_QUERY]
+        query = select(SliceRow).where(SliceRow.id.in_(chunk))
+        rows.update((row.id, row) for row in session.scalars(query))
+    return rows
 
 
 def _node_dict(row: NodeRow, weights: Mapping[str, float], held: int) -> dict[str, Any]:
@@ -1477,14 +1593,20 @@ def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
     return [(p.node, index) for p in placements for index in p.gpu_indices]
 
 
-def _held_gpus(rows: Iterable[SliceRow]) -> dict[tuple[str, int], int]:
-    """Which slice holds each GPU, over the rows that hold GPUs."""
-    return {
-        gpu: row.id
-        for row in rows
-        if row.state in HELD_STATES
-        for gpu in _gpus(_placements(row.placements))
-    }
+def _held_gpus(
+    live: Mapping[int, _LiveSlice], rows: Mapping[int, SliceRow]
+) -> dict[tuple[str, int], int]:
+    """Which slice holds each GPU: the live slices, as ``rows`` changed them so far."""
+    held: dict[tuple[str, int], int] = {}
+    for slice_id, entry in live.items():
+        row = rows.get(slice_id)
+        if row is None:
+            state, placements = entry.slice.state, entry.slice.placements
+        else:
+            state, placements = SliceState(row.state), _placements(row.placements)
+        if state in HELD_STATES:
+            held.update({gpu: slice_id for gpu in _gpus(placements)})
+    return held
 
 
 def _grant_problem(

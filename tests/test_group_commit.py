@@ -95,3 +95,34 @@ async def test_heartbeats_commit_apart_from_durable_writes(runner):
     assert [a["id"] for a in answers] == [2, 1, 3]
     assert answers[1]["lease_expires_at"] is not None
     assert commits[0] == 2  # one for the submissions, one for the heartbeat
+
+
+async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(tmp_path):
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        grant_at_once=True,
+        single_writer=True,
+    )
+    runner = BrokerRunner(broker, pass_interval=600.0)
+    try:
+        held = await submit(runner)
+        assert held["state"] == "granted"
+        failures = [RuntimeError("the disk is full")]
+
+        def fails_once(_session, _context) -> None:
+            if failures:
+                raise failures.pop()
+
+        # The release is written and flushed, then its flush fails: its savepoint is
+        # undone, and the slice still holds its GPU.
+        event.listen(broker._sessions, "after_flush", fails_once)
+        release = runner.write(broker.release, held["id"])
+        answers = await while_busy(runner, [release, submit(runner)])
+        assert str(answers[0]) == "the disk is full"
+        assert answers[1]["state"] == "granted"
+        await runner.run_pass()
+        assert [s["id"] for s in runner.remembered_live()] == [held["id"], answers[1]["id"]]
+        assert runner.remembered(held["id"])["state"] == "granted"
+    finally:
+        await runner.stop()

@@ -1,5 +1,6 @@
-"""A single writer keeps the catalog (nodes, GPU types, the project tree, members) in
-memory (design.md §8): it must answer exactly as a Broker that reads every time."""
+"""A single writer keeps the catalog (nodes, GPU types, the project tree, members) and
+the live slices in memory (design.md §8): it must answer exactly as a Broker that
+reads every time."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ PROJECTS = ("vision", "nlp", "speech")
 def random_step(rng: random.Random) -> tuple[str, Any]:
     """One request of a random workload: mostly slices, with catalog changes mixed in."""
     kind = rng.choice(
-        ["submit"] * 5 + ["release"] * 2 + ["pass"] * 2
+        ["submit"] * 5 + ["release"] * 2 + ["pass"] * 2 + ["heartbeat", "late pass"]
         + ["put_project", "delete_project", "apply_tree", "node", "inventory"]
     )  # fmt: skip
     if kind == "submit":
@@ -33,7 +34,7 @@ def random_step(rng: random.Random) -> tuple[str, Any]:
             "kind": rng.choice(["batch", "interactive"]),
             "gpu_type": rng.choice([None, "h100", "b200", "a100"]),
         }
-    if kind == "release":
+    if kind in ("release", "heartbeat"):
         return kind, rng.randrange(1, 40)
     if kind == "put_project":
         return kind, {
@@ -68,6 +69,10 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
             return broker.submit(**argument)
         if kind == "release":
             return broker.release(argument)
+        if kind == "heartbeat":
+            return broker.heartbeat(argument)
+        if kind == "late pass":  # the last pass long ago: leases are extended first
+            return broker.run_pass_and_list(usual_gap=60.0)
         if kind == "put_project":
             return broker.put_project(**argument)
         if kind == "delete_project":
@@ -86,11 +91,13 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
 @pytest.mark.parametrize("seed", range(6))
 def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clock, seed):
     config = parse_config(cluster())
-    kept = Broker(f"sqlite:///{tmp_path / 'kept.sqlite'}", config, clock, single_writer=True)
-    read = Broker(f"sqlite:///{tmp_path / 'read.sqlite'}", config, clock)
+    kept = Broker(
+        f"sqlite:///{tmp_path / 'kept.sqlite'}", config, clock, lease=900.0, single_writer=True
+    )
+    read = Broker(f"sqlite:///{tmp_path / 'read.sqlite'}", config, clock, lease=900.0)
     rng = random.Random(seed)
     try:
-        for number in range(80):
+        for number in range(120):
             kind, argument = random_step(rng)
             assert apply(kept, kind, argument) == apply(read, kind, argument), (number, kind)
             clock.advance(rng.choice([0, 30, 600]))
