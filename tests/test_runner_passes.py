@@ -1,8 +1,11 @@
-"""A submission granted at once ran the pass itself: the runner takes that pass in
-as any pass (metrics, news, the live copy) and runs no second one for it."""
+"""A submission is granted at once by a pass right after its group commit: the runner
+takes that pass in as any pass (metrics, news, the live copy) and runs no second one
+for it; one pass serves every submission of a group."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import tomllib
 
 from servicefixtures import TEST_CONFIG
@@ -19,26 +22,58 @@ async def test_a_submission_granted_at_once_is_the_pass(tmp_path):
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         parse_config(tomllib.loads(TEST_CONFIG)),
         lease=7200.0,
-        grant_at_once=True,
+        single_writer=True,
     )
-    runner = BrokerRunner(broker, pass_interval=600.0)
+    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
     runner.start()
     try:
         await runner.started()
         passes = runner.passes
-        made = await runner.change(
+        made = await runner.submit(
             broker.submit, user="alice", project="vision", gpus=1, kind="batch"
         )
         assert made["state"] == "granted"
         assert runner.passes == passes + 1  # the submission's own pass, taken in
         assert runner.remembered(made["id"])["state"] == "granted"
         assert not runner.pass_requested  # and no second pass asked for it
-        # With something already waiting, a submission waits for the loop's pass.
-        for _ in range(3):  # the two 4-GPU nodes cannot hold three more of 4
-            await runner.change(broker.submit, user="alice", project="vision", gpus=4, kind="batch")
+        # A release is a change: the loop's pass is asked for.
+        await runner.change(broker.release, made["id"])
         assert runner.pass_requested
         before = runner.passes
         await runner.run_pass()  # the loop's pass, as it will run it: one more
         assert runner.passes == before + 1
+    finally:
+        await runner.stop()
+
+
+async def test_one_pass_after_a_group_commit_serves_all_its_submissions(tmp_path):
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        lease=7200.0,
+        single_writer=True,
+    )
+    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
+    runner.start()
+    try:
+        await runner.started()
+        passes = runner.passes
+        go = threading.Event()
+        held = asyncio.ensure_future(runner.run(go.wait))  # the thread is busy
+        submissions = [
+            asyncio.ensure_future(
+                runner.submit(broker.submit, user="alice", project="vision", gpus=4, kind="batch")
+            )
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0)  # all three queue behind the busy thread
+        go.set()
+        await held
+        answers = await asyncio.gather(*submissions)
+        # Two 4-GPU nodes: the pass grants two and queues the third.
+        assert [a["state"] for a in answers] == ["granted", "granted", "pending"]
+        assert answers[2]["queue_position"] is not None  # its place, as the pass left it
+        assert runner.passes == passes + 1
+        assert not runner.pass_requested
     finally:
         await runner.stop()

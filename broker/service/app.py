@@ -545,7 +545,6 @@ class BrokerApp(Application):
                 config,
                 lease=self.lease,
                 upgrade=self.upgrade_db,
-                grant_at_once=True,
                 db_timeout=self.db_timeout,
                 single_writer=True,  # it holds the leader lock (design.md §8)
             )
@@ -555,7 +554,12 @@ class BrokerApp(Application):
         except SQLAlchemyError as err:
             self.log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
             return 1
-        runner = BrokerRunner(broker, pass_interval=self.pass_interval, db_timeout=self.db_timeout)
+        runner = BrokerRunner(
+            broker,
+            pass_interval=self.pass_interval,
+            db_timeout=self.db_timeout,
+            grant_at_once=True,
+        )
         try:
             inventory = self.make_inventory()
             await inventory.setup(runner)

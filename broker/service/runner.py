@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import OperationalError
@@ -163,7 +163,7 @@ class SliceWatchers:
                     future.set_result(key)
 
 
-#: A pass a submission ran (grant at once): its decisions, the live slices, seconds.
+#: A pass run for writes (grant at once): its decisions, the live slices, seconds.
 SidePass = tuple[Decisions, list[dict[str, Any]], float]
 
 
@@ -174,10 +174,16 @@ class _Write:
     call: Callable[[], Any]
     durable: bool
     future: asyncio.Future
+    #: A submission: a pass follows its group's commit (see :meth:`BrokerRunner.submit`).
+    wants_pass: bool = False
     #: Set on the event loop when nobody waits for the answer any more: not run then.
     abandoned: bool = False
-    #: Set once committed: the passes the write ran (a submission granted at once).
-    side_passes: list[SidePass] = field(default_factory=list)
+    #: Set once committed: whether a pass ran after the write (no other is needed for it).
+    passed: bool = False
+
+
+#: A write's outcome on the database thread: its answer or error, and passes it ran.
+_Answer = tuple[_Write, Any, BaseException | None, list[SidePass]]
 
 
 class DatabaseTimeout(BrokerError):
@@ -193,7 +199,9 @@ class BrokerRunner:
     ``pass_interval`` (seconds) is the longest time between passes; ``pass_gap``
     (seconds) the shortest between the starts of two passes. ``db_timeout``
     (seconds, ``None``: unbounded) bounds how long a request waits for the
-    database thread (see the module's docstring).
+    database thread (see the module's docstring). ``grant_at_once``: a pass
+    follows every group commit that holds a submission (:meth:`submit`); the
+    service sets it, tests that drive passes by hand leave it off.
     """
 
     def __init__(
@@ -204,8 +212,10 @@ class BrokerRunner:
         pass_gap: float = PASS_GAP_S,
         metrics: BrokerMetrics | None = None,
         db_timeout: float | None = None,
+        grant_at_once: bool = False,
     ):
         self.broker = broker
+        self.grant_at_once = grant_at_once
         self.pass_interval = pass_interval
         # Passes further apart than this mean nobody could heartbeat meanwhile.
         broker.usual_gap = USUAL_GAP_PASSES * pass_interval
@@ -300,11 +310,17 @@ class BrokerRunner:
         return (await self._written(fn, args, kwargs, durable)).future.result()
 
     async def _written(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, durable: bool
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        durable: bool,
+        wants_pass: bool = False,
     ) -> _Write:
         """Queue a write, wait for its commit within ``db_timeout`` and its slack."""
         loop = asyncio.get_running_loop()
-        write = _Write(functools.partial(fn, *args, **kwargs), durable, loop.create_future())
+        call = functools.partial(fn, *args, **kwargs)
+        write = _Write(call, durable, loop.create_future(), wants_pass=wants_pass)
         with self._writes_lock:
             self._writes.append(write)
             if not self._commit_queued:
@@ -330,12 +346,36 @@ class BrokerRunner:
             group = [w for w in writes if w.durable is durable and not w.abandoned]
             if group:
                 answers = self._run_group(group, durable)
+                if any(w.wants_pass and error is None for w, _, error, _ in answers):
+                    answers = self._pass_after(answers)
                 loop.call_soon_threadsafe(self._answer, answers)
 
-    def _run_group(
-        self, group: list[_Write], durable: bool
-    ) -> list[tuple[_Write, Any, BaseException | None, list[SidePass]]]:
-        answers: list[tuple[_Write, Any, BaseException | None, list[SidePass]]] = []
+    def _pass_after(self, answers: list[_Answer]) -> list[_Answer]:
+        """The pass right after a group commit with submissions in it, so that each is
+        answered as the pass left it: granted when it fits. One pass serves the whole
+        group, however many submissions it holds. Should it fail, they stay pending
+        and the loop's next pass takes them."""
+        started = time.perf_counter()
+        try:
+            decisions, live = self.broker.run_pass_and_list()
+        except Exception as err:
+            log.warning("the pass after a group commit failed (%s); the next pass will run",
+                        str(err).splitlines()[0])  # fmt: skip
+            return answers
+        side_pass = (decisions, live, time.perf_counter() - started)
+        by_id = {slice_["id"]: slice_ for slice_ in live}
+        refreshed: list[_Answer] = []
+        for write, value, error, side_passes in answers:
+            write.passed = True
+            if write.wants_pass and error is None:
+                value = by_id.get(value["id"], value)
+            refreshed.append((write, value, error, side_passes))
+        write, value, error, side_passes = refreshed[-1]
+        refreshed[-1] = (write, value, error, [*side_passes, side_pass])
+        return refreshed
+
+    def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
+        answers: list[_Answer] = []
         try:
             with self.broker.group_commit(durable=durable):
                 for write in group:
@@ -351,12 +391,17 @@ class BrokerRunner:
             return [(write, None, err, []) for write in group]
         return answers
 
-    def _answer(self, answers: list[tuple[_Write, Any, BaseException | None, list]]) -> None:
+    def _answer(self, answers: list[_Answer]) -> None:
         """On the event loop: take in the passes the group ran, then answer each write."""
-        for write, value, error, side_passes in answers:
+        for write, _, _, side_passes in answers:
             for decisions, live, seconds in side_passes:
                 self._passed(decisions, live, seconds)
-            write.side_passes = side_passes
+            write.passed = write.passed or bool(side_passes)
+        if any(write.passed for write, *_ in answers):
+            # That pass ran after every write answered before it: the passes they
+            # asked for are done.
+            self._wanted.clear()
+        for write, value, error, _ in answers:
             if write.abandoned or write.future.done():
                 continue
             if error is not None:
@@ -367,15 +412,25 @@ class BrokerRunner:
     async def change(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         """A request that may change the schedule: write it, tell waiters, ask for a pass.
 
-        A request that ran the pass itself (a submission granted at once) needs no
-        other: its pass is taken in as any pass is (:meth:`_passed`), and the loop
-        is woken only if that pass left a deadline sooner than its next timed pass.
+        A request that a pass followed (its group held a submission) needs no
+        other: that pass is taken in as any pass is (:meth:`_passed`), and the loop
+        is woken only if it left a deadline sooner than the loop's next timed pass.
         """
-        write = await self._written(fn, args, kwargs, durable=True)
+        return await self._change(fn, args, kwargs, wants_pass=False)
+
+    async def submit(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+        """A submission: a :meth:`change` whose group commit a pass follows at once, so
+        that a slice that fits free GPUs is answered granted, by the pass itself
+        (design.md §8), never left to wait for the loop's next pass."""
+        return await self._change(fn, args, kwargs, wants_pass=True)
+
+    async def _change(self, fn: Callable[..., dict], args: tuple, kwargs: dict, wants_pass: bool):
+        wants_pass = wants_pass and self.grant_at_once
+        write = await self._written(fn, args, kwargs, durable=True, wants_pass=wants_pass)
         slice_ = write.future.result()
         self._between_passes.clear()
         soon = self.next_wake is not None and self.next_wake < self._wakes_at
-        if not write.side_passes or soon:
+        if not write.passed or soon:
             self.request_pass()
         if isinstance(slice_, dict) and "queue_position" in slice_:
             self._remember(slice_)

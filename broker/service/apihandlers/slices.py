@@ -125,7 +125,7 @@ class SliceListHandler(APIHandler):
             replayed = not new
             return slice_
 
-        slice_ = await self.runner.change(
+        slice_ = await self.runner.submit(
             submit,
             user=actor.name,
             groups=sorted(actor.groups),
