@@ -29,11 +29,11 @@ from typing import Any
 from sqlalchemy import delete, event, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from .config import ClusterConfig
-from .core import accounting, transitions
-from .core.fairshare import ProjectTree
-from .core.incremental import PassState
-from .core.model import (
+from ..config import ClusterConfig
+from ..core import accounting, transitions
+from ..core.fairshare import ProjectTree
+from ..core.incremental import PassState
+from ..core.model import (
     Account,
     Contract,
     Decisions,
@@ -48,9 +48,9 @@ from .core.model import (
     SliceState,
     Snapshot,
 )
-from .core.scheduler import schedule as default_schedule
-from .errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
-from .orm import (
+from ..core.scheduler import schedule as default_schedule
+from ..errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
+from ..orm import (
     DRAINED_BY_ADMIN,
     DRAINED_BY_INVENTORY,
     NOT_DURABLE_OPTION,
@@ -72,7 +72,8 @@ from .orm import (
     take_write_lock,
 )
 
-log = logging.getLogger(__name__)
+# One logger for the whole store, whichever of its modules logs.
+log = logging.getLogger("broker.store")
 
 DEFAULT_LEASE_S = 120.0
 LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
@@ -404,7 +405,7 @@ class Broker:
         it is in now: a client that timed out and retried gets one slice, not two.
         The same key with another request is a :class:`Conflict`.
         """
-        from .validation import validate_slice_request
+        from ..validation import validate_slice_request
 
         digest = _request_digest(
             project=project,
