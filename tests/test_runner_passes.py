@@ -77,3 +77,26 @@ async def test_one_pass_after_a_group_commit_serves_all_its_submissions(tmp_path
         assert not runner.pass_requested
     finally:
         await runner.stop()
+
+
+async def test_readers_of_a_shared_read_wait_for_one_computation(tmp_path):
+    broker = Broker(f"sqlite:///{tmp_path / 'b.sqlite'}", parse_config(tomllib.loads(TEST_CONFIG)))
+    runner = BrokerRunner(broker, pass_interval=600.0)
+    calls: list[int] = []
+
+    def projects() -> list:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the database hiccuped")
+        return broker.projects()
+
+    try:
+        failed = await asyncio.gather(
+            *(runner.read_between_passes(projects) for _ in range(5)), return_exceptions=True
+        )
+        assert [str(answer) for answer in failed] == ["the database hiccuped"] * 5
+        answers = await asyncio.gather(*(runner.read_between_passes(projects) for _ in range(20)))
+        assert len(calls) == 2  # one failed computation, not kept; then one for twenty readers
+        assert all(answer == answers[0] for answer in answers)
+    finally:
+        await runner.stop()

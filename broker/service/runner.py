@@ -232,7 +232,8 @@ class BrokerRunner:
         self._wanted = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._first_pass = asyncio.Event()
-        self._between_passes: dict[Callable[[], Any], Any] = {}
+        # Reads shared until the next pass or change: fn -> its computation.
+        self._between_passes: dict[Callable[[], Any], asyncio.Future] = {}
         # Writes waiting for the next group commit; the lock guards them and the flag.
         self._writes: list[_Write] = []
         self._writes_lock = threading.Lock()
@@ -295,11 +296,20 @@ class BrokerRunner:
         For reads that are costly and only move with the schedule, such as the
         project tree with its window usage: between two passes (at most
         ``pass_interval`` apart) it changes only by the usage running slices
-        accrue, so many readers share one computation.
+        accrue, so many readers share one computation. Readers that arrive while it
+        runs wait for that same computation rather than queueing one each; a failed
+        one is not kept.
         """
-        if fn not in self._between_passes:
-            self._between_passes[fn] = await self.read(fn)
-        return self._between_passes[fn]
+        shared = self._between_passes.get(fn)
+        if shared is None:
+            shared = asyncio.ensure_future(self.read(fn))
+            self._between_passes[fn] = shared
+            shared.add_done_callback(functools.partial(self._forget_failed, fn))
+        return await asyncio.shield(shared)
+
+    def _forget_failed(self, fn: Callable[[], Any], shared: asyncio.Future) -> None:
+        if (shared.cancelled() or shared.exception()) and self._between_passes.get(fn) is shared:
+            del self._between_passes[fn]
 
     async def write(
         self, fn: Callable[..., T], *args: Any, durable: bool = True, **kwargs: Any
