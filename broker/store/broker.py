@@ -2,16 +2,9 @@
 
 It turns requests (submit, release, heartbeat, admin changes) into rows,
 builds the scheduler's :class:`~broker.core.model.Snapshot` from them, and applies
-the :class:`~broker.core.model.Decisions` a pass returns — each in one transaction.
-
-Every write transaction holds one database-wide lock (an advisory lock on
-PostgreSQL, the write lock on SQLite), so any number of Broker objects, in any
-number of processes, can share a database: passes and requests are applied
-one after another, never on a stale view, and a GPU is never granted twice.
-The service's Broker is its database's single writer (``single_writer``, behind
-the leader lock): it keeps the catalog — nodes, GPU types, the project tree and
-members — and the live slices in memory instead of reading them for every
-request and pass; the database is their journal (design.md §8).
+the :class:`~broker.core.model.Decisions` a pass returns — each in one transaction
+(:mod:`.journal` says how). This module holds the Broker's requests, its projects and
+the scheduling pass; the package's other modules what they share.
 """
 
 from __future__ import annotations
@@ -19,15 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import delete, event, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from ..config import ClusterConfig
 from ..core import accounting, transitions
@@ -35,7 +25,6 @@ from ..core.fairshare import ProjectTree
 from ..core.incremental import PassState
 from ..core.model import (
     Account,
-    Contract,
     Decisions,
     EndReason,
     Node,
@@ -49,16 +38,11 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.scheduler import schedule as default_schedule
-from ..errors import Conflict, Forbidden, InvalidConfig, InvalidRequest, NotFound
+from ..errors import Conflict, InvalidConfig, InvalidRequest, NotFound
 from ..orm import (
     DRAINED_BY_ADMIN,
-    DRAINED_BY_INVENTORY,
-    NOT_DURABLE_OPTION,
-    READ_ONLY_OPTION,
     AccountRow,
     BrokerAliveRow,
-    DatabaseNotInitialized,
-    DatabaseOutOfDate,
     GpuTypeRow,
     LedgerRow,
     MemberRow,
@@ -66,30 +50,45 @@ from ..orm import (
     ProjectEventRow,
     SliceEventRow,
     SliceRow,
-    check_schema,
-    make_engine,
-    migrate,
-    take_write_lock,
 )
+from .access import _check_member, _owned_row
+from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
+from .journal import Journal, _LiveSlice
+from .projects import (
+    CONTROL_CHARACTERS,
+    _add_members,
+    _member_names,
+    _record,
+    _tree_changes,
+    _wanted_states,
+    _write_tree,
+)
+from .rows import (
+    HELD_STATES,
+    LIVE_STATES,
+    _accounts,
+    _Costs,
+    _kind_or_none,
+    _ledger_entry,
+    _members,
+    _placement_json,
+    _placements,
+    _to_slice,
+    _tree,
+    _update,
+    _write_state,
+)
+from .views import _account_states, _config_states, _node_dict, _project_event_dict, _slice_dict
 
 # One logger for the whole store, whichever of its modules logs.
 log = logging.getLogger("broker.store")
 
 DEFAULT_LEASE_S = 120.0
-LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
-HELD_STATES = (SliceState.GRANTED, SliceState.PREEMPTING)
-#: Node states an admin may set; ``drained`` is the scheduler's to declare.
-ADMIN_NODE_STATES = (NodeState.READY, NodeState.DRAINING, NodeState.DOWN)
-OUT_OF_SERVICE = (NodeState.DRAINING, NodeState.DRAINED)
-#: The longest user or group name a project's members may have.
-MAX_MEMBER_NAME = 255
-#: Characters no user or group name has: C0 controls and DEL.
-CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
 
 Schedule = Callable[[Snapshot], Decisions]
 
 
-class Broker:
+class Broker(Journal):
     """Slices, projects, nodes and the ledger in a database at ``url``.
 
     ``config`` is the cluster configuration; on open its GPU types and nodes are
@@ -134,16 +133,6 @@ class Broker:
             # The same decisions, with what the pass finds by walking every live
             # slice kept between passes (design.md §5).
             schedule = PassState().schedule
-        self._catalog: _Catalog | None = None
-        # A transaction under way changed the catalog: it is reloaded from the
-        # database, not kept, until that transaction has ended either way.
-        self._catalog_unsettled = False
-        self._transaction_depth = 0
-        self._group: Session | None = None  # the transaction of a group commit under way
-        # The live slices as the transaction under way sees them, by id (oldest first):
-        # kept between transactions by a single writer, else loaded once per pass.
-        # Every flush of a slice updates it; any rollback drops it.
-        self._live: dict[int, _LiveSlice] | None = None
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
@@ -151,14 +140,7 @@ class Broker:
         self.usual_gap = usual_gap
         # Passes run by submissions (grant_at_once): decisions, live slices, seconds.
         self._side_passes: list[tuple[Decisions, list[dict[str, Any]], float]] = []
-        self._engine = make_engine(url, timeout=db_timeout)
-        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
-        self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
-        self._not_durable = sessionmaker(
-            self._engine.execution_options(**{NOT_DURABLE_OPTION: True}), expire_on_commit=False
-        )
-        for writes in (self._sessions, self._not_durable):
-            event.listen(writes, "after_flush", self._follow_flush)
+        self._open_journal(url, db_timeout)
         try:
             self._prepare_schema(upgrade)
             self._sync_config()
@@ -168,118 +150,6 @@ class Broker:
 
     def close(self) -> None:
         self._engine.dispose()
-
-    # ---- transactions ----------------------------------------------------------
-
-    def _prepare_schema(self, upgrade: bool) -> None:
-        try:
-            check_schema(self._engine)
-        except DatabaseNotInitialized:
-            migrate(self._engine)
-        except DatabaseOutOfDate:
-            if not upgrade:
-                raise
-            migrate(self._engine)
-
-    @contextmanager
-    def _write(self, *, durable: bool = True) -> Iterator[Session]:
-        """A transaction holding the broker-wide write lock; commits on success.
-
-        ``durable=False`` (see :data:`~broker.orm.NOT_DURABLE_OPTION`) skips the
-        commit's flush to disk: only for writes whose loss in a power failure
-        harms nothing. It is as atomic and as locked as any other.
-        """
-        if self._group is not None:
-            # Inside a group commit: a savepoint, so that a refusal undoes only its own.
-            try:
-                with self._group.begin_nested():
-                    yield self._group
-            except BaseException:
-                self._live = None
-                raise
-            return
-        sessions = self._sessions if durable else self._not_durable
-        self._transaction_depth += 1
-        try:
-            with sessions.begin() as session:
-                take_write_lock(session.connection())
-                yield session
-        except BaseException:
-            self._live = None
-            raise
-        finally:
-            self._transaction_depth -= 1
-            self._settle_catalog()
-            if self._transaction_depth == 0 and not self.single_writer:
-                self._live = None
-
-    @contextmanager
-    def group_commit(self, *, durable: bool = True) -> Iterator[None]:
-        """Writes made inside share one transaction, committed once on leaving: a
-        group commit (design.md §8). Each write is a savepoint of it, so a refused
-        one undoes only itself; if the commit fails, none of them happened.
-        ``durable`` as for every write (``False`` only for writes that may be lost).
-        """
-        with self._write(durable=durable) as session:
-            self._group = session
-            try:
-                yield
-            finally:
-                self._group = None
-
-    def _read_catalog(self, session: Session) -> _Catalog:
-        """The catalog as ``session`` sees it: kept in memory by a single writer."""
-        if self._catalog is not None:
-            return self._catalog
-        catalog = _Catalog(session)
-        if self.single_writer and not self._catalog_unsettled:
-            self._catalog = catalog
-        return catalog
-
-    def _catalog_changes(self) -> None:
-        """Say that the transaction under way changes the catalog."""
-        self._catalog = None
-        self._catalog_unsettled = True
-
-    def _live_slices(self, session: Session) -> dict[int, _LiveSlice]:
-        """The live slices as ``session`` sees them, by id, oldest first."""
-        session.flush()  # what the transaction changed so far reaches them first
-        if self._live is None:
-            rows = session.scalars(
-                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-            )
-            self._live = {row.id: _LiveSlice.of(row) for row in rows}
-        return self._live
-
-    def _follow_flush(self, session: Session, _context: Any) -> None:
-        """Keep the live slices as the flush just wrote them (ids only grow, so new
-        slices go last and the order stays oldest first)."""
-        if self._live is None:
-            return
-        if any(isinstance(row, SliceRow) for row in session.deleted):
-            self._live = None
-            return
-        for row in (*session.new, *session.dirty):
-            if isinstance(row, SliceRow):
-                if row.state in LIVE_STATES:
-                    self._live[row.id] = _LiveSlice.of(row)
-                else:
-                    self._live.pop(row.id, None)
-
-    def _settle_catalog(self) -> None:
-        # Committed or rolled back, the change is settled once the outermost
-        # transaction ends; the next read loads what the database holds.
-        if self._transaction_depth == 0 and self._catalog_unsettled:
-            self._catalog = None
-            self._catalog_unsettled = False
-
-    @contextmanager
-    def _read(self) -> Iterator[Session]:
-        if self._group is not None:  # a write's answer: it sees what the group wrote
-            yield self._group
-            return
-        with self._reads() as session:
-            yield session
 
     # ---- configuration ---------------------------------------------------------
 
@@ -295,7 +165,7 @@ class Broker:
                 GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
             )
             self._catalog_changes()
-            self._sync_nodes(session, config.nodes, now)
+            _sync_nodes(session, config.nodes, now)
             first_start = session.scalars(select(AccountRow.name).limit(1)).first() is None
             first_start = (
                 first_start and session.scalars(select(ProjectEventRow.id).limit(1)).first() is None
@@ -318,35 +188,6 @@ class Broker:
         )
         log.info("project tree: from the database (%d accounts)%s", len(current), note)
 
-    def _sync_nodes(self, session: Session, nodes: Iterable[Node], now: float) -> None:
-        rows = {row.name: row for row in session.scalars(select(NodeRow))}
-        listed = set()
-        for node in nodes:
-            listed.add(node.name)
-            row = rows.get(node.name)
-            if row is None:
-                session.add(
-                    NodeRow(
-                        name=node.name,
-                        gpu_type=node.gpu_type,
-                        gpu_count=node.gpu_count,
-                        state=node.state.value,
-                        state_changed_at=now,
-                        state_reason="added to the configuration",
-                        in_config=True,
-                    )
-                )
-                continue
-            row.gpu_type, row.gpu_count = node.gpu_type, node.gpu_count
-            if not row.in_config:
-                # Back in the file (or inventory): down only because it had left it.
-                _take_reported_state(row, node.state, "back in the configuration", now)
-                row.in_config = True
-        for name, row in rows.items():
-            if name not in listed and row.in_config:
-                row.in_config = False
-                _take_reported_state(row, NodeState.DOWN, "removed from the configuration", now)
-
     def sync_inventory(self, nodes: Iterable[Node]) -> None:
         """Make the database's nodes those of a live inventory (e.g. Kubernetes).
 
@@ -359,16 +200,7 @@ class Broker:
         nodes = list(nodes)
         with self._write() as session:
             self._catalog_changes()
-            now = self._clock()
-            known_types = set(_weights(session))
-            for node in nodes:
-                if node.gpu_type not in known_types:
-                    session.add(GpuTypeRow(name=node.gpu_type, weight=1.0))
-                    known_types.add(node.gpu_type)
-            self._sync_nodes(session, nodes, now)
-            rows = {row.name: row for row in session.scalars(select(NodeRow))}
-            for node in nodes:
-                _take_reported_state(rows[node.name], node.state, "from the inventory", now)
+            _take_inventory(session, nodes, self._clock())
 
     # ---- slices: requests --------------------------------------------------------
 
@@ -458,8 +290,7 @@ class Broker:
             )
             if not isinstance(resumable, bool):
                 raise InvalidRequest(f"resumable must be true or false, got {resumable!r}")
-            if not admin and not catalog.is_member(project, user, groups):
-                raise Forbidden(f"{user!r} is not a member of project {project!r}")
+            _check_member(catalog, project, user, groups, admin)
             now = self._clock()
             row = SliceRow(
                 project=project,
@@ -1106,146 +937,12 @@ class Broker:
         _event(session, row, before, why, now)
 
 
-# ---- helpers: rows <-> values ------------------------------------------------------
-
-
-class _Costs:
-    """What charging needs: each node's GPU type and each type's weight."""
-
-    def __init__(self, node_types: Mapping[str, str] | None = None, weights=None):
-        self.node_types: Mapping[str, str] = node_types or {}
-        self.weights: Mapping[str, float] = weights or {}
-
-    def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
-        return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
-
-
-class _Catalog:
-    """What nearly every request reads and only admins, the inventory and a pass's
-    node changes write: the nodes, the GPU types' weights, the project tree and its
-    members. A Broker that is its database's single writer keeps it in memory."""
-
-    def __init__(self, session: Session):
-        self.nodes = tuple(_nodes(session))
-        self.weights = _weights(session)
-        self.costs = _Costs({node.name: node.gpu_type for node in self.nodes}, self.weights)
-        self.accounts = tuple(_accounts(session))
-        self.tree = ProjectTree(self.accounts)
-        self.members = _members(session)
-        self.known_gpu_types = set(self.weights) | {node.gpu_type for node in self.nodes}
-
-    def is_member(self, project: str, user: str, groups: Iterable[str]) -> bool:
-        users, member_groups = self.members.get(project, (set(), set()))
-        return user in users or not member_groups.isdisjoint(groups)
-
-
 def _others_waiting(session: Session, slice_id: int) -> bool:
     """Whether any slice but ``slice_id`` is waiting in the queue."""
     waiting = select(SliceRow.id).where(
         SliceRow.state == SliceState.PENDING.value, SliceRow.id != slice_id
     )
     return session.scalars(waiting.limit(1)).first() is not None
-
-
-def _write_state(row: SliceRow, slice_: Slice) -> None:
-    """Store what a transition of :mod:`broker.core.transitions` changed in a slice."""
-    _update(
-        row,
-        state=slice_.state.value,
-        min_runtime=slice_.contract.min_runtime,
-        placements=_placement_json(slice_.placements),
-        granted_at=slice_.granted_at,
-        preempt_deadline=slice_.preempt_deadline,
-        promised=_placement_json(slice_.promised),
-        lease_expires_at=slice_.lease_expires_at,
-    )
-
-
-def _update(row: SliceRow, **values: Any) -> None:
-    for name, value in values.items():
-        if getattr(row, name) != value:
-            setattr(row, name, value)
-
-
-def _placements(data: Iterable[Mapping[str, Any]]) -> tuple[Placement, ...]:
-    return tuple(Placement(p["node"], tuple(p["gpu_indices"])) for p in data)
-
-
-def _placement_json(placements: Iterable[Placement]) -> list[dict[str, Any]]:
-    return [{"node": p.node, "gpu_indices": list(p.gpu_indices)} for p in placements]
-
-
-def _to_slice(row: SliceRow) -> Slice:
-    return Slice(
-        id=row.id,
-        project=row.project,
-        user=row.user,
-        gpus=row.gpus,
-        kind=SliceKind(row.kind),
-        contract=Contract(row.min_runtime, row.resumable, row.max_runtime),
-        gpu_type=row.gpu_type,
-        priority=row.priority,
-        submitted_at=row.submitted_at,
-        state=SliceState(row.state),
-        placements=_placements(row.placements),
-        granted_at=row.granted_at,
-        preempt_deadline=row.preempt_deadline,
-        promised=_placements(row.promised),
-        lease_expires_at=row.lease_expires_at,
-    )
-
-
-def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
-    """A slice as design.md §8 shows it; a held allocated slice's charge accrues to ``now``."""
-    view = _row_view(row)
-    if row.state in HELD_STATES:
-        entry = costs.entry(_to_slice(row), now)
-        view["charged_gpu_seconds"] += entry.weighted_gpu_seconds if entry else 0.0
-    return view
-
-
-def _row_view(row: SliceRow) -> dict[str, Any]:
-    """A slice as design.md §8 shows it, charged as journaled."""
-    granted = row.granted_at
-    return {
-        "id": row.id,
-        "project": row.project,
-        "user": row.user,
-        "gpus": row.gpus,
-        "gpu_type": row.gpu_type,
-        "kind": row.kind,
-        "min_runtime": row.min_runtime,
-        "resumable": row.resumable,
-        "max_runtime": row.max_runtime,
-        "priority": row.priority,
-        "state": row.state,
-        "end_reason": row.end_reason,
-        "placements": [dict(p) for p in row.placements],
-        "submitted_at": row.submitted_at,
-        "granted_at": granted,
-        "protected_until": None if granted is None else granted + row.min_runtime,
-        "preempt_deadline": row.preempt_deadline,
-        "preempt_reason": row.preempt_reason,
-        "ended_at": row.ended_at,
-        "lease_expires_at": row.lease_expires_at,
-        "queue_position": row.queue_position,
-        "fairshare_value": row.fairshare_value,
-        "estimated_start": row.estimated_start,
-        "charged_gpu_seconds": row.charged_gpu_seconds,
-    }
-
-
-@dataclass(frozen=True)
-class _LiveSlice:
-    """A live slice kept in memory: the core's value for the pass, and the API's view
-    (charged as journaled). Never changed in place: a change makes a new one."""
-
-    slice: Slice
-    view: dict[str, Any]
-
-    @classmethod
-    def of(cls, row: SliceRow) -> _LiveSlice:
-        return cls(_to_slice(row), _row_view(row))
 
 
 def _changed_ids(
@@ -1296,236 +993,15 @@ def _rows(session: Session, ids: Iterable[int]) -> dict[int, SliceRow]:
     return rows
 
 
-def _node_dict(row: NodeRow, weights: Mapping[str, float], held: int) -> dict[str, Any]:
-    return {
-        "name": row.name,
-        "gpu_type": row.gpu_type,
-        "gpu_count": row.gpu_count,
-        "weight": weights.get(row.gpu_type, 1.0),
-        "state": row.state,
-        "state_reason": row.state_reason,
-        "state_changed_at": row.state_changed_at,
-        "in_config": row.in_config,
-        "drained_by": row.drained_by,
-        "gpus_held": held,
-    }
-
-
-def _ledger_entry(row: LedgerRow) -> accounting.LedgerEntry:
-    return accounting.LedgerEntry(
-        row.slice_id, row.project, row.user, row.start, row.end, row.gpus * row.weight, row.gpus
-    )
-
-
-def _kind_or_none(kind: object) -> SliceKind | None:
-    try:
-        return SliceKind(kind)
-    except ValueError:
-        return None
-
-
-# ---- helpers: queries ---------------------------------------------------------------
-
-
-def _account_rows(session: Session) -> dict[str, AccountRow]:
-    return {row.name: row for row in session.scalars(select(AccountRow))}
-
-
-def _accounts(session: Session) -> list[Account]:
-    rows = session.scalars(select(AccountRow).order_by(AccountRow.name))
-    return [Account(row.name, row.share, row.parent) for row in rows]
-
-
-def _tree(session: Session) -> ProjectTree:
-    return ProjectTree(_accounts(session))
-
-
-def _nodes(session: Session) -> list[Node]:
-    rows = session.scalars(select(NodeRow).order_by(NodeRow.name))
-    return [Node(r.name, r.gpu_type, r.gpu_count, NodeState(r.state)) for r in rows]
-
-
-def _weights(session: Session) -> dict[str, float]:
-    return dict(session.execute(select(GpuTypeRow.name, GpuTypeRow.weight)).all())
-
-
-def _members(session: Session) -> dict[str, tuple[set[str], set[str]]]:
-    members: dict[str, tuple[set[str], set[str]]] = {}
-    for row in session.scalars(select(MemberRow)):
-        users, groups = members.setdefault(row.project, (set(), set()))
-        (users if row.kind == "user" else groups).add(row.name)
-    return members
-
-
-def _account_states(session: Session) -> dict[str, dict[str, Any]]:
-    """Every account as ``{"share", "parent", "users", "groups"}`` (sorted names)."""
-    members = _members(session)
-    states = {}
-    for account in _accounts(session):
-        users, groups = members.get(account.name, (set(), set()))
-        states[account.name] = {
-            "share": account.share,
-            "parent": account.parent,
-            "users": sorted(users),
-            "groups": sorted(groups),
-        }
-    return states
-
-
-def _config_states(config: ClusterConfig) -> dict[str, dict[str, Any]]:
-    """The cluster file's accounts as :func:`_account_states` shows the database's."""
-    states = {}
-    for account in config.accounts:
-        members = config.members.get(account.name)
-        states[account.name] = {
-            "share": account.share,
-            "parent": account.parent,
-            "users": sorted(members.users) if members else [],
-            "groups": sorted(members.groups) if members else [],
-        }
-    return states
-
-
-def _wanted_states(accounts: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Accounts as given to :meth:`Broker.apply_tree`, checked (:class:`InvalidRequest`)."""
-    states: dict[str, dict[str, Any]] = {}
-    for given in accounts:
-        name = given.get("name")
-        if not isinstance(name, str) or not name.strip() or len(name) > 255:
-            raise InvalidRequest(f"an account needs a name, got {name!r:.80}")
-        if name in states:
-            raise InvalidRequest(f"account {name!r} is listed twice")
-        states[name] = {
-            "share": float(given.get("share", 1.0)),
-            "parent": given.get("parent"),
-            "users": sorted(set(_member_names(given.get("users") or [], "users"))),
-            "groups": sorted(set(_member_names(given.get("groups") or [], "groups"))),
-        }
-    try:
-        tree = ProjectTree(Account(n, s["share"], s["parent"]) for n, s in states.items())
-    except InvalidConfig as err:
-        raise InvalidRequest(err.message) from None
-    for name, state in states.items():
-        if (state["users"] or state["groups"]) and not tree.is_project(name):
-            raise InvalidRequest(f"{name!r} has sub-accounts; members belong on projects")
-    return states
-
-
-def _tree_changes(
-    current: Mapping[str, dict[str, Any]], wanted: Mapping[str, dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """What turns ``current`` into ``wanted``, by account name: added, removed, changed."""
-    changes = []
-    for name in sorted(set(current) | set(wanted)):
-        before, after = current.get(name), wanted.get(name)
-        if before == after:
-            continue
-        change = "added" if before is None else "removed" if after is None else "changed"
-        changes.append({"account": name, "change": change, "before": before, "after": after})
-    return changes
-
-
-def _write_tree(
-    session: Session,
-    current: Mapping[str, dict[str, Any]],
-    wanted: Mapping[str, dict[str, Any]],
-    who: str,
-    now: float,
-    action: str = "seed",
-) -> None:
-    """Turn the accounts and members ``current`` into ``wanted``, recording each change."""
-    changes = _tree_changes(current, wanted)
-    changed = [c["account"] for c in changes]
-    session.execute(delete(MemberRow).where(MemberRow.project.in_(changed)))
-    removed = [c["account"] for c in changes if c["after"] is None]
-    session.execute(delete(AccountRow).where(AccountRow.name.in_(removed)))
-    session.flush()
-    for change in changes:
-        name, after = change["account"], change["after"]
-        if after is None:
-            continue
-        row = session.get(AccountRow, name) or AccountRow(name=name)
-        row.share, row.parent = after["share"], after["parent"]
-        session.add(row)
-    session.flush()
-    for change in changes:
-        name, after = change["account"], change["after"]
-        if after is not None:
-            _add_members(session, name, after["users"], after["groups"])
-        _record(session, name, who, now, action, change["before"], after)
-
-
-def _record(
-    session: Session,
-    account: str,
-    who: str,
-    at: float,
-    action: str,
-    before: dict[str, Any] | None,
-    after: dict[str, Any] | None,
-) -> ProjectEventRow:
-    """Add a project event (see :class:`~broker.orm.ProjectEventRow`)."""
-    row = ProjectEventRow(
-        account=account, who=who[:255], at=at, action=action, before=before, after=after
-    )
-    session.add(row)
-    return row
-
-
-def _project_event_dict(row: ProjectEventRow) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "account": row.account,
-        "who": row.who,
-        "at": row.at,
-        "action": row.action,
-        "before": row.before,
-        "after": row.after,
-    }
-
-
-def _add_members(
-    session: Session, project: str, users: Iterable[str], groups: Iterable[str]
-) -> None:
-    session.add_all(MemberRow(project=project, kind="user", name=u) for u in sorted(set(users)))
-    session.add_all(MemberRow(project=project, kind="group", name=g) for g in sorted(set(groups)))
-
-
 def _request_digest(**terms: Any) -> str:
     """A digest of a submission's terms as given, to tell a replay from another request."""
     text = json.dumps(terms, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _member_names(names: Iterable[str], key: str) -> list[str]:
-    """``names`` if each is a possible user or group name; :class:`InvalidRequest` otherwise.
-
-    Control characters are refused: a name with one matches no account a login
-    makes (the member would silently lose access), and PostgreSQL refuses NUL in text.
-    """
-    names = list(names)
-    for name in names:
-        if not isinstance(name, str) or not 1 <= len(name) <= MAX_MEMBER_NAME:
-            raise InvalidRequest(
-                f"{key}: a name of 1 to {MAX_MEMBER_NAME} characters, got {name!r:.80}"
-            )
-        if CONTROL_CHARACTERS.search(name):
-            raise InvalidRequest(f"{key}: {name!r:.80} has control characters")
-    return names
-
-
 def _live_count(session: Session, project: str) -> int:
     query = select(SliceRow.id).where(SliceRow.project == project, SliceRow.state.in_(LIVE_STATES))
     return len(session.scalars(query).all())
-
-
-def _owned_row(session: Session, slice_id: int, user: str | None, admin: bool) -> SliceRow:
-    row = session.get(SliceRow, slice_id)
-    if row is None:
-        raise NotFound(f"no slice {slice_id}")
-    if user is not None and not admin and row.user != user:
-        raise Forbidden(f"slice {slice_id} belongs to another user")
-    return row
 
 
 def _live(
@@ -1552,42 +1028,6 @@ def _event(
             reason=reason,
         )
     )
-
-
-def _set_node(row: NodeRow, state: NodeState, reason: str, now: float) -> None:
-    """Set a node's state; the time changes only when the state does."""
-    if row.state != state.value:
-        log.info("node %s: %s -> %s (%s)", row.name, row.state, state.value, reason)
-        if state is NodeState.DRAINED:
-            log.warning("node %s is drained: repair may proceed", row.name)
-        row.state, row.state_changed_at = state.value, now
-    row.state_reason = reason
-
-
-def _take_reported_state(row: NodeRow, reported: NodeState, reason: str, now: float) -> None:
-    """Give a node the state its source (the file, a live inventory) reports, as far
-    as the rules allow (design.md §6).
-
-    The source's ``down`` always wins: the node is gone or not ready. Otherwise an
-    admin's drain holds (``draining``, ``drained`` once empty) until an admin
-    undrains the node. The source's own drain (a cordon) is the source's to undo,
-    and a drained node stays drained while the source still says ``draining``.
-    """
-    current = NodeState(row.state)
-    held_by_admin = row.drained_by == DRAINED_BY_ADMIN
-    if reported is NodeState.DOWN:
-        target = NodeState.DOWN
-    elif held_by_admin:
-        target = current if current in OUT_OF_SERVICE else NodeState.DRAINING
-        reason = f"{reason}; still drained by an admin"
-    elif current is NodeState.DRAINED and reported is NodeState.DRAINING:
-        target = current
-    else:
-        target = reported
-    if not held_by_admin:
-        row.drained_by = DRAINED_BY_INVENTORY if target in OUT_OF_SERVICE else None
-    if target is not current:
-        _set_node(row, target, reason, now)
 
 
 def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:

@@ -1,0 +1,208 @@
+"""How the Broker's state reaches the database: transactions under the write lock,
+group commit, and what a single writer keeps in memory between them.
+
+Every write transaction holds one database-wide lock (an advisory lock on
+PostgreSQL, the write lock on SQLite), so any number of Broker objects, in any
+number of processes, can share a database: passes and requests are applied
+one after another, never on a stale view, and a GPU is never granted twice.
+The service's Broker is its database's single writer (``single_writer``, behind
+the leader lock): it keeps the catalog — nodes, GPU types, the project tree and
+members — and the live slices in memory instead of reading them for every
+request and pass; the database is their journal (design.md §8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..core.fairshare import ProjectTree
+from ..core.model import Slice
+from ..orm import (
+    NOT_DURABLE_OPTION,
+    READ_ONLY_OPTION,
+    DatabaseNotInitialized,
+    DatabaseOutOfDate,
+    SliceRow,
+    check_schema,
+    make_engine,
+    migrate,
+    take_write_lock,
+)
+from .rows import LIVE_STATES, _accounts, _Costs, _members, _nodes, _to_slice, _weights
+from .views import _row_view
+
+
+class Journal:
+    """The Broker's transactions: :meth:`_write`, :meth:`_read`, :meth:`group_commit`,
+    and the catalog and live slices a single writer keeps between them."""
+
+    single_writer: bool
+
+    def _open_journal(self, url: str, db_timeout: float | None) -> None:
+        """Open the engine and its sessions; nothing kept in memory yet."""
+        self._catalog: _Catalog | None = None
+        # A transaction under way changed the catalog: it is reloaded from the
+        # database, not kept, until that transaction has ended either way.
+        self._catalog_unsettled = False
+        self._transaction_depth = 0
+        self._group: Session | None = None  # the transaction of a group commit under way
+        # The live slices as the transaction under way sees them, by id (oldest first):
+        # kept between transactions by a single writer, else loaded once per pass.
+        # Every flush of a slice updates it; any rollback drops it.
+        self._live: dict[int, _LiveSlice] | None = None
+        self._engine = make_engine(url, timeout=db_timeout)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
+        self._not_durable = sessionmaker(
+            self._engine.execution_options(**{NOT_DURABLE_OPTION: True}), expire_on_commit=False
+        )
+        for writes in (self._sessions, self._not_durable):
+            event.listen(writes, "after_flush", self._follow_flush)
+
+    def _prepare_schema(self, upgrade: bool) -> None:
+        try:
+            check_schema(self._engine)
+        except DatabaseNotInitialized:
+            migrate(self._engine)
+        except DatabaseOutOfDate:
+            if not upgrade:
+                raise
+            migrate(self._engine)
+
+    @contextmanager
+    def _write(self, *, durable: bool = True) -> Iterator[Session]:
+        """A transaction holding the broker-wide write lock; commits on success.
+
+        ``durable=False`` (see :data:`~broker.orm.NOT_DURABLE_OPTION`) skips the
+        commit's flush to disk: only for writes whose loss in a power failure
+        harms nothing. It is as atomic and as locked as any other.
+        """
+        if self._group is not None:
+            # Inside a group commit: a savepoint, so that a refusal undoes only its own.
+            try:
+                with self._group.begin_nested():
+                    yield self._group
+            except BaseException:
+                self._live = None
+                raise
+            return
+        sessions = self._sessions if durable else self._not_durable
+        self._transaction_depth += 1
+        try:
+            with sessions.begin() as session:
+                take_write_lock(session.connection())
+                yield session
+        except BaseException:
+            self._live = None
+            raise
+        finally:
+            self._transaction_depth -= 1
+            self._settle_catalog()
+            if self._transaction_depth == 0 and not self.single_writer:
+                self._live = None
+
+    @contextmanager
+    def group_commit(self, *, durable: bool = True) -> Iterator[None]:
+        """Writes made inside share one transaction, committed once on leaving: a
+        group commit (design.md §8). Each write is a savepoint of it, so a refused
+        one undoes only itself; if the commit fails, none of them happened.
+        ``durable`` as for every write (``False`` only for writes that may be lost).
+        """
+        with self._write(durable=durable) as session:
+            self._group = session
+            try:
+                yield
+            finally:
+                self._group = None
+
+    def _read_catalog(self, session: Session) -> _Catalog:
+        """The catalog as ``session`` sees it: kept in memory by a single writer."""
+        if self._catalog is not None:
+            return self._catalog
+        catalog = _Catalog(session)
+        if self.single_writer and not self._catalog_unsettled:
+            self._catalog = catalog
+        return catalog
+
+    def _catalog_changes(self) -> None:
+        """Say that the transaction under way changes the catalog."""
+        self._catalog = None
+        self._catalog_unsettled = True
+
+    def _live_slices(self, session: Session) -> dict[int, _LiveSlice]:
+        """The live slices as ``session`` sees them, by id, oldest first."""
+        session.flush()  # what the transaction changed so far reaches them first
+        if self._live is None:
+            rows = session.scalars(
+                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+            )
+            self._live = {row.id: _LiveSlice.of(row) for row in rows}
+        return self._live
+
+    def _follow_flush(self, session: Session, _context: Any) -> None:
+        """Keep the live slices as the flush just wrote them (ids only grow, so new
+        slices go last and the order stays oldest first)."""
+        if self._live is None:
+            return
+        if any(isinstance(row, SliceRow) for row in session.deleted):
+            self._live = None
+            return
+        for row in (*session.new, *session.dirty):
+            if isinstance(row, SliceRow):
+                if row.state in LIVE_STATES:
+                    self._live[row.id] = _LiveSlice.of(row)
+                else:
+                    self._live.pop(row.id, None)
+
+    def _settle_catalog(self) -> None:
+        # Committed or rolled back, the change is settled once the outermost
+        # transaction ends; the next read loads what the database holds.
+        if self._transaction_depth == 0 and self._catalog_unsettled:
+            self._catalog = None
+            self._catalog_unsettled = False
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        if self._group is not None:  # a write's answer: it sees what the group wrote
+            yield self._group
+            return
+        with self._reads() as session:
+            yield session
+
+
+class _Catalog:
+    """What nearly every request reads and only admins, the inventory and a pass's
+    node changes write: the nodes, the GPU types' weights, the project tree and its
+    members. A Broker that is its database's single writer keeps it in memory."""
+
+    def __init__(self, session: Session):
+        self.nodes = tuple(_nodes(session))
+        self.weights = _weights(session)
+        self.costs = _Costs({node.name: node.gpu_type for node in self.nodes}, self.weights)
+        self.accounts = tuple(_accounts(session))
+        self.tree = ProjectTree(self.accounts)
+        self.members = _members(session)
+        self.known_gpu_types = set(self.weights) | {node.gpu_type for node in self.nodes}
+
+    def is_member(self, project: str, user: str, groups: Iterable[str]) -> bool:
+        users, member_groups = self.members.get(project, (set(), set()))
+        return user in users or not member_groups.isdisjoint(groups)
+
+
+@dataclass(frozen=True)
+class _LiveSlice:
+    """A live slice kept in memory: the core's value for the pass, and the API's view
+    (charged as journaled). Never changed in place: a change makes a new one."""
+
+    slice: Slice
+    view: dict[str, Any]
+
+    @classmethod
+    def of(cls, row: SliceRow) -> _LiveSlice:
+        return cls(_to_slice(row), _row_view(row))
