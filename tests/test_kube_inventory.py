@@ -257,7 +257,7 @@ async def test_cordoned_node_drains_as_contracts_end_and_is_marked(tmp_path):
             await pushes.until(lambda n: "g1" in n)
             s = broker.submit(user="alice", project="vision", gpus=2, kind="interactive")
             broker.run_pass()
-            held = broker.get_slice(s["id"], admin=True)["placements"][0]["node"]
+            held = broker.get_slice(s["id"])["placements"][0]["node"]
             other = "g1" if held == "g0" else "g0"
             s2 = broker.submit(user="alice", project="vision", gpus=2, kind="interactive")
             broker.run_pass()
@@ -266,16 +266,16 @@ async def test_cordoned_node_drains_as_contracts_end_and_is_marked(tmp_path):
             await pushes.until(lambda n: n[held].state is DRAINING)
             assert state(held) == "draining"
             broker.run_pass()
-            assert broker.get_slice(s["id"], admin=True)["state"] == "granted"  # protected
+            assert broker.get_slice(s["id"])["state"] == "granted"  # protected
             now[0] += 3600.0  # the contract's protected hour ends
             broker.run_pass()
-            assert broker.get_slice(s["id"], admin=True)["state"] == "preempting"
+            assert broker.get_slice(s["id"])["state"] == "preempting"
             now[0] += 61.0  # the grace period ends
             broker.run_pass()
             broker.run_pass()
-            assert broker.get_slice(s["id"], admin=True)["state"] == "ended"
+            assert broker.get_slice(s["id"])["state"] == "ended"
             assert state(held) == "drained"
-            assert broker.get_slice(s2["id"], admin=True)["placements"][0]["node"] == other
+            assert broker.get_slice(s2["id"])["placements"][0]["node"] == other
 
             reporter = DrainReporter(api, broker_nodes)
             assert await reporter.report_once() == [held]

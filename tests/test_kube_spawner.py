@@ -169,7 +169,7 @@ async def test_pod_runs_on_the_granted_node_and_stop_releases(tmp_path, monkeypa
         slice_id = spawner.slice_id
         await spawner.stop()
         assert kube.pods("jhub") == []
-        final = api.broker.get_slice(slice_id, admin=True)
+        final = api.broker.get_slice(slice_id)
         assert (final["state"], final["end_reason"]) == ("ended", "released")
 
 
@@ -184,7 +184,7 @@ async def test_a_pod_deleted_by_hand_releases_its_slice_within_one_lease(tmp_pat
         key = f"jhub/{spawner.pod_name}"
         await _until(lambda: key not in spawner.pod_reflector.pods)
         assert await spawner.poll() is not None  # the hub's next poll
-        final = api.broker.get_slice(slice_id, admin=True)
+        final = api.broker.get_slice(slice_id)
         assert (final["state"], final["end_reason"]) == ("ended", "released")
         assert final["ended_at"] - began < api.broker.lease
 
@@ -212,7 +212,7 @@ async def test_faults_leave_no_pod_and_no_slice_behind(tmp_path, monkeypatch):
         kube.drop_watches()
         await spawner.stop()
         assert kube.pods("jhub") == []
-        assert api.broker.get_slice(held, admin=True)["state"] == "ended"
+        assert api.broker.get_slice(held)["state"] == "ended"
         assert api.broker.list_slices(state="live") == []
 
 
@@ -228,7 +228,7 @@ async def test_a_slice_that_ends_stops_its_pod_and_stale_pods_are_reaped(tmp_pat
         api.broker.set_node_state(node, "down")
         await api.runner.run_pass()
         await _until(lambda: not kube.pods("jhub"))
-        assert api.broker.get_slice(slice_id, admin=True)["end_reason"] == "node_down"
+        assert api.broker.get_slice(slice_id)["end_reason"] == "node_down"
 
         # A pod whose slice ended while nobody watched it (hub state lost): reaped.
         orphan = {
@@ -279,7 +279,7 @@ async def test_a_preempted_pod_runs_until_the_grace_period_ends_then_goes_with_a
         notice = spawner.notice
         assert (notice["state"], notice["reason"]) == ("preempting", "drain")
         deadline = notice["at"]
-        assert deadline == api.broker.get_slice(slice_id, admin=True)["preempt_deadline"]
+        assert deadline == api.broker.get_slice(slice_id)["preempt_deadline"]
         assert spawner.orm_spawner.state["slicebroker"]["notice"]["state"] == "preempting"
         assert "It stops at" in describe(notice)["text"]
         assert [p["metadata"]["name"] for p in kube.pods("jhub")] == [spawner.pod_name]
@@ -287,7 +287,7 @@ async def test_a_preempted_pod_runs_until_the_grace_period_ends_then_goes_with_a
         await _until(lambda: stopped, timeout=20)
         assert kube.pods("jhub") == []
         assert deleted_at[spawner.pod_name] >= deadline  # not a moment before the grace ended
-        final = api.broker.get_slice(slice_id, admin=True)
+        final = api.broker.get_slice(slice_id)
         assert (final["state"], final["end_reason"], final["preempt_reason"]) == (
             "ended",
             "preempted",

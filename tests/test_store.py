@@ -41,7 +41,7 @@ from broker.orm import (
     migrate,
     upgrade_db,
 )
-from broker.store import Broker
+from broker.store import Broker, Caller
 
 HOUR = 3600.0
 
@@ -201,7 +201,7 @@ def test_an_admin_may_charge_any_project(broker):
 def test_releasing_a_pending_slice_cancels_it_free_of_charge(broker, clock):
     made = ask(broker)
     clock.advance(100)
-    done = broker.release(made["id"], user="alice")
+    done = broker.release(made["id"], caller=Caller("alice"))
     assert (done["state"], done["end_reason"], done["ended_at"]) == (
         "ended",
         "cancelled",
@@ -215,7 +215,7 @@ def test_releasing_a_granted_slice_charges_its_held_time(broker, clock):
     made = ask(broker, gpus=2, gpu_type="b200")
     broker.run_pass()
     clock.advance(500)
-    done = broker.release(made["id"], user="alice")
+    done = broker.release(made["id"], caller=Caller("alice"))
     assert (done["state"], done["end_reason"]) == ("ended", "released")
     assert done["charged_gpu_seconds"] == pytest.approx(2 * 2.0 * 500)
 
@@ -223,11 +223,11 @@ def test_releasing_a_granted_slice_charges_its_held_time(broker, clock):
 def test_users_release_only_their_own_slices_and_admins_any(broker):
     made = ask(broker)
     with pytest.raises(Forbidden):
-        broker.release(made["id"], user="bob")
+        broker.release(made["id"], caller=Caller("bob"))
     with pytest.raises(NotFound):
-        broker.release(made["id"] + 100, user="alice")
+        broker.release(made["id"] + 100, caller=Caller("alice"))
     assert broker.get_slice(made["id"])["state"] == "pending"
-    assert broker.release(made["id"], user="bob", admin=True)["state"] == "ended"
+    assert broker.release(made["id"], caller=Caller("bob", admin=True))["state"] == "ended"
 
 
 def test_releasing_an_ended_slice_changes_nothing(broker, clock):
@@ -246,9 +246,11 @@ def test_a_heartbeat_extends_the_lease_and_a_lapsed_lease_ends_the_slice(open_br
     broker.run_pass()
     assert broker.get_slice(made["id"])["lease_expires_at"] == clock.now + 120
     clock.advance(100)
-    assert broker.heartbeat(made["id"], "alice")["lease_expires_at"] == clock.now + 120
+    assert (
+        broker.heartbeat(made["id"], caller=Caller("alice"))["lease_expires_at"] == clock.now + 120
+    )
     with pytest.raises(Forbidden):
-        broker.heartbeat(made["id"], "bob")
+        broker.heartbeat(made["id"], caller=Caller("bob"))
     clock.advance(119)
     broker.run_pass()
     assert broker.get_slice(made["id"])["state"] == "granted"
@@ -264,7 +266,10 @@ def test_a_waiting_slice_that_was_heartbeated_is_lost_when_the_beats_stop(open_b
     ask(broker, gpus=4, gpu_type="b200")
     broker.run_pass()
     waiting = ask(broker, kind="interactive")
-    assert broker.heartbeat(waiting["id"], "alice")["lease_expires_at"] == clock.now + 120
+    assert (
+        broker.heartbeat(waiting["id"], caller=Caller("alice"))["lease_expires_at"]
+        == clock.now + 120
+    )
     clock.advance(120)
     broker.run_pass()
     assert broker.get_slice(waiting["id"])["end_reason"] == "lost"
@@ -285,7 +290,7 @@ def test_an_idle_granted_slice_is_charged_for_its_idle_time(broker, clock):
     broker.run_pass()
     clock.advance(1800)  # nobody used the GPUs; the heartbeats kept coming
     for _ in range(3):
-        broker.heartbeat(made["id"], "alice")
+        broker.heartbeat(made["id"], caller=Caller("alice"))
     assert broker.get_slice(made["id"])["charged_gpu_seconds"] == pytest.approx(2 * 1800)
     usage = {row["name"]: row["usage"] for row in broker.projects()}
     assert usage == {"org": pytest.approx(3600), "vision": pytest.approx(3600), "nlp": 0.0}
@@ -878,7 +883,7 @@ def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
     broker.run_pass_and_list(usual_gap=USUAL_GAP)
-    before = broker.heartbeat(held["id"], admin=True)["lease_expires_at"]
+    before = broker.heartbeat(held["id"])["lease_expires_at"]
 
     clock.advance(3 * LEASE)  # no pass and no heartbeat could get through meanwhile
     _, live = broker.run_pass_and_list(usual_gap=USUAL_GAP)
@@ -888,7 +893,7 @@ def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
     assert again["lease_expires_at"] == pytest.approx(before + 3 * LEASE)
     # Once the broker is back at work, a holder that stays silent loses it as usual.
     run_passes(broker, clock, LEASE)
-    ended = broker.get_slice(held["id"], admin=True)
+    ended = broker.get_slice(held["id"])
     assert (ended["state"], ended["end_reason"]) == ("ended", "lost")
 
 
@@ -896,9 +901,9 @@ def test_passes_at_their_usual_pace_extend_nothing(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
     broker.run_pass_and_list(usual_gap=USUAL_GAP)
-    lease = broker.heartbeat(held["id"], admin=True)["lease_expires_at"]
+    lease = broker.heartbeat(held["id"])["lease_expires_at"]
     run_passes(broker, clock, LEASE / 2, every=USUAL_GAP)  # exactly the usual gap
-    assert broker.get_slice(held["id"], admin=True)["lease_expires_at"] == lease
+    assert broker.get_slice(held["id"])["lease_expires_at"] == lease
 
 
 def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
@@ -907,9 +912,9 @@ def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
     broker.run_pass_and_list(usual_gap=USUAL_GAP)
-    broker.heartbeat(held["id"], admin=True)  # then the holder dies
+    broker.heartbeat(held["id"])  # then the holder dies
     restarts = 0
-    while broker.get_slice(held["id"], admin=True)["state"] != "ended":
+    while broker.get_slice(held["id"])["state"] != "ended":
         broker.close()
         clock.advance(20)  # down for 20 s
         broker = open_broker(lease=LEASE)
@@ -919,7 +924,7 @@ def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
         assert restarts < 20, "the lease never ran out"
     # 60 s of lease, 10 s of it used up per restart
     assert restarts == LEASE / 10
-    assert broker.get_slice(held["id"], admin=True)["end_reason"] == "lost"
+    assert broker.get_slice(held["id"])["end_reason"] == "lost"
 
 
 def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
@@ -927,10 +932,10 @@ def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
     broker.run_pass()
-    broker.heartbeat(held["id"], admin=True)
+    broker.heartbeat(held["id"])
     clock.advance(LEASE)
     broker.run_pass()
-    assert broker.get_slice(held["id"], admin=True)["end_reason"] == "lost"
+    assert broker.get_slice(held["id"])["end_reason"] == "lost"
 
 
 # ---- a submission granted at once ---------------------------------------------------

@@ -15,6 +15,7 @@ The names below are what the rest of the broker and its tests import from
 ``broker.store``.
 """
 
+from .access import Caller
 from .broker import DEFAULT_LEASE_S, IDS_PER_QUERY, Broker, Schedule
 from .inventory import ADMIN_NODE_STATES, OUT_OF_SERVICE
 from .projects import CONTROL_CHARACTERS, MAX_MEMBER_NAME
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_MEMBER_NAME",
     "OUT_OF_SERVICE",
     "Broker",
+    "Caller",
     "Schedule",
     "_to_slice",
     "_write_state",

@@ -4,6 +4,7 @@ charges only the projects they are a member of, unless they are an admin."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
@@ -12,11 +13,23 @@ from ..orm import SliceRow
 from .journal import _Catalog
 
 
-def _owned_row(session: Session, slice_id: int, user: str | None, admin: bool) -> SliceRow:
+@dataclass(frozen=True)
+class Caller:
+    """Who asks about a slice: a user by ``name`` (with their ``groups``), or an
+    ``admin``, who reaches every slice."""
+
+    name: str
+    groups: frozenset[str] = frozenset()
+    admin: bool = False
+
+
+def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceRow:
+    """The slice ``caller`` asks about (any slice with no ``caller``): :class:`NotFound`,
+    or :class:`Forbidden` for another user's slice unless ``caller`` is an admin."""
     row = session.get(SliceRow, slice_id)
     if row is None:
         raise NotFound(f"no slice {slice_id}")
-    if user is not None and not admin and row.user != user:
+    if caller is not None and not caller.admin and row.user != caller.name:
         raise Forbidden(f"slice {slice_id} belongs to another user")
     return row
 

@@ -51,7 +51,7 @@ from ..orm import (
     SliceEventRow,
     SliceRow,
 )
-from .access import _check_member, _owned_row
+from .access import Caller, _check_member, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, _LiveSlice
 from .projects import (
@@ -322,14 +322,14 @@ class Broker(Journal):
                 return _slice_dict(row, now, self._read_catalog(session).costs), True
             return _slice_dict(row, now, _Costs()), True
 
-    def release(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
+    def release(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """Cancel a pending slice or release a held one (charging its held time).
 
-        ``user`` may release only their own slices (:class:`Forbidden`); with
-        ``admin`` or no ``user``, any. Releasing an ended slice changes nothing.
+        A ``caller`` may release only their own slices (:class:`Forbidden`); an
+        admin, or no ``caller``, any. Releasing an ended slice changes nothing.
         """
         with self._write() as session:
-            row = _owned_row(session, slice_id, user, admin)
+            row = _owned_row(session, slice_id, caller)
             now = self._clock()
             costs = self._read_catalog(session).costs
             if row.state == SliceState.PENDING:
@@ -338,26 +338,27 @@ class Broker(Journal):
                 self._end(session, row, EndReason.RELEASED, now, costs, why="released")
             return _slice_dict(row, now, costs)
 
-    def heartbeat(self, slice_id: int, user: str | None = None, *, admin: bool = False) -> dict:
+    def heartbeat(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """Extend a live slice's lease to ``now + lease``; returns the slice.
 
         Once a slice is heartbeated it must keep being heartbeated, also while it
         waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
+        ``caller`` as for :meth:`release`.
         """
         # Not durable: a heartbeat lost to a power failure costs its holder one
         # heartbeat's worth of lease, and the restarted service extends every
         # lease by the time it was away (_cover_absence). Saves an fsync per heartbeat.
         with self._write(durable=False) as session:
-            row = _owned_row(session, slice_id, user, admin)
+            row = _owned_row(session, slice_id, caller)
             now = self._clock()
             if row.state in LIVE_STATES:
                 row.lease_expires_at = now + self.lease
             return _slice_dict(row, now, self._read_catalog(session).costs)
 
-    def get_slice(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> dict:
-        """The slice, as design.md §8 shows it; :class:`Forbidden` if ``user`` does not own it."""
+    def get_slice(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+        """The slice, as design.md §8 shows it; :class:`Forbidden` if ``caller`` may not see it."""
         with self._read() as session:
-            row = _owned_row(session, slice_id, user, admin)
+            row = _owned_row(session, slice_id, caller)
             return _slice_dict(row, self._clock(), self._read_catalog(session).costs)
 
     def list_slices(
@@ -389,10 +390,11 @@ class Broker(Journal):
         with self._read() as session:
             return set(session.scalars(select(SliceRow.id).where(SliceRow.state.in_(LIVE_STATES))))
 
-    def events(self, slice_id: int, *, user: str | None = None, admin: bool = False) -> list[dict]:
-        """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``."""
+    def events(self, slice_id: int, *, caller: Caller | None = None) -> list[dict]:
+        """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``;
+        :class:`Forbidden` if ``caller`` may not see the slice."""
         with self._read() as session:
-            _owned_row(session, slice_id, user, admin)
+            _owned_row(session, slice_id, caller)
             rows = session.scalars(
                 select(SliceEventRow)
                 .where(SliceEventRow.slice_id == slice_id)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ...errors import Forbidden
+from ...store import Caller
 from ..auth import Identity
 from .base import bounded
 
@@ -58,6 +59,4 @@ def is_member(identity: Identity, account: Mapping[str, Any]) -> bool:
 
 def owner_filter(caller: Identity) -> dict[str, object]:
     """The Broker's ownership arguments for ``caller``: agents and admins reach every slice."""
-    if caller.acts_for_others:
-        return {"admin": True}
-    return {"user": caller.name}
+    return {"caller": Caller(caller.name, caller.groups, admin=caller.acts_for_others)}
