@@ -101,12 +101,13 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         parse_config(tomllib.loads(TEST_CONFIG)),
-        grant_at_once=True,
         single_writer=True,
     )
-    runner = BrokerRunner(broker, pass_interval=600.0)
+    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
     try:
-        held = await submit(runner)
+        held = await runner.submit(
+            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+        )
         assert held["state"] == "granted"
         failures = [RuntimeError("the disk is full")]
 
@@ -118,7 +119,8 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
         # undone, and the slice still holds its GPU.
         event.listen(broker._sessions, "after_flush", fails_once)
         release = runner.write(broker.release, held["id"])
-        answers = await while_busy(runner, [release, submit(runner)])
+        again = runner.submit(broker.submit, user="alice", project="vision", gpus=1, kind="batch")
+        answers = await while_busy(runner, [release, again])
         assert str(answers[0]) == "the disk is full"
         assert answers[1]["state"] == "granted"
         await runner.run_pass()

@@ -936,31 +936,3 @@ def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
     clock.advance(LEASE)
     broker.run_pass()
     assert broker.get_slice(held["id"])["end_reason"] == "lost"
-
-
-# ---- a submission granted at once ---------------------------------------------------
-
-
-def test_a_submission_with_nothing_else_waiting_is_granted_by_the_pass_at_once(open_broker):
-    broker = open_broker(grant_at_once=True)  # h0: 4 h100s, b0: 4 b200s
-    first = ask(broker, gpus=2, gpu_type="h100")
-    assert first["state"] == "granted" and first["placements"][0]["node"] == "h0"
-    second = ask(broker, gpus=2, gpu_type="h100")  # h0's other 2 GPUs, in the same request
-    assert second["state"] == "granted"
-    # no h100 left: it waits, and a request after it is not granted past it at once
-    # (whether it may go first is the next pass's to say, with the whole queue)
-    third = ask(broker, gpus=2, gpu_type="h100")
-    fourth = ask(broker, gpus=1, gpu_type="b200")
-    assert (third["state"], fourth["state"]) == ("pending", "pending")
-    passes = broker.take_side_passes()
-    assert [[g.slice_id for g in decisions.grants] for decisions, _, _ in passes] == [
-        [first["id"]],
-        [second["id"]],
-        [],
-    ]
-    assert broker.take_side_passes() == []
-
-
-def test_without_grant_at_once_a_submission_waits_for_the_pass(broker):
-    assert ask(broker)["state"] == "pending"
-    assert broker.take_side_passes() == []

@@ -163,8 +163,8 @@ class SliceWatchers:
                     future.set_result(key)
 
 
-#: A pass run for writes (grant at once): its decisions, the live slices, seconds.
-SidePass = tuple[Decisions, list[dict[str, Any]], float]
+#: A pass that followed a group commit: its decisions, the live slices, seconds.
+GroupPass = tuple[Decisions, list[dict[str, Any]], float]
 
 
 @dataclass(eq=False)
@@ -182,8 +182,8 @@ class _Write:
     passed: bool = False
 
 
-#: A write's outcome on the database thread: its answer or error, and passes it ran.
-_Answer = tuple[_Write, Any, BaseException | None, list[SidePass]]
+#: A write's outcome on the database thread: its answer, or its error.
+_Answer = tuple[_Write, Any, BaseException | None]
 
 
 class DatabaseTimeout(BrokerError):
@@ -356,11 +356,12 @@ class BrokerRunner:
             group = [w for w in writes if w.durable is durable and not w.abandoned]
             if group:
                 answers = self._run_group(group, durable)
-                if any(w.wants_pass and error is None for w, _, error, _ in answers):
-                    answers = self._pass_after(answers)
-                loop.call_soon_threadsafe(self._answer, answers)
+                group_pass = None
+                if any(w.wants_pass and error is None for w, _, error in answers):
+                    answers, group_pass = self._pass_after(answers)
+                loop.call_soon_threadsafe(self._answer, answers, group_pass)
 
-    def _pass_after(self, answers: list[_Answer]) -> list[_Answer]:
+    def _pass_after(self, answers: list[_Answer]) -> tuple[list[_Answer], GroupPass | None]:
         """The pass right after a group commit with submissions in it, so that each is
         answered as the pass left it: granted when it fits. One pass serves the whole
         group, however many submissions it holds. Should it fail, they stay pending
@@ -371,18 +372,15 @@ class BrokerRunner:
         except Exception as err:
             log.warning("the pass after a group commit failed (%s); the next pass will run",
                         str(err).splitlines()[0])  # fmt: skip
-            return answers
-        side_pass = (decisions, live, time.perf_counter() - started)
+            return answers, None
         by_id = {slice_["id"]: slice_ for slice_ in live}
         refreshed: list[_Answer] = []
-        for write, value, error, side_passes in answers:
+        for write, value, error in answers:
             write.passed = True
             if write.wants_pass and error is None:
                 value = by_id.get(value["id"], value)
-            refreshed.append((write, value, error, side_passes))
-        write, value, error, side_passes = refreshed[-1]
-        refreshed[-1] = (write, value, error, [*side_passes, side_pass])
-        return refreshed
+            refreshed.append((write, value, error))
+        return refreshed, (decisions, live, time.perf_counter() - started)
 
     def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
         answers: list[_Answer] = []
@@ -390,28 +388,22 @@ class BrokerRunner:
             with self.broker.group_commit(durable=durable):
                 for write in group:
                     try:
-                        value = write.call()
+                        answers.append((write, write.call(), None))
                     except Exception as err:  # a refusal: its savepoint is undone
-                        self.broker.take_side_passes()
-                        answers.append((write, None, err, []))
-                    else:
-                        answers.append((write, value, None, self.broker.take_side_passes()))
+                        answers.append((write, None, err))
         except Exception as err:  # no commit: none of the group happened
-            self.broker.take_side_passes()
-            return [(write, None, err, []) for write in group]
+            return [(write, None, err) for write in group]
         return answers
 
-    def _answer(self, answers: list[_Answer]) -> None:
-        """On the event loop: take in the passes the group ran, then answer each write."""
-        for write, _, _, side_passes in answers:
-            for decisions, live, seconds in side_passes:
-                self._passed(decisions, live, seconds)
-            write.passed = write.passed or bool(side_passes)
-        if any(write.passed for write, *_ in answers):
+    def _answer(self, answers: list[_Answer], group_pass: GroupPass | None) -> None:
+        """On the event loop: take in the pass that followed the group, if one did,
+        then answer each write."""
+        if group_pass is not None:
+            self._passed(*group_pass)
             # That pass ran after every write answered before it: the passes they
             # asked for are done.
             self._wanted.clear()
-        for write, value, error, _ in answers:
+        for write, value, error in answers:
             if write.abandoned or write.future.done():
                 continue
             if error is not None:

@@ -101,11 +101,9 @@ class Broker(Journal):
     scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
     alive. ``upgrade`` lets an out-of-date database be migrated on open;
     otherwise that raises :class:`~broker.orm.DatabaseOutOfDate` (a blank
-    database is always initialised). ``grant_at_once``: a submission that
-    finds nothing else waiting runs the pass in its own transaction, so it is
-    answered granted when it fits (the service; tests drive passes by hand).
-    ``usual_gap``: see :meth:`run_pass_and_list`. ``db_timeout``: how long (seconds)
-    one statement may wait for the database (see :func:`~broker.orm.make_engine`).
+    database is always initialised). ``usual_gap``: see :meth:`run_pass_and_list`.
+    ``db_timeout``: how long (seconds) one statement may wait for the database (see
+    :func:`~broker.orm.make_engine`).
     ``single_writer``: no other process writes this database (the service's leader,
     behind its leader lock, design.md §8), so the catalog — nodes, GPU types, the
     project tree and members — is read once and kept in memory, reloaded only after
@@ -122,7 +120,6 @@ class Broker(Journal):
         schedule: Schedule = default_schedule,
         lease: float = DEFAULT_LEASE_S,
         upgrade: bool = False,
-        grant_at_once: bool = False,
         usual_gap: float | None = None,
         db_timeout: float | None = None,
         single_writer: bool = False,
@@ -136,10 +133,7 @@ class Broker(Journal):
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
-        self.grant_at_once = grant_at_once
         self.usual_gap = usual_gap
-        # Passes run by submissions (grant_at_once): decisions, live slices, seconds.
-        self._side_passes: list[tuple[Decisions, list[dict[str, Any]], float]] = []
         self._open_journal(url, db_timeout)
         try:
             self._prepare_schema(upgrade)
@@ -313,13 +307,6 @@ class Broker(Journal):
             session.add(row)
             session.flush()
             _event(session, row, None, "submitted", now)
-            if self.grant_at_once and not _others_waiting(session, row.id):
-                # The pass itself, not a copy of its rules: with nothing else
-                # waiting, this request is the head of the queue.
-                started = time.perf_counter()
-                decisions, live = self._pass(session, now, self.usual_gap)
-                self._side_passes.append((decisions, live, time.perf_counter() - started))
-                return _slice_dict(row, now, self._read_catalog(session).costs), True
             return _slice_dict(row, now, _Costs()), True
 
     def release(self, slice_id: int, *, caller: Caller | None = None) -> dict:
@@ -604,19 +591,19 @@ class Broker(Journal):
             now = self._clock()
             catalog = self._read_catalog(session)
             tree = catalog.tree
-            live = session.scalars(select(SliceRow).where(SliceRow.state.in_(LIVE_STATES))).all()
-            usage = self._usage(session, now, catalog.costs, [_to_slice(row) for row in live])
+            live = self._live_values(session)
+            usage = self._usage(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
             values = tree.share_values(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
             members = catalog.members
             pending: dict[str, int] = {}
             held: dict[str, int] = {}
-            for row in live:
-                if row.state == SliceState.PENDING:
-                    pending[row.project] = pending.get(row.project, 0) + 1
+            for slice_ in live:
+                if slice_.state is SliceState.PENDING:
+                    pending[slice_.project] = pending.get(slice_.project, 0) + 1
                 else:
-                    held[row.project] = held.get(row.project, 0) + row.gpus
+                    held[slice_.project] = held.get(slice_.project, 0) + slice_.gpus
         rows = []
         stack = sorted(tree.children.get(None, []), key=lambda n: (values[n], n), reverse=True)
         while stack:
@@ -688,11 +675,6 @@ class Broker(Journal):
         return accounting.usage_rows(entries, since, until, by=by)
 
     # ---- the scheduling pass ------------------------------------------------------
-
-    def take_side_passes(self) -> list[tuple[Decisions, list[dict[str, Any]], float]]:
-        """The passes submissions ran since the last call (for metrics), oldest first."""
-        passes, self._side_passes = self._side_passes, []
-        return passes
 
     def run_pass(self) -> Decisions:
         """Snapshot, schedule and apply, in one transaction under the write lock."""
@@ -937,14 +919,6 @@ class Broker(Journal):
             row.ended_at = now
             row.lease_expires_at = None
         _event(session, row, before, why, now)
-
-
-def _others_waiting(session: Session, slice_id: int) -> bool:
-    """Whether any slice but ``slice_id`` is waiting in the queue."""
-    waiting = select(SliceRow.id).where(
-        SliceRow.state == SliceState.PENDING.value, SliceRow.id != slice_id
-    )
-    return session.scalars(waiting.limit(1)).first() is not None
 
 
 def _changed_ids(

@@ -145,6 +145,16 @@ class Journal:
             self._live = {row.id: _LiveSlice.of(row) for row in rows}
         return self._live
 
+    def _live_values(self, session: Session) -> list[Slice]:
+        """The live slices' values as ``session`` sees them, oldest first: from memory
+        where they are kept (a single writer, a write under way), else read now."""
+        if self.single_writer or self._transaction_depth:
+            return [entry.slice for entry in self._live_slices(session).values()]
+        rows = session.scalars(
+            select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+        )
+        return [_to_slice(row) for row in rows]
+
     def _follow_flush(self, session: Session, _context: Any) -> None:
         """Keep the live slices as the flush just wrote them (ids only grow, so new
         slices go last and the order stays oldest first)."""

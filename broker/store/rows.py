@@ -91,10 +91,6 @@ def _kind_or_none(kind: object) -> SliceKind | None:
         return None
 
 
-def _account_rows(session: Session) -> dict[str, AccountRow]:
-    return {row.name: row for row in session.scalars(select(AccountRow))}
-
-
 def _accounts(session: Session) -> list[Account]:
     rows = session.scalars(select(AccountRow).order_by(AccountRow.name))
     return [Account(row.name, row.share, row.parent) for row in rows]
