@@ -76,9 +76,16 @@ def entry_usage(
     entry: LedgerEntry, now: float, window: float, half_life: float | None = None
 ) -> float:
     """An entry's contribution at ``now``: decayed when ``half_life`` is set, else windowed."""
+    return interval_usage(entry.start, entry.end, entry.rate, now, window, half_life)
+
+
+def interval_usage(
+    start: float, end: float, rate: float, now: float, window: float, half_life: float | None
+) -> float:
+    """What ``[start, end]`` at ``rate`` adds to usage at ``now`` (see :func:`entry_usage`)."""
     if half_life is not None:
-        return decayed_usage(entry.start, entry.end, entry.rate, now, half_life)
-    return window_usage(entry.start, entry.end, entry.rate, now, window)
+        return decayed_usage(start, end, rate, now, half_life)
+    return window_usage(start, end, rate, now, window)
 
 
 def usage_horizon(window: float, half_life: float | None) -> float:
@@ -103,10 +110,11 @@ def usage_by_project(
     open, whatever their ``end`` says: they count up to ``now``.
     """
     usage: dict[str, float] = {}
-    closed = list(entries)
-    still_open = [replace(entry, end=now) for entry in running]
-    for entry in closed + still_open:
+    for entry in entries:
         amount = entry_usage(entry, now, window, half_life)
+        usage[entry.project] = usage.get(entry.project, 0.0) + amount
+    for entry in running:  # up to now, whatever its end says
+        amount = interval_usage(entry.start, now, entry.rate, now, window, half_life)
         usage[entry.project] = usage.get(entry.project, 0.0) + amount
     return usage
 
