@@ -1,14 +1,23 @@
 """A database outage longer than the lease loses no slice (design.md §8): the first
-pass after it extends every live lease by the outage's length. Real broker process,
-real SQLite file, locked by another process for the outage."""
+pass after it extends every live lease by the outage's length. Real broker process;
+a real SQLite file locked by another process for the outage, or a real PostgreSQL
+server that the broker cannot reach for the outage (its connections go through a
+TCP relay that the test cuts, as a failed network or a stopped server would)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import sqlite3
+import threading
 import time
+from collections.abc import Iterator
 
+import pytest
+from conftest import _postgres_database
 from hubfixtures import wait_until
 from servicefixtures import running_service
+from sqlalchemy.engine import make_url
 
 LEASE = 2.0
 
@@ -42,6 +51,106 @@ def test_a_database_locked_longer_than_the_lease_loses_no_slice(tmp_path):
         wait_until(
             lambda: "extended the leases of 1 live slices" in service.log_text(),
             30,
+            "the first pass after the outage",
+        )
+        after = service.get(f"/slices/{made['id']}", token=alice).json()
+        assert after["state"] == "granted", after
+        assert after["lease_expires_at"] > time.time()
+
+
+class Relay:
+    """A TCP relay to PostgreSQL that can be cut: while cut, every connection through
+    it is closed and new ones are closed as soon as they arrive."""
+
+    def __init__(self, port: int):
+        self.upstream = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            if self.cut.is_set():
+                client.close()
+                continue
+            server = socket.create_connection(self.upstream)
+            with self.lock:
+                self.sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            end.close()
+
+    def sever(self) -> None:
+        self.cut.set()
+        with self.lock:
+            for end in self.sockets:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
+            self.sockets.clear()
+
+    def restore(self) -> None:
+        self.cut.clear()
+
+    def close(self) -> None:
+        self.sever()
+        self.listener.close()
+
+
+@pytest.fixture
+def relayed_postgres() -> Iterator[tuple[str, Relay]]:
+    """A scratch PostgreSQL database and the URL that reaches it through a relay."""
+    for url in _postgres_database():
+        real = make_url(url)
+        relay = Relay(real.port or 5432)
+        try:
+            yield real.set(port=relay.port).render_as_string(hide_password=False), relay
+        finally:
+            relay.close()
+
+
+def test_a_postgresql_server_away_longer_than_the_lease_loses_no_slice(tmp_path, relayed_postgres):
+    url, relay = relayed_postgres
+    with running_service(tmp_path, db_url=url, lease=LEASE, pass_interval=0.5) as service:
+        alice = service.token("alice")
+        made = service.post(
+            "/slices", token=alice, json={"project": "vision", "gpus": 1, "kind": "batch"}
+        ).json()
+        wait_until(
+            lambda: service.get(f"/slices/{made['id']}", token=alice).json()["state"] == "granted",
+            30,
+            "the grant",
+        )
+        service.post(f"/slices/{made['id']}/heartbeat", token=alice)
+
+        relay.sever()  # the server is out of reach: no heartbeat, no pass
+        gone_at = time.monotonic()
+        try:
+            # The outage is the test's subject, not a synchronisation: it must last.
+            while time.monotonic() - gone_at < 3 * LEASE:
+                time.sleep(0.2)
+        finally:
+            relay.restore()
+
+        wait_until(
+            lambda: "extended the leases of 1 live slices" in service.log_text(),
+            60,
             "the first pass after the outage",
         )
         after = service.get(f"/slices/{made['id']}", token=alice).json()
