@@ -282,13 +282,8 @@ class Preemptor:
         an allocated request take them, so it need not be asked."""
         best: tuple | None = None
         for node_name in node_names:
-            node = self.nodes.get(node_name)
-            if node is None or node.gpu_count < requester.gpus:
-                continue
-            if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
-                continue
-            need = requester.gpus - len(free.get(node_name, ()))
-            if need <= 0:
+            need = self._shortfall(requester, free, node_name)
+            if need is None:
                 continue
             chosen: list[tuple[Slice, int]] = []
             freed = 0
@@ -297,14 +292,25 @@ class Preemptor:
                 freed += entry[1]
                 if freed >= need:
                     break
-            for victim in reversed(chosen[:-1]):
-                if freed - victim[1] >= need:
-                    chosen.remove(victim)
-                    freed -= victim[1]
+            freed = _put_back(chosen, freed, need)
             score = (0, len(chosen), freed, node_name)
             if best is None or score < best[0]:
                 best = (score, node_name, [(s, PreemptReason.UNALLOCATED) for s, _ in chosen])
         return best
+
+    def _shortfall(
+        self, requester: Slice, free: Mapping[str, set[int]], node_name: str
+    ) -> int | None:
+        """How many GPUs ``requester`` lacks on ``node_name`` beyond its free ones, or
+        ``None`` when preemption there cannot serve it (no such node, too small, the
+        wrong type, or enough free already)."""
+        node = self.nodes.get(node_name)
+        if node is None or node.gpu_count < requester.gpus:
+            return None
+        if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
+            return None
+        need = requester.gpus - len(free.get(node_name, ()))
+        return need if need > 0 else None
 
     def _search(
         self,
@@ -316,13 +322,8 @@ class Preemptor:
         """The best (score, node, victims) among ``node_names``, or None (see :meth:`find`)."""
         best: tuple | None = None
         for node_name in node_names:
-            node = self.nodes.get(node_name)
-            if node is None or node.gpu_count < requester.gpus:
-                continue
-            if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
-                continue
-            need = requester.gpus - len(free.get(node_name, ()))
-            if need <= 0 or self.candidate_gpus[node_name] < need:
+            need = self._shortfall(requester, free, node_name)
+            if need is None or self.candidate_gpus[node_name] < need:
                 continue
             # Only candidates of an eligible group could be taken (the rest the
             # rule refuses): too few of their GPUs, and the node cannot serve.
@@ -331,7 +332,7 @@ class Preemptor:
             ]
             if sum(gpus for _, gpus in entries) < need:
                 continue
-            weight = self.weights.get(node.gpu_type, 1.0)
+            weight = self.weights.get(self.nodes[node_name].gpu_type, 1.0)
             chosen: list[tuple[Slice, PreemptReason, int]] = []
             lost: dict[str, float] = {}  # weighted GPUs each project loses so far
             freed = 0
@@ -347,11 +348,7 @@ class Preemptor:
                         break
             else:
                 continue
-            # Put back, last taken first, every victim the request fits without.
-            for victim in reversed(chosen[:-1]):
-                if freed - victim[2] >= need:
-                    chosen.remove(victim)
-                    freed -= victim[2]
+            freed = _put_back(chosen, freed, need)
             score = (
                 sum(1 for s, _, _ in chosen if s.allocated),
                 len(chosen),
@@ -376,6 +373,16 @@ def _groups(slice_: Slice) -> tuple[_Group, ...]:
     if slice_.kind is SliceKind.BATCH:
         return ((_PROJECT, slice_.project), _BATCH)
     return ((_PROJECT, slice_.project),)
+
+
+def _put_back(chosen: list, freed: int, need: int) -> int:
+    """Put back, last taken first, every victim the request fits without; what the
+    rest free. Each of ``chosen`` ends with the GPUs it frees."""
+    for victim in reversed(chosen[:-1]):
+        if freed - victim[-1] >= need:
+            chosen.remove(victim)
+            freed -= victim[-1]
+    return freed
 
 
 def _gpus_on(slice_: Slice, node: str) -> tuple[int, ...]:
