@@ -5,19 +5,23 @@ for it; one pass serves every submission of a group."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import tomllib
+from collections.abc import AsyncIterator
 
+import pytest
 from servicefixtures import TEST_CONFIG
 
 from broker.config import parse_config
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
+from tests.test_group_commit import while_busy
 
 
-async def test_a_submission_granted_at_once_is_the_pass(tmp_path):
-    # Deadlines far off (a 2-hour lease, 1-hour batch protection) against a timed
-    # pass every 10 minutes: nothing falls due before the loop looks again.
+@pytest.fixture
+async def runner(tmp_path) -> AsyncIterator[BrokerRunner]:
+    """The service's runner, started, on a SQLite file; deadlines far off (a 2-hour
+    lease, 1-hour batch protection) against a timed pass every 10 minutes, so that
+    nothing falls due before the loop looks again."""
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         parse_config(tomllib.loads(TEST_CONFIG)),
@@ -26,77 +30,54 @@ async def test_a_submission_granted_at_once_is_the_pass(tmp_path):
     )
     runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
     runner.start()
-    try:
-        await runner.started()
-        passes = runner.passes
-        made = await runner.submit(
-            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
-        )
-        assert made["state"] == "granted"
-        assert runner.passes == passes + 1  # the submission's own pass, taken in
-        assert runner.remembered(made["id"])["state"] == "granted"
-        assert not runner.pass_requested  # and no second pass asked for it
-        # A release is a change: the loop's pass is asked for.
-        await runner.change(broker.release, made["id"])
-        assert runner.pass_requested
-        before = runner.passes
-        await runner.run_pass()  # the loop's pass, as it will run it: one more
-        assert runner.passes == before + 1
-    finally:
-        await runner.stop()
+    await runner.started()
+    yield runner
+    await runner.stop()
 
 
-async def test_one_pass_after_a_group_commit_serves_all_its_submissions(tmp_path):
-    broker = Broker(
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        parse_config(tomllib.loads(TEST_CONFIG)),
-        lease=7200.0,
-        single_writer=True,
-    )
-    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
-    runner.start()
-    try:
-        await runner.started()
-        passes = runner.passes
-        go = threading.Event()
-        held = asyncio.ensure_future(runner.run(go.wait))  # the thread is busy
-        submissions = [
-            asyncio.ensure_future(
-                runner.submit(broker.submit, user="alice", project="vision", gpus=4, kind="batch")
-            )
-            for _ in range(3)
-        ]
-        await asyncio.sleep(0)  # all three queue behind the busy thread
-        go.set()
-        await held
-        answers = await asyncio.gather(*submissions)
-        # Two 4-GPU nodes: the pass grants two and queues the third.
-        assert [a["state"] for a in answers] == ["granted", "granted", "pending"]
-        assert answers[2]["queue_position"] is not None  # its place, as the pass left it
-        assert runner.passes == passes + 1
-        assert not runner.pass_requested
-    finally:
-        await runner.stop()
+def submit(runner: BrokerRunner, gpus: int = 1):
+    return runner.submit(runner.broker.submit, user="alice", project="vision", gpus=gpus,
+                         kind="batch")  # fmt: skip
 
 
-async def test_readers_of_a_shared_read_wait_for_one_computation(tmp_path):
-    broker = Broker(f"sqlite:///{tmp_path / 'b.sqlite'}", parse_config(tomllib.loads(TEST_CONFIG)))
-    runner = BrokerRunner(broker, pass_interval=600.0)
+async def test_a_submission_granted_at_once_is_the_pass(runner):
+    passes = runner.passes
+    made = await submit(runner)
+    assert made["state"] == "granted"
+    assert runner.passes == passes + 1  # the submission's own pass, taken in
+    assert runner.remembered(made["id"])["state"] == "granted"
+    assert not runner.pass_requested  # and no second pass asked for it
+    # A release is a change: the loop's pass is asked for.
+    await runner.change(runner.broker.release, made["id"])
+    assert runner.pass_requested
+    before = runner.passes
+    await runner.run_pass()  # the loop's pass, as it will run it: one more
+    assert runner.passes == before + 1
+
+
+async def test_one_pass_after_a_group_commit_serves_all_its_submissions(runner):
+    passes = runner.passes
+    answers = await while_busy(runner, [submit(runner, gpus=4) for _ in range(3)])
+    # Two 4-GPU nodes: the pass grants two and queues the third.
+    assert [a["state"] for a in answers] == ["granted", "granted", "pending"]
+    assert answers[2]["queue_position"] is not None  # its place, as the pass left it
+    assert runner.passes == passes + 1
+    assert not runner.pass_requested
+
+
+async def test_readers_of_a_shared_read_wait_for_one_computation(runner):
     calls: list[int] = []
 
     def projects() -> list:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("the database hiccuped")
-        return broker.projects()
+        return runner.broker.projects()
 
-    try:
-        failed = await asyncio.gather(
-            *(runner.read_between_passes(projects) for _ in range(5)), return_exceptions=True
-        )
-        assert [str(answer) for answer in failed] == ["the database hiccuped"] * 5
-        answers = await asyncio.gather(*(runner.read_between_passes(projects) for _ in range(20)))
-        assert len(calls) == 2  # one failed computation, not kept; then one for twenty readers
-        assert all(answer == answers[0] for answer in answers)
-    finally:
-        await runner.stop()
+    failed = await asyncio.gather(
+        *(runner.read_between_passes(projects) for _ in range(5)), return_exceptions=True
+    )
+    assert [str(answer) for answer in failed] == ["the database hiccuped"] * 5
+    answers = await asyncio.gather(*(runner.read_between_passes(projects) for _ in range(20)))
+    assert len(calls) == 2  # one failed computation, not kept; then one for twenty readers
+    assert all(answer == answers[0] for answer in answers)
