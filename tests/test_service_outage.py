@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import _postgres_database
@@ -22,40 +23,50 @@ from sqlalchemy.engine import make_url
 LEASE = 2.0
 
 
+def loses_no_slice(service, outage) -> None:
+    """A granted, heartbeated slice outlives ``outage`` (a context manager keeping
+    the database out of reach) lasting three leases, with its lease extended by the
+    first pass after it."""
+    alice = service.token("alice")
+    made = service.post(
+        "/slices", token=alice, json={"project": "vision", "gpus": 1, "kind": "batch"}
+    ).json()
+    wait_until(
+        lambda: service.get(f"/slices/{made['id']}", token=alice).json()["state"] == "granted",
+        30,
+        "the grant",
+    )
+    service.post(f"/slices/{made['id']}/heartbeat", token=alice)
+    with outage:  # the holder cannot heartbeat and no pass can run
+        began = time.monotonic()
+        # The outage is the test's subject, not a synchronisation: it must last.
+        while time.monotonic() - began < 3 * LEASE:
+            time.sleep(0.2)
+    wait_until(
+        lambda: "extended the leases of 1 live slices" in service.log_text(),
+        60,
+        "the first pass after the outage",
+    )
+    after = service.get(f"/slices/{made['id']}", token=alice).json()
+    assert after["state"] == "granted", after
+    assert after["lease_expires_at"] > time.time()
+
+
+@contextlib.contextmanager
+def write_locked(path: Path) -> Iterator[None]:
+    """Another process holds the SQLite database's write lock."""
+    lock = sqlite3.connect(path, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
 def test_a_database_locked_longer_than_the_lease_loses_no_slice(tmp_path):
     with running_service(tmp_path, lease=LEASE, pass_interval=0.5) as service:
-        alice = service.token("alice")
-        made = service.post(
-            "/slices", token=alice, json={"project": "vision", "gpus": 1, "kind": "batch"}
-        ).json()
-        wait_until(
-            lambda: service.get(f"/slices/{made['id']}", token=alice).json()["state"] == "granted",
-            30,
-            "the grant",
-        )
-        service.post(f"/slices/{made['id']}/heartbeat", token=alice)
-
-        # Another process takes the database's write lock for three leases' time:
-        # the holder cannot heartbeat and no pass can run.
-        lock = sqlite3.connect(tmp_path / "broker.sqlite", isolation_level=None)
-        lock.execute("BEGIN EXCLUSIVE")
-        locked_at = time.monotonic()
-        try:
-            # The outage is the test's subject, not a synchronisation: it must last.
-            while time.monotonic() - locked_at < 3 * LEASE:
-                time.sleep(0.2)
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
-
-        wait_until(
-            lambda: "extended the leases of 1 live slices" in service.log_text(),
-            30,
-            "the first pass after the outage",
-        )
-        after = service.get(f"/slices/{made['id']}", token=alice).json()
-        assert after["state"] == "granted", after
-        assert after["lease_expires_at"] > time.time()
+        loses_no_slice(service, write_locked(tmp_path / "broker.sqlite"))
 
 
 class Relay:
@@ -96,6 +107,15 @@ class Relay:
         for end in (source, sink):
             end.close()
 
+    @contextlib.contextmanager
+    def severed(self) -> Iterator[None]:
+        """Out of reach while inside."""
+        self.sever()
+        try:
+            yield
+        finally:
+            self.cut.clear()
+
     def sever(self) -> None:
         self.cut.set()
         with self.lock:
@@ -104,9 +124,6 @@ class Relay:
                     end.shutdown(socket.SHUT_RDWR)
                 end.close()
             self.sockets.clear()
-
-    def restore(self) -> None:
-        self.cut.clear()
 
     def close(self) -> None:
         self.sever()
@@ -128,31 +145,4 @@ def relayed_postgres() -> Iterator[tuple[str, Relay]]:
 def test_a_postgresql_server_away_longer_than_the_lease_loses_no_slice(tmp_path, relayed_postgres):
     url, relay = relayed_postgres
     with running_service(tmp_path, db_url=url, lease=LEASE, pass_interval=0.5) as service:
-        alice = service.token("alice")
-        made = service.post(
-            "/slices", token=alice, json={"project": "vision", "gpus": 1, "kind": "batch"}
-        ).json()
-        wait_until(
-            lambda: service.get(f"/slices/{made['id']}", token=alice).json()["state"] == "granted",
-            30,
-            "the grant",
-        )
-        service.post(f"/slices/{made['id']}/heartbeat", token=alice)
-
-        relay.sever()  # the server is out of reach: no heartbeat, no pass
-        gone_at = time.monotonic()
-        try:
-            # The outage is the test's subject, not a synchronisation: it must last.
-            while time.monotonic() - gone_at < 3 * LEASE:
-                time.sleep(0.2)
-        finally:
-            relay.restore()
-
-        wait_until(
-            lambda: "extended the leases of 1 live slices" in service.log_text(),
-            60,
-            "the first pass after the outage",
-        )
-        after = service.get(f"/slices/{made['id']}", token=alice).json()
-        assert after["state"] == "granted", after
-        assert after["lease_expires_at"] > time.time()
+        loses_no_slice(service, relay.severed())
