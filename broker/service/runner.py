@@ -369,9 +369,8 @@ class BrokerRunner:
         started = time.perf_counter()
         try:
             decisions, live = self.broker.run_pass_and_list()
-        except Exception as err:
-            log.warning("the pass after a group commit failed (%s); the next pass will run",
-                        str(err).splitlines()[0])  # fmt: skip
+        except Exception as err:  # the loop's pass, which the writes ask for, tries again
+            self._pass_failed(err)
             return answers, None
         by_id = {slice_["id"]: slice_ for slice_ in live}
         refreshed: list[_Answer] = []
@@ -494,17 +493,22 @@ class BrokerRunner:
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            self.metrics.pass_failures.inc()
             self.next_wake = None
-            if isinstance(err, OperationalError | DatabaseTimeout):  # an outage: one line
-                reason = str(err).splitlines()[0]
-                log.error("scheduling pass failed: database unavailable (%s); next try in %g s",
-                          reason, self.pass_interval)  # fmt: skip
-            else:
-                log.exception("scheduling pass failed; next try in %g s", self.pass_interval)
+            self._pass_failed(err)
             return None
         self._passed(decisions, live, time.perf_counter() - started)
         return decisions
+
+    def _pass_failed(self, err: Exception) -> None:
+        """Count and log a failed pass: one line for an outage, a traceback otherwise."""
+        self.metrics.pass_failures.inc()
+        if isinstance(err, OperationalError | DatabaseTimeout):
+            reason = str(err).splitlines()[0]
+            log.error("scheduling pass failed: database unavailable (%s); next try in %g s",
+                      reason, self.pass_interval)  # fmt: skip
+        else:
+            log.error("scheduling pass failed; next try in %g s", self.pass_interval,
+                      exc_info=err)  # fmt: skip
 
     def _passed(self, decisions: Decisions, live: list[dict[str, Any]], seconds: float) -> None:
         """Take in a pass: metrics, the live slices, the next deadline, news for waiters."""
