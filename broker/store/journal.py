@@ -37,6 +37,9 @@ from ..orm import (
 from .rows import LIVE_STATES, _accounts, _Costs, _members, _nodes, _to_slice, _weights
 from .views import _row_view
 
+#: The live slices' rows, oldest first.
+LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+
 
 class Journal:
     """The Broker's transactions: :meth:`_write`, :meth:`_read`, :meth:`group_commit`,
@@ -139,10 +142,7 @@ class Journal:
         """The live slices as ``session`` sees them, by id, oldest first."""
         session.flush()  # what the transaction changed so far reaches them first
         if self._live is None:
-            rows = session.scalars(
-                select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-            )
-            self._live = {row.id: _LiveSlice.of(row) for row in rows}
+            self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
         return self._live
 
     def _live_values(self, session: Session) -> list[Slice]:
@@ -150,10 +150,7 @@ class Journal:
         where they are kept (a single writer, a write under way), else read now."""
         if self.single_writer or self._transaction_depth:
             return [entry.slice for entry in self._live_slices(session).values()]
-        rows = session.scalars(
-            select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
-        )
-        return [_to_slice(row) for row in rows]
+        return [_to_slice(row) for row in session.scalars(LIVE_ROWS)]
 
     def _follow_flush(self, session: Session, _context: Any) -> None:
         """Keep the live slices as the flush just wrote them (ids only grow, so new
