@@ -207,6 +207,9 @@ class SliceRow(Base):
     preempt_reason: Mapped[str | None] = mapped_column(String(32))
     promised: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     lease_expires_at: Mapped[float | None]
+    #: Times preempted so far, and when it last went back to the queue (design.md §5.7).
+    preemptions: Mapped[int] = mapped_column(default=0, server_default="0")
+    queued_at: Mapped[float | None]
     ended_at: Mapped[float | None]
     end_reason: Mapped[str | None] = mapped_column(String(32))
     charged_gpu_seconds: Mapped[float] = mapped_column(default=0.0)

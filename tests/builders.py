@@ -44,7 +44,10 @@ def pending(
     priority: int = 0,
     user: str = "u",
     gpu_type: str | None = None,
-    submitted_at: float = NOW - 10,
+    # In the queue for an hour: past every class's preemption delay unless a test
+    # says otherwise (design.md §5.7).
+    submitted_at: float = NOW - HOUR,
+    preemptions: int = 0,
     id: int | None = None,
 ) -> Slice:
     return Slice(
@@ -57,6 +60,7 @@ def pending(
         gpu_type=gpu_type,
         priority=priority,
         submitted_at=submitted_at,
+        preemptions=preemptions,
     )
 
 

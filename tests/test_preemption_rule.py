@@ -20,7 +20,7 @@ from broker.core.model import (
     SliceKind,
     SliceState,
 )
-from broker.core.preemption import DebugLane, Preemptor, preempt_reason
+from broker.core.preemption import DebugLane, Preemptor, past_budget, preempt_reason
 from broker.core.scheduler import schedule
 from broker.core.standing import Standings
 from broker.core.transitions import requeued
@@ -97,6 +97,7 @@ def clusters(draw):
                     min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR])),
                     kind=draw(st.sampled_from(list(SliceKind))),
                     priority=draw(st.integers(-1, 1)),
+                    preemptions=draw(st.integers(0, 4)),  # around the budget of 3
                 )
             )
             start += size
@@ -188,6 +189,7 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
     event(f"victims={len(found.victims)}")
     for victim, reason in found.victims:
         assert not (victim.allocated and victim.is_protected(NOW))
+        assert not past_budget(victim, preemptor.policy)
         if reason is PreemptReason.UNALLOCATED:
             assert not victim.allocated
         if reason is PreemptReason.FAIR_SHARE:
@@ -207,7 +209,7 @@ def test_each_preemption_protects_the_jobs_next_run_longer_up_to_the_cap():
         job = replace(job, contract=replace(job.contract, min_runtime=ending.protect_next))
     # doubled each time, never past max_min_runtime, so that drains still end in time
     assert protected == [2 * HOUR, 4 * HOUR, 4 * HOUR, 4 * HOUR]
-    assert requeued(job, ending.protect_next).contract.min_runtime == 4 * HOUR
+    assert requeued(job, NOW, ending.protect_next).contract.min_runtime == 4 * HOUR
 
 
 def test_a_node_going_down_and_free_work_keep_their_protection():

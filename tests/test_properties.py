@@ -59,7 +59,7 @@ from broker.core.model import (
     Snapshot,
 )
 from broker.core.ordering import within_project_key
-from broker.core.preemption import is_debug
+from broker.core.preemption import grace_for, is_debug, past_budget, preemption_delay
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply, end_slice
 from broker.errors import InvalidRequest
@@ -467,12 +467,20 @@ def check_preemptions(snap: Snapshot, decisions: Decisions) -> None:
             f"slice {victim.id} preempted while {victim.state}"
         )
         assert not victim.is_protected(snap.now), f"protected slice {victim.id} preempted"
-        assert p.deadline == snap.now + snap.policy.grace_period
         if p.reason is PreemptReason.DRAIN:
+            assert p.deadline == snap.now + snap.policy.grace_period
             assert any(nodes[pl.node].state is NodeState.DRAINING for pl in victim.placements)
             continue
         requester = live[p.for_slice] if p.for_slice is not None else None
         assert requester is not None and requester.allocated, "only allocated work preempts"
+        assert p.deadline == snap.now + grace_for(requester, victim, snap.policy)
+        assert not past_budget(victim, snap.policy), f"slice {victim.id} past its budget taken"
+        if victim.allocated:
+            waited = snap.now - requester.waiting_since
+            assert waited >= preemption_delay(requester, snap.policy), (
+                f"slice {requester.id} preempted allocated work after waiting {waited} s"
+            )
+        assert p.for_slice not in decisions.deferred
         assert requester.state is SliceState.PENDING or p.for_slice in requeued
         assert p.for_slice in {r.slice_id for r in decisions.reservations if r.promised}
         if p.reason is PreemptReason.UNALLOCATED:

@@ -129,20 +129,21 @@ def test_slurm_like_keeps_the_top_blocked_jobs_nodes_from_later_work():
 # ---- ours: the real pass ----------------------------------------------------------------
 
 
-def test_fairshare_a_debug_session_preempts_batch_and_waits_only_the_grace_period():
+def test_fairshare_a_debug_session_preempts_batch_and_waits_only_the_debug_grace_period():
     jobs = [
         job(0, 0, "b", 8, 1000, resumable=True),  # protected for 60 s, then preemptible
         job(1, 100, "a", 1, 300, kind=SliceKind.INTERACTIVE, min_runtime=900),
     ]
     result = run(FairShare(ACCOUNTS), workload(jobs))
-    # preempted at 100, reclaimed at 160 (60 s grace), session runs 160-460; the batch
-    # job, requeued with 1000 - 160 = 840 s left, needs all 8 GPUs again: 460-1300
-    # (the debug lane: fair share alone would not give a 1-GPU request all 8 of b's GPUs)
-    assert times(result, "granted") == {0: [0.0, 460.0], 1: [160.0]}
+    # preempted at 100, reclaimed at 120 (the 20 s debug grace), session runs 120-420;
+    # the batch job, requeued with 1000 - 120 = 880 s left, needs all 8 GPUs again:
+    # 420-1300 (the debug lane: fair share alone would not give a 1-GPU request all
+    # 8 of b's GPUs)
+    assert times(result, "granted") == {0: [0.0, 420.0], 1: [120.0]}
     assert first(result, "preempted (debug_lane)") == {0: 100.0}
-    assert first(result, "released") == {1: 460.0, 0: 1300.0}
+    assert first(result, "released") == {1: 420.0, 0: 1300.0}
     s = result.summary
-    assert s["waits"]["debug"]["p50"] == 60.0
+    assert s["waits"]["debug"]["p50"] == 20.0
     assert s["preemptions"] == {"debug_lane": 1} and s["lost_gpu_hours"] == 0.0
     # FIFO makes the session wait for the whole batch job
     assert first(run(Fifo(ACCOUNTS), workload(jobs)), "granted")[1] == 1000.0

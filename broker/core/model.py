@@ -126,6 +126,14 @@ class Slice:
     preempt_deadline: float | None = None
     promised: tuple[Placement, ...] = ()
     lease_expires_at: float | None = None
+    preemptions: int = 0  # times preempted so far (design.md §5.7: its budget)
+    queued_at: float | None = None  # when it last entered the queue; None: at submission
+
+    @property
+    def waiting_since(self) -> float:
+        """When this request last entered the queue: its submission, or its requeue
+        after a preemption (its place in the queue is still ``submitted_at``)."""
+        return self.submitted_at if self.queued_at is None else self.queued_at
 
     @property
     def allocated(self) -> bool:
@@ -174,6 +182,18 @@ class Policy:
     # A preempted job's next protected period is this many times its last, up to
     # max_min_runtime (1: as before), so the same job is not taken again and again.
     preemption_backoff: float = 2.0
+    # Preemptions a job may suffer; past them it is preempted only by a drain or
+    # a node going down (design.md §5.7). None: no budget.
+    preemption_budget: int | None = 3
+    # How long a request waits for natural releases before it may preempt
+    # allocated work, per class (design.md §5.7): a preemption costs its victim a
+    # restart and its work since the last checkpoint, waiting costs the requester.
+    batch_preemption_delay: float = 15 * 60.0
+    interactive_preemption_delay: float = 60.0
+    debug_preemption_delay: float = 0.0
+    # The grace a batch slice gets when a debug session preempts it: debug
+    # sessions get a GPU within this, the batch runner checkpoints on SIGTERM.
+    debug_grace_period: float = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,4 +286,6 @@ class Decisions:
     reservations: tuple[Reservation, ...] = ()
     node_changes: tuple[NodeChange, ...] = ()
     queue: tuple[QueueEntry, ...] = ()
+    # Requests that could have preempted but wait for releases instead (design.md §5.7).
+    deferred: tuple[int, ...] = ()
     phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)

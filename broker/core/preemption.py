@@ -27,6 +27,35 @@ def is_debug(slice_: Slice, policy: Policy) -> bool:
     )
 
 
+def past_budget(slice_: Slice, policy: Policy) -> bool:
+    """Whether an allocated slice has been preempted as often as a job may be: it
+    is no longer anyone's victim, but a drain's or a node going down (design.md §5.7)."""
+    budget = policy.preemption_budget
+    return budget is not None and slice_.allocated and slice_.preemptions >= budget
+
+
+def preemption_delay(slice_: Slice, policy: Policy) -> float:
+    """How long ``slice_`` waits for natural releases before it may preempt
+    allocated work: short for a debug session, longer for batch (design.md §5.7)."""
+    if is_debug(slice_, policy):
+        return policy.debug_preemption_delay
+    if slice_.kind is SliceKind.INTERACTIVE:
+        return policy.interactive_preemption_delay
+    return policy.batch_preemption_delay
+
+
+def grace_for(requester: Slice | None, victim: Slice, policy: Policy) -> float:
+    """The grace ``victim`` gets to checkpoint when preempted for ``requester``.
+
+    A batch slice preempted for a debug session gets ``debug_grace_period`` (the
+    batch runner checkpoints on SIGTERM), so that the session starts in seconds;
+    every other victim, a notebook above all, gets ``grace_period``.
+    """
+    if requester is not None and victim.kind is SliceKind.BATCH and is_debug(requester, policy):
+        return min(policy.debug_grace_period, policy.grace_period)
+    return policy.grace_period
+
+
 @dataclass
 class DebugLane:
     """GPUs held by debug sessions, in all and per user, against the lane's limits."""
@@ -75,23 +104,25 @@ def preempt_reason(
 ) -> PreemptReason | None:
     """Why ``requester`` may preempt ``victim`` at ``now``, or None if it may not.
 
-    Only allocated requests preempt, and only slices past protection:
+    Only allocated requests preempt, and only slices past protection and within
+    their preemption budget (:func:`past_budget`):
 
     1. unallocated slices, always (they were free and knew it);
     2. the same project's work that ranks below the request in
        :func:`~broker.core.ordering.within_project_key`;
     3. another project's work when fair share now allows the move
-       (:meth:`Standings.may_take`): the requester's project gains the request's
-       GPUs, the victim's project loses all of the victim's (``weight`` per GPU),
-       on top of ``lost_before`` it already loses to this request (``gang``: the
-       request is larger than any node);
+       (:meth:`Standings.may_take`): the victim's project is above its fair share
+       and the move brings the two closer where their paths part; the requester's
+       project gains the request's GPUs, the victim's project loses all of the
+       victim's (``weight`` per GPU), on top of ``lost_before`` it already loses
+       to this request (``gang``: the request is larger than any node);
     4. a batch slice, for a debug session the debug lane admits.
     """
     if not requester.allocated or victim.state is not SliceState.GRANTED:
         return None
     if not victim.allocated:
         return PreemptReason.UNALLOCATED
-    if victim.is_protected(now):
+    if victim.is_protected(now) or past_budget(victim, policy):
         return None
     if victim.project == requester.project:
         if within_project_key(victim) > within_project_key(requester):
@@ -99,7 +130,9 @@ def preempt_reason(
         return None
     gained = requester.gpus * weight
     lost = lost_before + victim.gpus * weight
-    if standings.may_take(requester.project, victim.project, gained, lost, gang=gang):
+    if standings.may_take(
+        requester.project, victim.project, gained, lost, gang=gang, lost_before=lost_before
+    ):
         return PreemptReason.FAIR_SHARE
     if victim.kind is SliceKind.BATCH and is_debug(requester, policy) and lane.admits(requester):
         return PreemptReason.DEBUG_LANE
@@ -131,7 +164,11 @@ class Preemptor:
         # each holds there.
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         for slice_ in running:
-            if slice_.state is SliceState.GRANTED and not slice_.is_protected(now):
+            if (
+                slice_.state is SliceState.GRANTED
+                and not slice_.is_protected(now)
+                and not past_budget(slice_, policy)
+            ):
                 for placement in slice_.placements:
                     self.candidates.setdefault(placement.node, []).append(
                         (slice_, len(placement.gpu_indices))

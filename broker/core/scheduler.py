@@ -37,7 +37,15 @@ from .model import (
 )
 from .ordering import project_rank, queue_order, within_project_key
 from .placement import FreeGpus
-from .preemption import DebugLane, Preemptor, Victims, is_debug, preempt_reason
+from .preemption import (
+    DebugLane,
+    Preemptor,
+    Victims,
+    grace_for,
+    is_debug,
+    preempt_reason,
+    preemption_delay,
+)
 from .standing import Standings
 from .transitions import granted, requeued
 
@@ -81,6 +89,8 @@ class _Pass:
         self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
         self.leaving: set[int] = set()  # preempted in this pass
+        self.leaving_at: dict[int, float] = {}  # their grace deadlines
+        self.deferred: list[int] = []  # requests that wait for releases instead
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
         self._spans_memo: dict[tuple, tuple[str, ...]] = {}
@@ -90,6 +100,8 @@ class _Pass:
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
+        # node -> (known end, GPUs) of holders with a maximum runtime; see _released_by
+        self._expiring: dict[str, list[tuple[float, int]]] | None = None
         # GPUs still held by slices preempted in this pass, lent to the queue:
         # (node, GPU) -> when they are free (the victim's grace deadline)
         self.freeing: dict[tuple[str, int], float] = {}
@@ -121,6 +133,7 @@ class _Pass:
             reservations=tuple(self.reservations),
             node_changes=tuple(self.node_changes),
             queue=tuple(self.queue),
+            deferred=tuple(self.deferred),
             phase_seconds=self.timings,
         )
 
@@ -138,7 +151,7 @@ class _Pass:
         self.endings.append(Ending(slice_.id, reason, requeue, protect_next))
         if requeue:
             # Back in the queue at once, so this very pass may grant it again.
-            self.live[slice_.id] = requeued(slice_, protect_next)
+            self.live[slice_.id] = requeued(slice_, self.now, protect_next)
         else:
             self.ended.add(slice_.id)
 
@@ -197,26 +210,35 @@ class _Pass:
                 and slice_.state is SliceState.GRANTED
                 and not slice_.is_protected(self.now)
             ):
-                self._preempt(slice_, PreemptReason.DRAIN, None)
+                self._preempt(slice_, PreemptReason.DRAIN, None, self.policy.grace_period)
         for node in sorted(self.nodes.values(), key=lambda n: n.name):
             if node.state is NodeState.DRAINING and node.name not in busy:
                 self.node_changes.append(
                     NodeChange(node.name, NodeState.DRAINED, "empty after drain")
                 )
 
-    def _preempt(self, slice_: Slice, reason: PreemptReason, for_slice: int | None) -> None:
-        deadline = self.now + self.policy.grace_period
+    def _preempt(
+        self, slice_: Slice, reason: PreemptReason, for_slice: int | None, grace: float
+    ) -> float:
+        """Preempt ``slice_`` with ``grace`` seconds to checkpoint; its deadline."""
+        deadline = self.now + grace
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
         self.leaving.add(slice_.id)
+        self.leaving_at[slice_.id] = deadline
         self._releases.clear()  # a leaving slice frees its GPUs sooner
+        return deadline
 
-    def _preempt_for(self, victim: Slice, reason: PreemptReason, requester: Slice) -> None:
+    def _preempt_for(self, victim: Slice, reason: PreemptReason, requester: Slice) -> float:
         """Preempt a running slice for ``requester``: it is no candidate any more, and
-        its project's standing drops by what it held, for the rest of the pass."""
-        self._preempt(victim, reason, requester.id)
+        its project's standing drops by what it held, for the rest of the pass.
+        Returns when its GPUs are free (:func:`grace_for`)."""
+        deadline = self._preempt(
+            victim, reason, requester.id, grace_for(requester, victim, self.policy)
+        )
         self.preemptor.remove(victim)
         if victim.allocated:
             self.standings.record(victim.project, -self._weighted(victim.placements))
+        return deadline
 
     # -- phase 3 -----------------------------------------------------------
 
@@ -358,7 +380,7 @@ class _Pass:
         self.grants.append(Grant(slice_.id, placements))
         return None
 
-    def _pass_on_leftovers(self, found: Victims, deadline: float) -> None:
+    def _pass_on_leftovers(self, found: Victims, deadlines: dict[int, float]) -> None:
         """Offer the GPUs the victims free beyond the request's need to the rest of
         the queue, promised to whoever fits them (design.md §5.3): a preemption
         never leaves GPUs idle while work waits."""
@@ -371,6 +393,7 @@ class _Pass:
                 rest = tuple(i for i in placement.gpu_indices if (placement.node, i) not in taken)
                 if rest:
                     leftover.append(Placement(placement.node, rest))
+                    deadline = deadlines[victim.id]
                     self.freeing.update(((placement.node, i), deadline) for i in rest)
         if leftover:
             self.free.give(leftover)
@@ -452,16 +475,21 @@ class _Pass:
             estimated: float | None = None
             if tries_preemption:
                 found = self.preemptor.find(slice_, self.free.free)
+                if found is not None and not self._worth_preempting(slice_, found):
+                    self.deferred.append(slice_.id)
+                    found = None
                 if found is not None:
-                    for victim, reason in found.victims:
-                        self._preempt_for(victim, reason, slice_)
-                    deadline = self.now + self.policy.grace_period
+                    deadlines = {
+                        victim.id: self._preempt_for(victim, reason, slice_)
+                        for victim, reason in found.victims
+                    }
+                    deadline = max(deadlines.values())
                     promise = Reservation(slice_.id, (found.placement,), True, deadline)
                     self.reservations.append(promise)
                     self.free.take(promise.placements)
                     self._count(slice_, promise.placements)
                     enqueue(QueueEntry(slice_.id, position, value, deadline))
-                    self._pass_on_leftovers(found, deadline)
+                    self._pass_on_leftovers(found, deadlines)
                     blocked_shapes.clear()
                     continue
             if planned < self.policy.max_reservations:
@@ -486,6 +514,48 @@ class _Pass:
             enqueue(QueueEntry(slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
+
+    def _worth_preempting(self, requester: Slice, found: Victims) -> bool:
+        """Whether the preemption ``found`` buys ``requester`` what waiting would not
+        (design.md §5.7).
+
+        Free (unallocated) victims always give way: that was their contract.
+        Allocated victims pay a restart and their work since the last
+        checkpoint, so the request first waits :func:`preemption_delay` for
+        natural releases — how fast the cluster frees GPUs of its shape is
+        observed that way, not assumed — and is not served by a release this
+        pass already knows of (a maximum runtime ending) before the victims'
+        grace would end anyway.
+        """
+        if all(not victim.allocated for victim, _ in found.victims):
+            return True
+        if self.now - requester.waiting_since < preemption_delay(requester, self.policy):
+            return False
+        grace = max(grace_for(requester, victim, self.policy) for victim, _ in found.victims)
+        return not self._released_by(requester, self.now + grace)
+
+    def _released_by(self, requester: Slice, until: float) -> bool:
+        """Whether GPUs that holders are known to give back by ``until`` (their
+        maximum runtime ends) make ``requester`` fit on one node."""
+        if self._expiring is None:
+            self._expiring = {}
+            for holder in self.holding:
+                ends = holder.ends_at()
+                if holder.state is SliceState.GRANTED and ends is not None:
+                    for placement in holder.placements:
+                        self._expiring.setdefault(placement.node, []).append(
+                            (ends, len(placement.gpu_indices))
+                        )
+        for name, expiring in self._expiring.items():
+            node = self.free.nodes.get(name)
+            if node is None or node.gpu_count < requester.gpus:
+                continue
+            if requester.gpu_type is not None and node.gpu_type != requester.gpu_type:
+                continue
+            released = sum(gpus for ends, gpus in expiring if ends <= until)
+            if released and released + len(self.free.free.get(name, ())) >= requester.gpus:
+                return True
+        return False
 
     def _blocked_until(
         self, backlog: list[Slice], start: int, reserved: list[tuple[Reservation, Slice]]
@@ -557,6 +627,12 @@ class _Pass:
             remaining -= take
         if remaining or any((p.node, i) in promised for p in placements for i in p.gpu_indices):
             return False
+        waited = self.now - slice_.waiting_since
+        if any(victim.allocated for victim, _ in victims) and waited < preemption_delay(
+            slice_, self.policy
+        ):
+            self.deferred.append(slice_.id)
+            return False  # as any request, it first waits for releases (design.md §5.7)
         self._gang_claimed = True
         for victim, reason in victims:
             if victim.id not in self.leaving:
@@ -601,7 +677,7 @@ class _Pass:
         once its protection is over (judged on the standings of now)."""
         known = holder.ends_at()
         if holder.id in self.leaving:
-            return self.now + self.policy.grace_period
+            return self.leaving_at[holder.id]
         protected_until = holder.protected_until
         if protected_until is None:
             protected_until = self.now

@@ -75,9 +75,24 @@ class Standings:
         }
 
     def may_take(
-        self, mine: str, theirs: str, gained: float, lost: float, *, gang: bool = False
+        self,
+        mine: str,
+        theirs: str,
+        gained: float,
+        lost: float,
+        *,
+        gang: bool = False,
+        lost_before: float = 0.0,
     ) -> bool:
         """Whether project ``mine`` may take running GPUs from project ``theirs``.
+
+        ``theirs`` must be above its own fair share now, and so must its account
+        where the two paths part, after the ``lost_before`` (of ``lost``) that
+        earlier victims of the same request already cost it: a project at or
+        under its share is never a victim of fair share, whoever asks
+        (design.md §5.7). The last victim may still take it below its share:
+        with whole jobs of several GPUs, requiring it to stay at or above blocks
+        most moves.
 
         Compared where their paths part in the tree (so GPUs never move from an
         organisation below its share to one above it): after ``mine`` gains
@@ -98,8 +113,8 @@ class Standings:
         for it fall due, it may also take them while ``mine`` holds less than its
         fair share now and ``theirs`` more than its own.
 
-        Larger ``gained`` or ``lost`` only make it harder: with both 0 it is at
-        its most lenient.
+        Larger ``gained``, ``lost`` or ``lost_before`` only make it harder: with
+        all 0 it is at its most lenient.
         """
         key = (mine, theirs)
         level = self._partings.get(key)
@@ -107,6 +122,10 @@ class Standings:
             level = self._partings[key] = self.tree.parting(mine, theirs)
         if level is None:
             return False  # one project: its own order decides, not fair share
+        if self.standing(theirs, -lost_before) <= 1.0:
+            return False
+        if level.theirs != theirs and self.standing(level.theirs, -lost_before) <= 1.0:
+            return False
         if gang and self.standing(level.mine) < 1.0 < self.standing(level.theirs):
             return True
         return self.standing(level.mine, gained) <= self.standing(level.theirs, -lost)

@@ -26,11 +26,14 @@ class Applied:
     charges: list[LedgerEntry] = field(default_factory=list)
 
 
-def requeued(slice_: Slice, protect_next: float | None = None) -> Slice:
-    """``slice_`` back in the queue, holding and promised nothing, with its place in
-    it (``submitted_at``) kept; its lease starts again with its next heartbeat.
-    ``protect_next`` is its next run's protected period, where the pass chose a
-    new one (:attr:`~broker.core.model.Ending.protect_next`).
+def requeued(slice_: Slice, now: float, protect_next: float | None = None) -> Slice:
+    """``slice_`` back in the queue at ``now``, holding and promised nothing, with its
+    place in it (``submitted_at``) kept; its lease starts again with its next
+    heartbeat. ``protect_next`` is its next run's protected period, where the pass
+    chose a new one (:attr:`~broker.core.model.Ending.protect_next`).
+
+    Its wait for a preemption of its own starts again at ``now`` (``queued_at``):
+    a victim that could take GPUs back at once would only swap seats.
     """
     contract = slice_.contract
     if protect_next is not None:
@@ -44,12 +47,19 @@ def requeued(slice_: Slice, protect_next: float | None = None) -> Slice:
         preempt_deadline=None,
         promised=(),
         lease_expires_at=None,
+        queued_at=now,
     )
 
 
 def preempting(slice_: Slice, deadline: float) -> Slice:
-    """``slice_`` preempted: it keeps its GPUs until ``deadline``, the end of its grace."""
-    return replace(slice_, state=SliceState.PREEMPTING, preempt_deadline=deadline)
+    """``slice_`` preempted: it keeps its GPUs until ``deadline``, the end of its grace,
+    and one more preemption counts against its budget."""
+    return replace(
+        slice_,
+        state=SliceState.PREEMPTING,
+        preempt_deadline=deadline,
+        preemptions=slice_.preemptions + 1,
+    )
 
 
 def granted(slice_: Slice, placements: tuple[Placement, ...], now: float) -> Slice:
@@ -93,7 +103,7 @@ def apply(
         if entry is not None:
             result.charges.append(entry)
         if ending.requeue:
-            live[slice_.id] = requeued(slice_, ending.protect_next)
+            live[slice_.id] = requeued(slice_, now, ending.protect_next)
             result.requeued.append(live[slice_.id])
         else:
             result.ended.append((slice_, ending.reason))

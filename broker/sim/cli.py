@@ -122,6 +122,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(policy preemption_backoff; 2, 1 = off)",
     )
     sim.add_argument(
+        "--batch-preemption-delay",
+        type=float,
+        default=15 * 60.0,
+        metavar="S",
+        help="seconds a batch request waits for releases before it may preempt "
+        "(policy batch_preemption_delay; 900)",
+    )
+    sim.add_argument(
+        "--preemption-budget",
+        type=int,
+        default=3,
+        metavar="K",
+        help="preemptions a job may suffer, drains aside (policy preemption_budget; 3, "
+        "0 = no budget)",
+    )
+    sim.add_argument(
+        "--debug-grace",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="grace of a batch slice preempted for a debug session (s) "
+        "(policy debug_grace_period; 20)",
+    )
+    sim.add_argument(
         "--restart-cost",
         type=float,
         default=5 * 60.0,
@@ -225,7 +249,12 @@ def run(args: argparse.Namespace) -> int:
     if args.debug_headroom < 0:  # before the workload is built, which can take a while
         print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
         return USAGE_ERROR
+    if args.preemption_budget < 0:
+        print("error: --preemption-budget takes a count, 0 or more", file=sys.stderr)
+        return USAGE_ERROR
     for option, value in (
+        ("--batch-preemption-delay", args.batch_preemption_delay),
+        ("--debug-grace", args.debug_grace),
         ("--restart-cost", args.restart_cost),
         ("--checkpoint-interval", args.checkpoint_interval),
     ):
@@ -257,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
         grace_period=args.grace,
         debug_headroom=args.debug_headroom,
         preemption_backoff=args.preemption_backoff,
+        batch_preemption_delay=args.batch_preemption_delay,
+        preemption_budget=args.preemption_budget or None,
+        debug_grace_period=args.debug_grace,
     )
     say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(

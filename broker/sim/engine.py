@@ -47,6 +47,7 @@ from ..core.model import (
     EndReason,
     Node,
     NodeState,
+    PreemptReason,
     Slice,
     SliceKind,
     SliceState,
@@ -127,6 +128,11 @@ class _Run:
     overhead: float = 0.0  # seconds of restart before the work goes on, at the next grant
     overhead_cause: str = PREEMPTION  # what made the restart necessary
     within_cap: bool | None = None  # debug sessions: within the user's cap when asked
+    # The last preemption that chose it as a victim (not a drain): when, and the
+    # GPU-seconds it cost (work since the checkpoint, then the restart).
+    preempted_at: float | None = None
+    preemption_cost: float = 0.0
+    deferred_at: float | None = None  # first pass that let it wait instead of preempt
 
 
 @dataclass
@@ -478,8 +484,17 @@ class Simulation:
             self._ended(now, slice_, reason)
         for slice_ in applied.requeued:
             self._requeued(now, before[slice_.id], reasons[slice_.id])
+        for slice_id in decisions.deferred:
+            run = self.runs[slice_id]
+            if run.deferred_at is None:
+                run.deferred_at = now
         for preemption in decisions.preemptions:
-            job = self.runs[preemption.slice_id].job
+            run = self.runs[preemption.slice_id]
+            job = run.job
+            if preemption.reason is not PreemptReason.DRAIN:
+                run.preempted_at = now
+            if preemption.for_slice is not None:
+                self.runs[preemption.for_slice].deferred_at = None  # it preempted after all
             self.recorder.preempted(now, job, preemption.reason.value)
             self._note(now, f"preempted ({preemption.reason.value})", job)
             self._push(preemption.deadline, _WAKE)
@@ -507,6 +522,13 @@ class Simulation:
         self.recorder.queue(now, -job.gpus)
         self.recorder.hold(now, job, job.gpus)
         self._note(now, "granted", job)
+        if run.deferred_at is not None:
+            self.recorder.avoided(now - run.deferred_at)
+            run.deferred_at = None
+        if run.preempted_at is not None:
+            cost = run.preemption_cost + run.overhead * job.gpus
+            self.recorder.regranted(now - run.preempted_at, cost)
+            run.preempted_at = None
         if not run.waited:
             run.waited = True
             self.recorder.waited(
@@ -557,6 +579,7 @@ class Simulation:
         cause = FAILURE if reason is EndReason.NODE_DOWN else self._ending_cause
         self.recorder.waste(now - lost, now, job.gpus, cause, SINCE_CHECKPOINT)
         run.remaining = max(1.0, run.remaining - (worked - lost))
+        run.preemption_cost = lost * job.gpus
         run.overhead, run.overhead_cause = self.config.restart_cost, cause
         self.recorder.requeued += 1
         self.recorder.endings[f"{reason.value} (requeued)"] += 1

@@ -46,6 +46,10 @@ LARGE_GANG_GPUS = 32  # a class every trace with big jobs has, whatever its clus
 # What wasted GPU-time was: a restart, progress since the last checkpoint, or a
 # job that does not checkpoint run again from the start.
 RESTART, SINCE_CHECKPOINT, RERUN = "restart", "since checkpoint", "rerun"
+# A victim granted again this soon after its preemption only swapped seats with its
+# requester: the preemption bought little that waiting would not (design.md §5.7).
+MUSICAL_CHAIRS = HOUR
+
 # Why: a preemption by the policy, an operator ending work on an overdue drain, or a
 # failed node.
 PREEMPTION, OPERATOR, FAILURE = "preemption", "operator", "failure"
@@ -157,6 +161,14 @@ class Recorder:
     preemptions: Counter = field(default_factory=Counter)
     preemptions_by_job: Counter = field(default_factory=Counter)  # job id -> times preempted
     preemptions_by_hour: dict[str, list[int]] = field(default_factory=dict)  # reason -> counts
+    # Musical chairs: victims granted again within MUSICAL_CHAIRS of their
+    # preemption, and the GPU-seconds those preemptions cost them
+    musical_chairs: int = 0
+    musical_chairs_gpu_seconds: float = 0.0
+    # Preemptions avoided: requests the pass let wait for releases instead, that
+    # were then granted without preempting, and what they waited for it
+    avoided_preemptions: int = 0
+    avoided_wait_seconds: list[float] = field(default_factory=list)
     # waits of classes that overlap those above: debug sessions within the per-user
     # cap and beyond it, batch jobs of LARGE_GANG_GPUS or more
     group_waits: dict[str, list[float]] = field(default_factory=dict)
@@ -223,6 +235,18 @@ class Recorder:
         self.preemptions[reason] += 1
         self.preemptions_by_job[job.id] += 1
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
+
+    def regranted(self, after: float, cost_gpu_seconds: float) -> None:
+        """A preempted victim granted again ``after`` seconds; its preemption cost it
+        ``cost_gpu_seconds``."""
+        if after <= MUSICAL_CHAIRS:
+            self.musical_chairs += 1
+            self.musical_chairs_gpu_seconds += cost_gpu_seconds
+
+    def avoided(self, waited: float) -> None:
+        """A request that could have preempted waited ``waited`` more seconds instead."""
+        self.avoided_preemptions += 1
+        self.avoided_wait_seconds.append(waited)
 
     def waste(self, start: float, end: float, gpus: int, cause: str, what: str) -> None:
         """``gpus`` GPUs held from ``start`` to ``end`` for nothing (``what``: RESTART,
@@ -461,6 +485,12 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "jobs_preempted_more_than_3": sum(1 for c in per_job.values() if c > 3),
         "preemptions_per_1000_gpu_hours": 1000 * total / held if held else None,
         "preemptions_per_completed_job": total / recorder.completed if recorder.completed else None,
+        "musical_chairs": recorder.musical_chairs,
+        "musical_chairs_share": recorder.musical_chairs / total if total else None,
+        "musical_chairs_gpu_hours": recorder.musical_chairs_gpu_seconds / HOUR,
+        "avoided_preemptions": recorder.avoided_preemptions,
+        "avoided_wait_p50": percentile(recorder.avoided_wait_seconds, 50),
+        "avoided_wait_p90": percentile(recorder.avoided_wait_seconds, 90),
     }
 
 

@@ -159,6 +159,22 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "musical chairs: victims granted again within 1 h (GPU-h they cost)",
+        lambda s, _: (
+            f"{_maybe(s, 'musical_chairs', lambda v: f'{v:,}')} "
+            f"({_maybe(s, 'musical_chairs_share', _pct)} of preemptions, "
+            f"{_maybe(s, 'musical_chairs_gpu_hours', lambda v: f'{v:,.1f}')})"
+        ),
+    )
+    row(
+        "preemptions avoided by waiting (their wait p50 / p90)",
+        lambda s, _: (
+            f"{_maybe(s, 'avoided_preemptions', lambda v: f'{v:,}')} "
+            f"({_maybe(s, 'avoided_wait_p50', fmt_duration)} / "
+            f"{_maybe(s, 'avoided_wait_p90', fmt_duration)})"
+        ),
+    )
+    row(
         "GPU-h lost to preemption (restarts)",
         lambda s, _: (
             f"{_maybe(s, 'preemption_lost_gpu_hours', lambda v: f'{v:,.1f}')} "
@@ -307,6 +323,7 @@ def _churn_goals(ours: Mapping[str, Any]) -> list[Goal]:
     most = ours.get("preemptions_per_job_max")
     over = ours.get("jobs_preempted_more_than_3")
     rate = ours.get("preemptions_per_completed_job")
+    chairs = ours.get("musical_chairs_share")
     return [
         (
             "no job preempted more than 3 times",
@@ -319,6 +336,13 @@ def _churn_goals(ours: Mapping[str, Any]) -> list[Goal]:
             None if rate is None else rate <= 0.1,
             f"{_maybe(ours, 'preemptions_per_completed_job', lambda v: f'{10 * v:.1f}')} per 10 "
             f"({ours['preemptions_total']:,} for {ours['completed']:,})",
+        ),
+        (
+            "musical chairs ≤ 5% of preemptions",
+            None if chairs is None else chairs <= 0.05,
+            f"{_maybe(ours, 'musical_chairs_share', _pct)} "
+            f"({_maybe(ours, 'musical_chairs', lambda v: f'{v:,}')} victims granted again "
+            "within 1 h)",
         ),
     ]
 

@@ -910,7 +910,7 @@ class Broker(Journal):
         row.promised = []
         row.queue_position = row.fairshare_value = row.estimated_start = None
         if requeue and before in HELD_STATES:
-            _write_state(row, transitions.requeued(_to_slice(row), protect_next))
+            _write_state(row, transitions.requeued(_to_slice(row), now, protect_next))
             row.preempt_reason = None
             why += ", requeued"
         else:

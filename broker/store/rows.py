@@ -41,6 +41,8 @@ def _write_state(row: SliceRow, slice_: Slice) -> None:
         preempt_deadline=slice_.preempt_deadline,
         promised=_placement_json(slice_.promised),
         lease_expires_at=slice_.lease_expires_at,
+        preemptions=slice_.preemptions,
+        queued_at=slice_.queued_at,
     )
 
 
@@ -75,6 +77,8 @@ def _to_slice(row: SliceRow) -> Slice:
         preempt_deadline=row.preempt_deadline,
         promised=_placements(row.promised),
         lease_expires_at=row.lease_expires_at,
+        preemptions=row.preemptions,
+        queued_at=row.queued_at,
     )
 
 

@@ -1,0 +1,207 @@
+"""Preempt only what waiting cannot fix (design.md §5.7): a delay per class, releases
+already known, victims above their share, siblings before cousins, a budget per job,
+and the debug lane's own limits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
+
+from broker.core.model import Account, Policy, PreemptReason, SliceKind, SliceState
+from broker.core.scheduler import schedule
+from broker.core.transitions import preempting, requeued
+
+
+def hog_and_starving(**requester):
+    """``hog`` holds all 8 GPUs of one node in two 4-GPU jobs past protection; the
+    ``starving`` project asks for its fair share of 4."""
+    hog = [
+        running("hog", "n0", (0, 1, 2, 3), min_runtime=HOUR),
+        running("hog", "n0", (4, 5, 6, 7), min_runtime=HOUR),
+    ]
+    return hog, pending("starving", 4, **requester)
+
+
+def decide(slices, *, accounts=None, policy=None, now=NOW):
+    return schedule(
+        snapshot(
+            nodes(1) if accounts is None else nodes(2),
+            accounts or flat_tree("hog", "starving"),
+            slices,
+            policy=policy,
+            now=now,
+        )
+    )
+
+
+def test_a_batch_request_waits_its_delay_for_releases_before_it_preempts():
+    policy = Policy(batch_preemption_delay=15 * MIN)
+    hog, fresh = hog_and_starving(submitted_at=NOW - 5 * MIN)
+    d = decide([*hog, fresh], policy=policy)
+    assert d.preemptions == () and d.deferred == (fresh.id,)
+    # once it has waited its delay with nothing freed, the preemption buys something
+    d = decide([*hog, fresh], policy=policy, now=fresh.submitted_at + 15 * MIN)
+    assert [p.reason for p in d.preemptions] == [PreemptReason.FAIR_SHARE]
+    assert d.deferred == ()
+
+
+def test_a_notebook_waits_a_shorter_delay_than_batch():
+    policy = Policy(batch_preemption_delay=15 * MIN, interactive_preemption_delay=MIN)
+    hog, session = hog_and_starving(kind=SliceKind.INTERACTIVE, submitted_at=NOW - 2 * MIN)
+    d = decide([*hog, session], policy=policy)
+    assert [p.for_slice for p in d.preemptions] == [session.id]
+
+
+def test_no_preemption_when_a_release_is_due_before_the_grace_would_end():
+    # one of hog's jobs ends by its maximum runtime 30 s from now: sooner than the
+    # 60 s grace a preemption would give its victim, so the request waits for it
+    hog, request = hog_and_starving()
+    ending = replace(hog[1], contract=replace(hog[1].contract, max_runtime=2 * HOUR + 30))
+    d = decide([hog[0], ending, request], policy=Policy(grace_period=60))
+    assert d.preemptions == () and d.deferred == (request.id,)
+    # the same job ending in 2 minutes is not worth waiting for
+    later = replace(ending, contract=replace(ending.contract, max_runtime=2 * HOUR + 2 * MIN))
+    d = decide([hog[0], later, request], policy=Policy(grace_period=60))
+    assert len(d.preemptions) == 1
+
+
+def test_a_project_at_or_under_its_share_is_never_a_fair_share_victim():
+    # a holds 4 of 8 (its share exactly), b holds 4 of its own and asks for more;
+    # c holds nothing and asks for 4: only b, above its share, is c's victim
+    a_job = running("a", "n0", (0, 1, 2, 3), min_runtime=HOUR)
+    b_job = running("b", "n0", (4, 5, 6, 7), min_runtime=HOUR)
+    b_more = running("b", "n1", tuple(range(8)), min_runtime=HOUR)
+    c_request = pending("c", 4)
+    d = decide([a_job, b_job, b_more, c_request], accounts=flat_tree("a", "b", "c"))
+    victims = {p.slice_id for p in d.preemptions}
+    assert victims and a_job.id not in victims
+    # with b holding only its share too, c finds no victim at all
+    d = decide([a_job, b_job, c_request], accounts=flat_tree("a", "b", "c"))
+    assert d.preemptions == ()
+
+
+def test_a_sibling_under_its_share_is_served_from_its_over_share_sibling_first():
+    # org1 (a, b) and org2 (c) each own half of 16 GPUs. a holds 8 of org1's 8 with
+    # 1-GPU jobs, so org1 is at its share but b, under its own, is owed 4; c holds
+    # its 8 and is at its share: b takes from a, its sibling, never from its cousin c
+    accounts = [
+        Account("org1"),
+        Account("org2"),
+        Account("a", parent="org1"),
+        Account("b", parent="org1"),
+        Account("c", parent="org2"),
+    ]
+    a_jobs = [running("a", "n0", (i,), min_runtime=HOUR) for i in range(8)]
+    c_job = running("c", "n1", tuple(range(8)), min_runtime=HOUR)
+    b_request = pending("b", 4)
+    d = decide([*a_jobs, c_job, b_request], accounts=accounts)
+    victims = {p.slice_id for p in d.preemptions}
+    assert len(victims) == 4 and victims <= {s.id for s in a_jobs}
+
+
+def test_a_shape_is_gathered_from_one_nodes_one_gpu_holders():
+    # hog holds both nodes, twice its share; its 1-GPU jobs past protection sit six
+    # on n0 and two on n1, beside protected ones: a 4-GPU request takes four of
+    # n0's, never a scattered set it could not use
+    protected = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
+    hog_n0 = [running("hog", "n0", (i,), min_runtime=HOUR) for i in range(6)]
+    kept_n0 = running("hog", "n0", (6, 7), **protected)
+    hog_n1 = [running("hog", "n1", (i,), min_runtime=HOUR) for i in range(2)]
+    kept_n1 = running("hog", "n1", tuple(range(2, 8)), **protected)
+    request = pending("starving", 4)
+    d = decide([*hog_n0, kept_n0, *hog_n1, kept_n1, request], accounts=flat_tree("hog", "starving"))
+    victims = {p.slice_id for p in d.preemptions}
+    assert len(victims) == 4 and victims <= {s.id for s in hog_n0}
+    (promise,) = [r for r in d.reservations if r.slice_id == request.id]
+    assert [p.node for p in promise.placements] == ["n0"]
+
+
+def test_a_project_is_not_taken_below_its_share_by_more_victims_than_the_last():
+    # hog holds 8 against a share of 5.3 (three projects want GPUs on 16): each
+    # victim of a 4-GPU request is judged with what the earlier ones cost hog, so
+    # the third leaves it at 5 of 5.3 and a fourth is refused
+    hog_jobs = [running("hog", "n0", (i,), min_runtime=HOUR) for i in range(8)]
+    other = running("other", "n1", tuple(range(8)), min_runtime=8 * HOUR, granted_ago=MIN)
+    request = pending("starving", 4)
+    accounts = flat_tree("hog", "starving", "other")
+    d = decide([*hog_jobs, other, request], accounts=accounts)
+    assert d.preemptions == ()
+    # a 3-GPU request is served from the same jobs
+    smaller = pending("starving", 3)
+    d = decide([*hog_jobs, other, smaller], accounts=accounts)
+    assert len(d.preemptions) == 3
+
+
+def test_a_job_past_its_preemption_budget_is_nobodys_victim_but_a_drains():
+    policy = Policy(preemption_budget=3)
+    hog, request = hog_and_starving()
+    spent = [replace(job, preemptions=3) for job in hog]
+    d = decide([*spent, request], policy=policy)
+    assert d.preemptions == ()
+    # one preemption left: it may be taken once more
+    d = decide([replace(spent[0], preemptions=2), spent[1], request], policy=policy)
+    assert [p.slice_id for p in d.preemptions] == [spent[0].id]
+    # no budget at all: both are candidates again
+    d = decide([*spent, request], policy=Policy(preemption_budget=None))
+    assert len(d.preemptions) == 1
+
+
+def test_each_preemption_counts_and_a_requeued_victim_waits_its_delay_again():
+    job = running("hog", "n0", (0, 1, 2, 3), min_runtime=HOUR, resumable=True)
+    leaving = preempting(job, NOW)
+    assert leaving.preemptions == 1
+    back = requeued(leaving, NOW + 5)
+    assert (back.state, back.preemptions, back.waiting_since) == (
+        SliceState.PENDING,
+        1,
+        NOW + 5,
+    )
+    assert back.submitted_at == job.submitted_at  # its place in the queue is kept
+    # starving took the node with two 4-GPU jobs: the victim may take one back by
+    # fair share, but only once it has waited its delay again since its requeue
+    takers = [
+        running("starving", "n0", gpus, min_runtime=MIN, granted_ago=2 * MIN)
+        for gpus in ((0, 1, 2, 3), (4, 5, 6, 7))
+    ]
+    policy = Policy(batch_preemption_delay=15 * MIN)
+    d = decide([*takers, back], policy=policy, now=NOW + 6 * MIN)
+    assert d.preemptions == () and d.deferred == (back.id,)
+    d = decide([*takers, back], policy=policy, now=NOW + 16 * MIN)
+    assert [p.for_slice for p in d.preemptions] == [back.id]
+
+
+def test_a_debug_session_preempts_batch_with_the_short_debug_grace():
+    policy = Policy(grace_period=60, debug_grace_period=20, debug_lane_fraction=0.25)
+    batch = running("hog", "n0", tuple(range(8)), min_runtime=HOUR)
+    session = pending("hog", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = decide([batch, session], policy=policy)
+    (p,) = d.preemptions
+    assert p.deadline == NOW + 20  # the batch runner checkpoints on SIGTERM
+    (promise,) = d.reservations
+    assert promise.due_at == NOW + 20
+
+
+def test_a_notebook_preempted_for_a_debug_session_keeps_the_full_grace():
+    policy = Policy(grace_period=60, debug_grace_period=20)
+    notebook = running("hog", "n0", tuple(range(8)), kind=SliceKind.INTERACTIVE, priority=-1)
+    session = pending("hog", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    d = decide([notebook, session], policy=policy)
+    (p,) = d.preemptions
+    assert p.reason is PreemptReason.PRIORITY and p.deadline == NOW + 60
+
+
+def test_the_debug_lane_takes_no_batch_gpus_once_it_is_full():
+    # a lane of 1 GPU (5% of 8, rounded up) already held by a's debug session: a
+    # second debug session of a may not take b's batch GPUs through the lane, and
+    # fair share refuses too (a gaining 1 while b loses 7 would put a above b)
+    held = running("a", "n0", (0,), kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="x")
+    batch = running("b", "n0", tuple(range(1, 8)), min_runtime=HOUR)
+    session = pending("a", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="y")
+    accounts = flat_tree("a", "b")
+    d = schedule(snapshot(nodes(1), accounts, [held, batch, session]))
+    assert d.preemptions == ()
+    # with room in the lane, the same session gets in at once
+    roomy = Policy(debug_lane_fraction=0.25)
+    d = schedule(snapshot(nodes(1), accounts, [held, batch, session], policy=roomy))
+    assert [(p.slice_id, p.reason) for p in d.preemptions] == [(batch.id, PreemptReason.DEBUG_LANE)]
