@@ -161,6 +161,11 @@ _POLICY_KEYS = (
     "debug_headroom",
     "max_reservations",
     "preemption_backoff",
+    "preemption_budget",
+    "batch_preemption_delay",
+    "interactive_preemption_delay",
+    "debug_preemption_delay",
+    "debug_grace_period",
     "project_gpu_caps",
 )
 # Policy durations and whether zero is allowed.
@@ -170,6 +175,10 @@ _POLICY_DURATIONS = {
     "max_min_runtime": False,
     "grace_period": True,
     "debug_max_min_runtime": False,
+    "batch_preemption_delay": True,
+    "interactive_preemption_delay": True,
+    "debug_preemption_delay": True,
+    "debug_grace_period": True,
 }
 # Keys an earlier release read and this one ignores, with why: a file that has
 # them still loads, with a warning.
@@ -358,6 +367,11 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
     for key in ("debug_max_gpus", "debug_headroom", "max_reservations"):
         if key in table:
             settings[key] = _whole(table[key], _at(where, key), minimum=0)
+    if "preemption_budget" in table:
+        # 0 turns the budget off: a job may be preempted any number of times.
+        at = _at(where, "preemption_budget")
+        budget = _whole(table["preemption_budget"], at, minimum=0, what="a number of preemptions")
+        settings["preemption_budget"] = budget or None
     if "preemption_backoff" in table:
         at = _at(where, "preemption_backoff")
         backoff = _positive_number(table["preemption_backoff"], at, "a factor ≥ 1")

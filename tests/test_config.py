@@ -704,3 +704,37 @@ def test_preemption_backoff_is_a_factor_of_at_least_one(value, message):
         parse(MINIMAL + f"[policy]\npreemption_backoff = {value!r}\n".replace("'", '"'))
     assert err.value.where == "policy.preemption_backoff"
     assert parse(MINIMAL + "[policy]\npreemption_backoff = 1.5\n").policy.preemption_backoff == 1.5
+
+
+def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
+    policy = parse(
+        MINIMAL
+        + "[policy]\n"
+        + 'batch_preemption_delay = "30m"\ninteractive_preemption_delay = "2m"\n'
+        + 'debug_preemption_delay = "0s"\ndebug_grace_period = "15s"\npreemption_budget = 2\n'
+    ).policy
+    assert (
+        policy.batch_preemption_delay,
+        policy.interactive_preemption_delay,
+        policy.debug_preemption_delay,
+        policy.debug_grace_period,
+        policy.preemption_budget,
+    ) == (1800.0, 120.0, 0.0, 15.0, 2)
+    # 0 turns the budget off; the defaults when nothing is set
+    assert parse(MINIMAL + "[policy]\npreemption_budget = 0\n").policy.preemption_budget is None
+    assert parse(MINIMAL).policy.preemption_budget == 3
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("preemption_budget", "-1", "a number of preemptions"),
+        ("preemption_budget", "1.5", "a number of preemptions"),
+        ("batch_preemption_delay", '"soon"', "duration"),
+    ],
+)
+def test_a_wrong_preemption_setting_is_refused_where_it_is(key, value, message):
+    with pytest.raises(InvalidConfig) as err:
+        parse(MINIMAL + f"[policy]\n{key} = {value}\n")
+    assert err.value.where == f"policy.{key}"
+    assert message in str(err.value)
