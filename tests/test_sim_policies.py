@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from broker.core.model import Account, Node, NodeState, SliceKind
+from broker.core.model import Account, Node, NodeState, Policy, SliceKind
 from broker.sim.engine import SimConfig, simulate
 from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority
 from broker.sim.workloads import Job, NodeEvent, Workload
@@ -204,3 +204,36 @@ def test_fairshare_an_idle_session_past_its_contract_gives_way_to_a_better_ranke
     fifo = run(Fifo(ACCOUNTS), w)
     assert 1 not in first(fifo, "granted")  # still waiting when the run ends
     assert fifo.summary["waits"]["batch 2-8"]["not_started"] == 1
+
+
+# ---- preempt only what waiting cannot fix (design.md §5.7) ------------------------------
+
+TWO_HOLDERS = [
+    job(0, 0, "b", 4, 300, resumable=True),  # b holds the node in two jobs until 300
+    job(1, 0, "b", 4, 300, resumable=True),
+    job(2, 100, "a", 4, 100),  # a, owed half the node, asks once b's are past protection
+]
+
+
+def test_fairshare_waits_for_a_release_due_within_its_delay_and_counts_it_avoided():
+    result = run(FairShare(ACCOUNTS, Policy(batch_preemption_delay=900)), workload(TWO_HOLDERS))
+    # b's jobs end at 300, before a has waited its 15 minutes: nobody is preempted
+    assert first(result, "granted")[2] == 300.0
+    s = result.summary
+    assert s["preemptions_total"] == 0
+    assert (s["avoided_preemptions"], s["avoided_wait_p50"]) == (1, 200.0)
+    assert s["musical_chairs"] == 0
+
+
+def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chairs():
+    policy = Policy(batch_preemption_delay=0)
+    result = run(FairShare(ACCOUNTS, policy), workload(TWO_HOLDERS), restart_cost=30)
+    # a preempts one of b's jobs at once and runs 160-260 after the 60 s grace;
+    # the victim is back on the node at 260: the preemption bought a 140 s shorter
+    # wait, at the price of a restart and the work since the victim's checkpoint
+    assert first(result, "preempted (fair_share)") == {0: 100.0}
+    assert times(result, "granted")[0] == [0.0, 260.0]
+    s = result.summary
+    assert (s["musical_chairs"], s["musical_chairs_share"]) == (1, 1.0)
+    assert s["musical_chairs_gpu_hours"] == pytest.approx(4 * 30 / 3600)  # its restart
+    assert s["avoided_preemptions"] == 0
