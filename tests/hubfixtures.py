@@ -45,6 +45,9 @@ grace_period = "2s"
 debug_max_gpus = 2
 debug_max_min_runtime = "15m"
 debug_lane_fraction = 1.0
+# Requests preempt at once: the wait before a preemption has tests of its own.
+batch_preemption_delay = "0s"
+interactive_preemption_delay = "0s"
 
 [defaults.interactive]
 min_runtime = "15m"
