@@ -709,3 +709,34 @@ async def test_the_slice_lifecycle_on_every_database(db_url):
         assert report["usage"][0]["weighted_gpu_seconds"] == pytest.approx(
             released["charged_gpu_seconds"]
         )
+
+
+# ---- what would start a waiting slice sooner ---------------------------------------
+
+
+async def test_a_waiting_slice_is_told_what_would_start_it_now(api, alice, bob):
+    # alice holds 3 GPUs of n0 and all of n1: one GPU is free, her 2-GPU request waits
+    for gpus in (3, 4):
+        held = await submit(api, alice, gpus=gpus, min_runtime="8h")
+        await granted(api, alice, held["id"])
+    waiting = await submit(api, alice, gpus=2, min_runtime="1h")
+    await settled(api)
+    found = ok(await api.call("GET", f"/slices/{waiting['id']}/alternatives", token=alice))
+    assert found["slice_id"] == waiting["id"] and found["starts_at"] is None
+    best = found["alternatives"][0]
+    assert best["change"] == "gpus" and best["starts_at"] == found["now"]
+    assert best["fields"] == {
+        "project": "vision",
+        "gpus": 1,
+        "gpu_type": None,
+        "kind": "batch",
+        "min_runtime": 3600.0,
+    }
+    assert best["gpu_hours"] == 1.0
+    # another user sees no such slice; a granted one has nothing to offer
+    assert (
+        error_code(await api.call("GET", f"/slices/{waiting['id']}/alternatives", token=bob), 404)
+        == "not_found"
+    )
+    done = ok(await api.call("GET", f"/slices/{held['id']}/alternatives", token=alice))
+    assert done["alternatives"] == []

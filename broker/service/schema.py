@@ -273,6 +273,32 @@ class SliceEventList(ApiObject):
     events: list[SliceEvent]
 
 
+class AlternativeFields(ApiObject):
+    project: str
+    gpus: int = Field(ge=1)
+    gpu_type: str | None
+    kind: Literal["interactive", "batch"]
+    min_runtime: Seconds
+
+
+class Alternative(ApiObject):
+    change: Literal["gpus", "gpu_type", "min_runtime", "project", "debug"] = Field(
+        description="what differs from the request as it is"
+    )
+    fields: AlternativeFields  # the request with that change, as POST /slices takes it
+    starts_at: Epoch = Field(description="now if it would be granted at once, else its estimate")
+    gpu_hours: float = Field(
+        description="weighted GPU-hours its protected period commits the project to"
+    )
+
+
+class AlternativeList(ApiObject):
+    slice_id: int
+    now: Epoch
+    starts_at: Epoch | None = Field(description="the request's own estimated start, if any")
+    alternatives: list[Alternative] = Field(description="soonest first; empty if none is sooner")
+
+
 class Project(ApiObject):
     name: str
     parent: str | None
@@ -426,6 +452,9 @@ MODELS: dict[str, type[ApiObject]] = {
         SliceList,
         SliceEvent,
         SliceEventList,
+        AlternativeFields,
+        Alternative,
+        AlternativeList,
         Project,
         ProjectList,
         ProjectUpdate,

@@ -20,7 +20,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ..config import ClusterConfig
-from ..core import accounting, transitions
+from ..core import accounting, transitions, whatif
 from ..core.fairshare import ProjectTree
 from ..core.incremental import PassState
 from ..core.model import (
@@ -391,6 +391,50 @@ class Broker(Journal):
                 {"at": r.at, "from_state": r.from_state, "to_state": r.to_state, "reason": r.reason}
                 for r in rows
             ]
+
+    def alternatives(self, slice_id: int, *, caller: Caller | None = None) -> dict[str, Any]:
+        """What would start pending slice ``slice_id`` sooner (design.md §5.8):
+        ``{slice_id, now, starts_at, alternatives: [{change, fields, starts_at,
+        gpu_hours}]}``, computed on the live state as the next pass would see it;
+        an empty list for a slice that does not wait. :class:`Forbidden` if
+        ``caller`` may not see it."""
+        with self._read() as session:
+            row = _owned_row(session, slice_id, caller)
+            now = self._clock()
+            answer: dict[str, Any] = {"slice_id": slice_id, "now": now, "starts_at": None}
+            if row.state != SliceState.PENDING.value:
+                return {**answer, "alternatives": []}
+            catalog = self._read_catalog(session)
+            live = tuple(self._live_values(session))
+            snapshot = Snapshot(
+                now=now,
+                nodes=catalog.nodes,
+                accounts=catalog.accounts,
+                slices=live,
+                usage=self._usage(session, now, catalog.costs, live),
+                gpu_type_weights=catalog.costs.weights,
+                policy=self.config.policy,
+            )
+            groups = caller.groups if caller is not None and caller.name == row.user else ()
+            projects = [
+                name
+                for name, (users, member_groups) in catalog.members.items()
+                if row.user in users or member_groups.intersection(groups)
+            ]
+        found = whatif.alternatives(snapshot, slice_id, projects=projects, tree=catalog.tree)
+        return {
+            **answer,
+            "starts_at": found.starts_at,
+            "alternatives": [
+                {
+                    "change": a.change,
+                    "fields": a.fields,
+                    "starts_at": a.starts_at,
+                    "gpu_hours": a.gpu_hours,
+                }
+                for a in found.alternatives
+            ],
+        }
 
     # ---- nodes -------------------------------------------------------------------
 

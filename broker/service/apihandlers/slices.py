@@ -312,9 +312,30 @@ class SliceEventsHandler(_OwnedSliceHandler):
         self.write_json({"events": events})
 
 
+class SliceAlternativesHandler(_OwnedSliceHandler):
+    operations = {
+        "get": Operation(
+            "What would start a waiting slice sooner",
+            "For a pending slice: the changes to it (fewer GPUs, another GPU type, a "
+            "shorter protected period, a debug-length session, another of its user's "
+            "projects) that the scheduling pass would grant now or start sooner, each "
+            "with its estimated start and the GPU-hours its protected period commits "
+            "(design.md §5.8). Empty for a slice that does not wait.",
+            parameters=(ID_PARAM,),
+            content={"application/json": "AlternativeList"},
+            errors=(404,),
+        )
+    }
+
+    async def get(self, id: str) -> None:
+        found = await self.owned(self.broker.alternatives, self.slice_id(id))
+        self.write_json(found)
+
+
 default_handlers = [
     ("/slices", SliceListHandler),
     ("/slices/{id}", SliceHandler),
     ("/slices/{id}/heartbeat", SliceHeartbeatHandler),
     ("/slices/{id}/events", SliceEventsHandler),
+    ("/slices/{id}/alternatives", SliceAlternativesHandler),
 ]
