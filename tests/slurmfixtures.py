@@ -181,12 +181,30 @@ class SlurmCluster:
         """Cancel every job, then stop the daemons; bounded by ``timeout`` per daemon."""
         began = time.monotonic()
         if "slurmctld" in self.procs:
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
+            with contextlib.suppress(subprocess.SubprocessError, OSError, AssertionError):
                 self.run("scancel", "--full", f"--partition={PARTITION}", check=False)
                 wait_until(lambda: not self.active_jobs(), timeout, "every job to end")
         for name in ("slurmd", "slurmctld", "munged"):
             self._stop(name, timeout)
+        self._kill_leftovers()
         self.timings["stop_s"] = time.monotonic() - began
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL what a failed test left of this cluster's jobs: each job step daemon
+        and job process whose environment names this cluster's folder."""
+        mark = str(self.root).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            job = cmdline.startswith(b"slurmstepd") or b"SLURM_JOB_ID=" in environ
+            if job and mark in environ:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry.name), signal.SIGKILL)
 
     def _daemon(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - closed below
