@@ -3,6 +3,9 @@ slices run as Slurm jobs that are signalled, cancelled and watched (one Slurm pe
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +265,44 @@ def test_the_service_refuses_to_start_without_a_slurm_node(tmp_path: Path, slurm
     with pytest.raises(RuntimeError, match="exited with status"):
         service.start(timeout=15)
     assert "no node with GPUs (gres gpu) in partition 'nosuch'" in service.log_text()
+
+
+def test_slicebroker_run_slurm_runs_the_command_as_a_job_step_on_the_grant(
+    slurm: SlurmCluster, service: BrokerService
+):
+    out = slurm.root / "jobs" / "run-slurm.txt"
+    env = {
+        **slurm.env,
+        "SLICEBROKER_URL": service.url,
+        "SLICEBROKER_TOKEN": service.token("alice"),
+    }
+    script = f'echo "$SLURM_JOB_ID $SLURM_JOB_PARTITION $CUDA_VISIBLE_DEVICES" > {out}; exit 4'
+    runner = [sys.executable, "-m", "broker.cli", "run", "--project=vision", "--gpus=2"]
+    done = subprocess.run(
+        [*runner, "--min-runtime=1", "--slurm", "--", "bash", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, done.stderr  # the command's own status, through srun
+    job_id, partition, gpus = out.read_text().split()
+    assert (partition, len(gpus.split(","))) == (PARTITION, 2)
+    job = slurm.job(int(job_id))
+    slice_id = int(job["name"].removeprefix("slicebroker-"))
+    assert (job["nodes"], job["comment"]) == (NODE, job_comment(slice_id))
+    assert service.get(f"/slices/{slice_id}", token=service.admin_token).json()["state"] == "ended"
+
+
+def test_slicebroker_run_slurm_refuses_without_a_slice():
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.slurm.srun", "--", "true"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SLICEBROKER_")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "slicebroker run --slurm: 'SLICEBROKER_SLICE_ID' is not set (run under slicebroker run)\n"
+    )
