@@ -10,7 +10,7 @@ import pytest
 from broker.core.model import Node, NodeState
 from broker.slurm.drain import DRAINED_REASON, DrainUpdate, drain_updates
 from broker.slurm.inventory import gpus_of, gres_request, inventory, node_state, nodes_from_slurm
-from broker.slurm.jobs import Cancel, EndSlice, Signal, end_reason, job_comment, plan
+from broker.slurm.jobs import Cancel, EndSlice, Signal, end_reason, job_comment, job_gpus, plan
 
 
 def slurm_node(name: str = "gpu-a", **fields: Any) -> dict[str, Any]:
@@ -121,17 +121,25 @@ def test_the_brokers_drains_are_written_into_slurm(broker, slurm, updates):
 
 
 def job(job_id: int, slice_id: int, state: str = "RUNNING", **fields: Any) -> dict[str, Any]:
+    """A job of ``slice_id`` as the spawner submits it: on gpu-a with 2 GPUs."""
     return {
         "job_id": job_id,
         "comment": job_comment(slice_id),
         "job_state": state,
         "user_name": "alice",
+        "nodes": "gpu-a",
+        "tres_per_node": "gres:gpu:2",
         **fields,
     }
 
 
 def live(slice_id: int, state: str = "granted", **fields: Any) -> dict[int, dict[str, Any]]:
-    return {slice_id: {"id": slice_id, "state": state, "user": "alice", **fields}}
+    """A slice granted 2 GPUs of gpu-a."""
+    placements = [{"node": "gpu-a", "gpu_indices": [0, 1]}]
+    return {
+        slice_id: {"id": slice_id, "state": state, "user": "alice", "placements": placements}
+        | fields
+    }
 
 
 def test_a_preempted_slices_job_is_signalled_once_then_cancelled_at_the_grace_end():
@@ -176,3 +184,48 @@ def test_only_the_slices_user_or_a_submitter_may_end_it_and_a_running_job_keeps_
     assert plan(live(1), [job(10, 1, "CANCELLED"), job(11, 1)], 0.0).ends == []
     # A pending slice has no job to lose.
     assert plan(live(1, "pending"), [job(10, 1, "CANCELLED")], 0.0).ends == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "gpus"),
+    [
+        ({"tres_per_node": "gres:gpu:2"}, 2),
+        ({"tres_per_node": "gres:gpu:h100:3"}, 3),
+        ({"tres_per_node": "gres:nic:1,gres:gpu:1"}, 1),
+        ({"tres_per_job": "gres:gpu:4"}, 4),
+        ({"tres_per_node": ""}, 0),
+    ],
+)
+def test_a_jobs_gpus_come_from_its_gres_request(fields, gpus):
+    assert job_gpus(fields) == gpus
+
+
+def test_a_job_off_its_grant_is_cancelled_and_ends_nothing():
+    other_node = job(10, 1, nodes="gpu-b")
+    more_gpus = job(11, 1, tres_per_node="gres:gpu:3")
+    pending = job(12, 1, "PENDING", nodes="", required_nodes="gpu-b")
+    result = plan(live(1), [other_node, more_gpus, pending], 0.0)
+    assert [c.job_id for c in result.cancels] == [10, 11, 12]
+    assert {c.why for c in result.cancels} == {"it is not on its slice's grant"}
+    # A job pending on its grant (Slurm still ending the job before it) waits.
+    assert (
+        plan(live(1), [job(13, 1, "PENDING", nodes="", required_nodes="gpu-a")], 0.0).cancels == []
+    )
+    # A job of an earlier grant that failed does not end the slice's new grant.
+    assert plan(live(1), [job(14, 1, "FAILED", nodes="gpu-b")], 0.0).ends == []
+
+
+def test_a_job_of_a_slice_that_waits_is_cancelled_a_requeue_included():
+    assert plan(live(1, "pending"), [job(10, 1)], 0.0).cancels == [
+        Cancel(10, 1, "its slice is not granted")
+    ]
+
+
+def test_a_job_naming_no_slice_is_cancelled_only_with_cancel_strays():
+    stray = {"job_id": 10, "comment": "", "job_state": "RUNNING"}
+    assert plan({}, [stray], 0.0).cancels == []
+    assert plan({}, [stray], 0.0, cancel_strays=True).cancels == [
+        Cancel(10, 0, "it names no slice")
+    ]
+    done = {**stray, "job_state": "COMPLETED"}
+    assert plan({}, [done], 0.0, cancel_strays=True).cancels == []

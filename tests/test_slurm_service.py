@@ -248,6 +248,14 @@ def test_a_slurm_restart_loses_no_slice_and_no_job(
     )
 
 
+def test_a_job_submitted_past_the_broker_into_its_partition_is_cancelled(
+    slurm: SlurmCluster, service: BrokerService
+):
+    job = slurm.sbatch(f"--partition={PARTITION}", "--gres=gpu:1", script="#!/bin/bash\nsleep 60\n")
+    wait_until(lambda: job_state(slurm, job) == "CANCELLED", 10, "the stray job's cancel")
+    assert f"Job {job} (slice -) cancelled: it names no slice" in service.log_text()
+
+
 def _log_count(service: BrokerService, text: str) -> int:
     return service.log_text().count(text)
 

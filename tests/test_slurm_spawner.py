@@ -101,6 +101,7 @@ def hub(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--SlurmInventory.poll_interval=0.5",
             "--SlurmInventory.job_interval=0.3",
             "--SlurmInventory.submit_users=root",
+            "--SlurmInventory.command_timeout=1",
         ],
         extra_config=HUB_CONFIG.format(workdir=str(workdir), standin=str(standin)),
     )
@@ -179,6 +180,31 @@ def test_a_preempted_session_gets_its_signal_keeps_its_grace_then_its_job_is_can
         )
     finally:
         hub.broker("POST", f"/nodes/{NODE}/undrain")
+
+
+def test_a_slurm_restart_under_a_running_session_loses_neither_the_session_nor_its_slice(
+    hub: HubProcess, slurm: SlurmCluster
+):
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice", 60)
+    s = hub.slice_of("alice")
+    job_id = slice_job(slurm, s["id"])["job_id"]
+    query = f"squeue -h -j {job_id}"
+    slurm.stop_slurm()
+    failed = hub.log_text().count("Slurm jobs round failed")
+    wait_until(
+        lambda: hub.log_text().count("Slurm jobs round failed") > failed,
+        15,
+        "the broker to find Slurm away",
+    )
+    slurm.start_slurm()
+    polls = hub.log_text().count(query)
+    wait_until(lambda: hub.log_text().count(query) >= polls + 2, 20, "two polls of the job")
+    assert (slice_job(slurm, s["id"]) or {}).get("job_state") == "RUNNING"
+    assert hub.server("alice")["ready"]
+    assert hub.user_get("alice", "env").status_code == 200
+    assert hub.broker("GET", f"/slices/{s['id']}")["state"] == "granted"
+    hub.stop_server("alice")
 
 
 def test_the_job_script_is_pinned_to_the_grant_whatever_the_user_options_say():

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Dict, Enum, Float, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, List, TraitError, Unicode, validate
 
 from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
@@ -302,6 +302,13 @@ class SlurmInventory(Inventory):
         (default) the job script only, which traps it (the server goes on until the
         grace period ends and JupyterLab counts down); `full` every process,
         the server included, which then stops at once.""",
+    ).tag(config=True)
+
+    cancel_strays = Bool(
+        True,
+        help="""Cancel the jobs in `partition` that name no slice (submitted there by hand,
+        past the broker), so that every GPU there is one the broker placed (default:
+        yes). Has no effect without a `partition`.""",
     ).tag(config=True)
 
     submit_users = List(

@@ -9,7 +9,11 @@ what to do — a pure function, tested on tables:
 
 - a job of a slice being preempted gets the preemption signal once, at the start
   of the grace period (``scancel --signal``), and is cancelled at its end;
-- a job whose slice has ended (or is unknown to the broker) is cancelled;
+- a job whose slice has ended (or is unknown to the broker) is cancelled, and so
+  is one that is not on its slice's grant: its slice waits (not granted yet, or
+  requeued), or the job asks for another node or more GPUs than were granted;
+- with ``cancel_strays``, a job in the broker's partition that names no slice is
+  cancelled: nothing runs there that the broker did not place;
 - a job that ended in Slurm (completed, failed, cancelled, timed out, its node
   failed) ends its slice at once, with Slurm's state and exit code as the
   reason, unless another job of the slice still runs. Only a job whose Slurm
@@ -34,6 +38,7 @@ from typing import Any
 from broker.kube.inventory import Backoff
 
 from .commands import SlurmCommands
+from .inventory import slurm_node_name
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,26 @@ def slice_of_job(job: Mapping[str, Any]) -> int | None:
     """The slice id a job's comment names, or ``None``."""
     match = _COMMENT.search(str(job.get("comment") or ""))
     return int(match.group(1)) if match else None
+
+
+def job_gpus(job: Mapping[str, Any]) -> int:
+    """The GPUs a job asks for per node (``--gres=gpu:[type:]N``, ``--gpus=N``)."""
+    total = 0
+    for field_ in ("tres_per_node", "tres_per_job"):
+        for item in str(job.get(field_) or "").split(","):
+            parts = item.replace("/", ":").split(":")
+            if parts[:2] == ["gres", "gpu"] and parts[-1].isdigit():
+                total += int(parts[-1])
+    return total
+
+
+def on_grant(job: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
+    """Whether ``job`` runs inside slice ``s``'s grant: on its node, with at most its GPUs."""
+    node = str(job.get("nodes") or job.get("required_nodes") or "")
+    return any(
+        slurm_node_name(p["node"]) == node and job_gpus(job) <= len(p["gpu_indices"])
+        for p in s.get("placements") or ()
+    )
 
 
 def ended(job: Mapping[str, Any]) -> bool:
@@ -123,11 +148,12 @@ def plan(
     submit_users: Collection[str] = (),
     signal: bool = True,
     full_signal: Callable[[Mapping[str, Any]], bool] = lambda s: True,
+    cancel_strays: bool = False,
 ) -> Plan:
     """What to do with the slices' jobs. ``live``: the broker's live slices by id
-    (``state``, ``preempt_deadline``, ``user``, ``kind``); ``jobs``: Slurm's jobs;
-    ``signalled``: jobs already signalled; ``full_signal(slice)``: whether the
-    signal goes to every process of its job."""
+    (``state``, ``placements``, ``preempt_deadline``, ``user``, ``kind``); ``jobs``:
+    Slurm's jobs (of the broker's partition); ``signalled``: jobs already signalled;
+    ``full_signal(slice)``: whether the signal goes to every process of its job."""
     result = Plan()
     running: dict[int, list[Mapping[str, Any]]] = {}
     finished: dict[int, list[Mapping[str, Any]]] = {}
@@ -135,12 +161,18 @@ def plan(
         slice_id = slice_of_job(job)
         if slice_id is not None:
             (finished if ended(job) else running).setdefault(slice_id, []).append(job)
+        elif cancel_strays and not ended(job):
+            result.cancels.append(Cancel(int(job["job_id"]), 0, "it names no slice"))
     for slice_id, slice_jobs in running.items():
         s = live.get(slice_id)
         for job in slice_jobs:
             job_id = int(job["job_id"])
             if s is None:
                 result.cancels.append(Cancel(job_id, slice_id, "its slice has ended"))
+            elif s.get("state") == "pending":
+                result.cancels.append(Cancel(job_id, slice_id, "its slice is not granted"))
+            elif not on_grant(job, s):
+                result.cancels.append(Cancel(job_id, slice_id, "it is not on its slice's grant"))
             elif s.get("state") == "preempting":
                 if now >= float(s.get("preempt_deadline") or 0):
                     result.cancels.append(Cancel(job_id, slice_id, "its grace period is over"))
@@ -151,6 +183,8 @@ def plan(
         if s is None or s.get("state") not in ("granted", "preempting") or slice_id in running:
             continue
         job = max(slice_jobs, key=lambda j: int(j["job_id"]))
+        if not on_grant(job, s):
+            continue  # a job of an earlier grant (before a requeue), or one never on it
         if str(job.get("user_name") or "") not in (*submit_users, s.get("user")):
             continue
         result.ends.append(EndSlice(slice_id, end_reason(job)))
@@ -179,6 +213,7 @@ class JobExecutor:
         signal: str = "TERM",
         full_signal: Callable[[Mapping[str, Any]], bool] = lambda s: True,
         submit_users: Collection[str] = (),
+        cancel_strays: bool = False,
         interval: float = 2.0,
         clock: Callable[[], float] | None = None,
         backoff: Backoff | None = None,
@@ -190,6 +225,7 @@ class JobExecutor:
         self.signal = signal
         self.full_signal = full_signal
         self.submit_users = tuple(submit_users)
+        self.cancel_strays = cancel_strays
         self.interval = interval
         self.clock = clock or time.time
         self.backoff = backoff or Backoff(maximum=max(interval, 5.0))
@@ -211,6 +247,7 @@ class JobExecutor:
             submit_users=self.submit_users,
             signal=bool(self.signal),
             full_signal=self.full_signal,
+            cancel_strays=self.cancel_strays,
         )
         for step in todo.signals:
             await self.slurm.signal(step.job_id, self.signal, full=step.full)
@@ -227,7 +264,7 @@ class JobExecutor:
                 continue  # ending already (Slurm's KillWait)
             await self.slurm.cancel(step.job_id)
             self.cancelled.add(step.job_id)
-            log.info("Job %s of slice %s cancelled: %s", step.job_id, step.slice_id, step.why)
+            log.info("Job %s (slice %s) cancelled: %s", step.job_id, step.slice_id or "-", step.why)
         for step in todo.ends:
             await self.end_slice(step.slice_id, step.why)
             log.info("Slice %s ended: its %s", step.slice_id, step.why)
@@ -262,6 +299,8 @@ __all__ = [
     "Signal",
     "end_reason",
     "job_comment",
+    "job_gpus",
+    "on_grant",
     "plan",
     "slice_of_job",
 ]

@@ -48,6 +48,7 @@ class SlurmTasks:
             signal=options.preempt_signal,
             full_signal=lambda s: scopes.get(str(s.get("kind")), "full") == "full",
             submit_users=options.submit_users,
+            cancel_strays=options.cancel_strays and bool(options.partition),
             interval=options.job_interval,
         )
         self.tasks: list[asyncio.Task] = []
