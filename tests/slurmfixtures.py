@@ -74,7 +74,7 @@ ReturnToService=2
 SlurmctldTimeout=10
 SlurmdTimeout=30
 InactiveLimit=0
-KillWait=2
+KillWait=1
 MinJobAge=300
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 Gres=gpu:{gpu_type}:{gpus} \
 State=UNKNOWN
