@@ -65,7 +65,7 @@ def service(
         config=CLUSTER,
         pass_interval=0.5,
         extra_args=[
-            "--BrokerApp.inventory_class=slurm",
+            "--BrokerApp.inventory_class=broker.slurm.inventory.SlurmInventory",
             f"--SlurmInventory.slurm_conf={slurm.conf}",
             "--SlurmInventory.poll_interval=0.5",
             "--SlurmInventory.job_interval=0.3",
@@ -265,7 +265,7 @@ def test_the_service_refuses_to_start_without_a_slurm_node(tmp_path: Path, slurm
         tmp_path,
         config=CLUSTER,
         extra_args=[
-            "--BrokerApp.inventory_class=slurm",
+            "--BrokerApp.inventory_class=broker.slurm.inventory.SlurmInventory",
             f"--SlurmInventory.slurm_conf={slurm.conf}",
             "--SlurmInventory.partition=nosuch",
         ],

@@ -14,6 +14,9 @@ from hubfixtures import HubProcess, proxy_available, wait_until
 from slurmfixtures import NODE, PARTITION, SlurmCluster, slurm_cluster, slurm_missing
 
 from broker.slurm.jobs import slice_of_job
+
+pytest.importorskip("batchspawner")  # the slurm extra; CI installs it (the test extra)
+
 from spawner.slurm import SlurmSliceBrokerSpawner
 
 pytestmark = pytest.mark.skipif(
@@ -96,7 +99,7 @@ def hub(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--pass-interval=1",
             "--lease=15",
             "--max-wait=5",
-            "--BrokerApp.inventory_class=slurm",
+            "--BrokerApp.inventory_class=broker.slurm.inventory.SlurmInventory",
             f"--SlurmInventory.slurm_conf={slurm.conf}",
             "--SlurmInventory.poll_interval=0.5",
             "--SlurmInventory.job_interval=0.3",
