@@ -68,6 +68,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 SchedulerType=sched/backfill
+# A batch job is scheduled as it comes (Slurm may otherwise wait up to 3 s to batch them).
+SchedulerParameters=batch_sched_delay=0
 # The node's CPUs as declared, whatever this machine has: jobs need one CPU each.
 SlurmdParameters=config_overrides
 ReturnToService=2
