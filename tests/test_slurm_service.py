@@ -230,9 +230,9 @@ def test_a_slurm_restart_loses_no_slice_and_no_job(
     slurm.stop_slurm()
     rounds_failed = _log_count(service, "Slurm jobs round failed")
     wait_until(
-        lambda: _log_count(service, "Slurm jobs round failed") >= rounds_failed + 2,
+        lambda: _log_count(service, "Slurm jobs round failed") > rounds_failed,
         15,
-        "the executor to find Slurm away twice",
+        "the executor to find Slurm away",
     )
     assert service.get(f"/slices/{s['id']}", token=alice).json()["state"] == "granted"
     assert broker_node(service)["state"] == "ready"
