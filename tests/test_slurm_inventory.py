@@ -211,8 +211,14 @@ def test_a_job_off_its_grant_is_cancelled_and_ends_nothing():
     assert (
         plan(live(1), [job(13, 1, "PENDING", nodes="", required_nodes="gpu-a")], 0.0).cancels == []
     )
-    # A job of an earlier grant that failed does not end the slice's new grant.
+    # A job of an earlier grant (before a requeue) does not end the slice's new grant,
+    # on another node or on the same one.
     assert plan(live(1), [job(14, 1, "FAILED", nodes="gpu-b")], 0.0).ends == []
+    regranted = live(1, granted_at=1000.0)
+    earlier = job(15, 1, "CANCELLED", submit_time=900)
+    assert plan(regranted, [earlier], 0.0).ends == []
+    current = job(16, 1, "FAILED", submit_time=1000)
+    assert [e.slice_id for e in plan(regranted, [earlier, current], 0.0).ends] == [1]
 
 
 def test_a_job_of_a_slice_that_waits_is_cancelled_a_requeue_included():

@@ -16,8 +16,9 @@ what to do — a pure function, tested on tables:
   cancelled: nothing runs there that the broker did not place;
 - a job that ended in Slurm (completed, failed, cancelled, timed out, its node
   failed) ends its slice at once, with Slurm's state and exit code as the
-  reason, unless another job of the slice still runs. Only a job whose Slurm
-  user is the slice's user, or one of ``submit_users``, may end a slice.
+  reason, unless another job of the slice still runs. Only a job submitted for
+  the slice's current grant (not one before a requeue) whose Slurm user is the
+  slice's user, or one of ``submit_users``, may end a slice.
 
 :class:`JobExecutor` runs a plan every ``interval`` seconds. When Slurm does not
 answer it does nothing (no slice ends because the controller restarts); a job
@@ -43,6 +44,8 @@ from .inventory import slurm_node_name
 log = logging.getLogger(__name__)
 
 COMMENT_PREFIX = "slicebroker:slice="
+#: Seconds Slurm's clock may run behind the broker's (Slurm stamps submit times).
+CLOCK_SLACK_S = 2.0
 _COMMENT = re.compile(r"(?:^|[\s,;])slicebroker:slice=(\d+)\b")
 
 #: Slurm job states of a job that has ended.
@@ -92,6 +95,15 @@ def on_grant(job: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
         slurm_node_name(p["node"]) == node and job_gpus(job) <= len(p["gpu_indices"])
         for p in s.get("placements") or ()
     )
+
+
+def of_this_grant(job: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
+    """Whether ``job`` was submitted for slice ``s``'s current grant, not an earlier one
+    (a requeued slice granted again): jobs are submitted after their grant."""
+    granted, submitted = s.get("granted_at"), job.get("submit_time")
+    if not isinstance(granted, int | float) or not isinstance(submitted, int | float):
+        return True
+    return submitted >= granted - CLOCK_SLACK_S
 
 
 def ended(job: Mapping[str, Any]) -> bool:
@@ -183,7 +195,7 @@ def plan(
         if s is None or s.get("state") not in ("granted", "preempting") or slice_id in running:
             continue
         job = max(slice_jobs, key=lambda j: int(j["job_id"]))
-        if not on_grant(job, s):
+        if not (on_grant(job, s) and of_this_grant(job, s)):
             continue  # a job of an earlier grant (before a requeue), or one never on it
         if str(job.get("user_name") or "") not in (*submit_users, s.get("user")):
             continue
