@@ -70,7 +70,7 @@ def service(
             "--SlurmInventory.poll_interval=0.5",
             "--SlurmInventory.job_interval=0.3",
             "--SlurmInventory.submit_users=root",
-            "--SlurmInventory.command_timeout=1",
+            "--SlurmInventory.command_timeout=3",
         ],
     )
     service.start()
@@ -252,7 +252,7 @@ def test_a_job_submitted_past_the_broker_into_its_partition_is_cancelled(
     slurm: SlurmCluster, service: BrokerService
 ):
     job = slurm.sbatch(f"--partition={PARTITION}", "--gres=gpu:1", script="#!/bin/bash\nsleep 60\n")
-    wait_until(lambda: job_state(slurm, job) == "CANCELLED", 10, "the stray job's cancel")
+    wait_until(lambda: job_state(slurm, job) == "CANCELLED", 20, "the stray job's cancel")
     assert f"Job {job} (slice -) cancelled: it names no slice" in service.log_text()
 
 

@@ -104,7 +104,7 @@ def hub(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--SlurmInventory.poll_interval=0.5",
             "--SlurmInventory.job_interval=0.3",
             "--SlurmInventory.submit_users=root",
-            "--SlurmInventory.command_timeout=1",
+            "--SlurmInventory.command_timeout=3",
         ],
         extra_config=HUB_CONFIG.format(workdir=str(workdir), standin=str(standin)),
     )
