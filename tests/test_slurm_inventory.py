@@ -145,7 +145,7 @@ def live(slice_id: int, state: str = "granted", **fields: Any) -> dict[int, dict
 def test_a_preempted_slices_job_is_signalled_once_then_cancelled_at_the_grace_end():
     slices = live(1, "preempting", preempt_deadline=100.0, kind="batch")
     first = plan(slices, [job(10, 1)], now=90.0)
-    assert first.signals == [Signal(10, 1, full=True)] and not first.cancels
+    assert first.signals == [Signal(10, 1, "full")] and not first.cancels
     assert plan(slices, [job(10, 1)], now=95.0, signalled={10}).signals == []
     assert plan(slices, [job(10, 1)], now=100.0, signalled={10}).cancels == [
         Cancel(10, 1, "its grace period is over")
@@ -156,7 +156,9 @@ def test_a_preempted_slices_job_is_signalled_once_then_cancelled_at_the_grace_en
 def test_the_signal_scope_is_chosen_per_slice():
     slices = live(1, "preempting", preempt_deadline=100.0, kind="interactive")
     signals = plan(slices, [job(10, 1)], 90.0, full_signal=lambda s: s["kind"] == "batch").signals
-    assert signals == [Signal(10, 1, full=False)]
+    assert signals == [Signal(10, 1, "batch")]
+    srun_job = job(10, 1, batch_flag=False)
+    assert plan(slices, [srun_job], 90.0).signals == [Signal(10, 1, "steps")]
 
 
 def test_a_job_whose_slice_ended_is_cancelled_and_other_jobs_are_left_alone():
@@ -174,6 +176,12 @@ def test_a_job_that_ended_in_slurm_ends_its_slice_with_slurms_reason():
     lost = job(11, 1, "NODE_FAIL", exit_code=9)
     assert plan(live(1), [lost], 0.0).ends == [EndSlice(1, "job 11 NODE_FAIL in Slurm (signal 9)")]
     assert end_reason(job(12, 1, "COMPLETED", exit_code=0)) == "job 12 COMPLETED in Slurm"
+
+
+def test_a_job_that_ended_leaves_its_holder_end_wait_seconds_to_release_the_slice():
+    done = job(10, 1, "COMPLETED", end_time=100)
+    assert plan(live(1), [done], now=104.0, end_wait=5.0).ends == []
+    assert plan(live(1), [done], now=105.0, end_wait=5.0).ends != []
 
 
 def test_only_the_slices_user_or_a_submitter_may_end_it_and_a_running_job_keeps_it():

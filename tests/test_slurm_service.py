@@ -71,6 +71,7 @@ def service(
             "--SlurmInventory.job_interval=0.3",
             "--SlurmInventory.submit_users=root",
             "--SlurmInventory.command_timeout=3",
+            "--SlurmInventory.end_wait=1",
         ],
     )
     service.start()
@@ -300,6 +301,37 @@ def test_slicebroker_run_slurm_runs_the_command_as_a_job_step_on_the_grant(
     slice_id = int(job["name"].removeprefix("slicebroker-"))
     assert (job["nodes"], job["comment"]) == (NODE, job_comment(slice_id))
     assert service.get(f"/slices/{slice_id}", token=service.admin_token).json()["state"] == "ended"
+
+
+def test_slicebroker_run_slurm_passes_a_preemptions_sigterm_on_to_the_job_in_its_grace(
+    slurm: SlurmCluster, service: BrokerService
+):
+    marker = slurm.root / "jobs" / "run-slurm-term.txt"
+    script = f"trap 'date +%s.%N > {marker}; exit 7' TERM; while true; do sleep 0.1; done"
+    env = {**slurm.env, "SLICEBROKER_URL": service.url, "SLICEBROKER_TOKEN": service.token("alice")}
+    runner_argv = [sys.executable, "-m", "broker.cli", "run", "--project=vision", "--gpus=1"]
+    runner = subprocess.Popen(
+        [*runner_argv, "--min-runtime=1", "--slurm", "--", "bash", "-c", script],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = wait_until(
+            lambda: next((j for j in slurm.jobs() if j["job_state"] == "RUNNING"), None),
+            20,
+            "the runner's job to run",
+        )
+        slice_id = int(job["name"].removeprefix("slicebroker-"))
+        service.post(f"/nodes/{NODE}/drain", token=service.admin_token)
+        assert runner.wait(20) == 7, runner.stderr.read()  # its handler ran: no SIGKILL
+        final = service.get(f"/slices/{slice_id}", token=service.admin_token).json()
+        assert final["preempt_reason"] == "drain", final
+        assert float(marker.read_text()) < final["preempt_deadline"]
+    finally:
+        runner.kill()
+        runner.wait()
 
 
 def test_slicebroker_run_slurm_refuses_without_a_slice():

@@ -76,10 +76,11 @@ class SlurmCommands:
     async def resume(self, node: str) -> None:
         await self.run("scontrol", "update", f"nodename={node}", "state=RESUME")
 
-    async def signal(self, job_id: int, signal: str, *, full: bool) -> None:
-        """Send ``signal`` to the job: its batch shell only, or (``full``) every process of it."""
-        scope = "--full" if full else "--batch"
-        await self.run("scancel", f"--signal={signal}", scope, str(job_id))
+    async def signal(self, job_id: int, signal: str, *, scope: str) -> None:
+        """Send ``signal`` to the job: ``full`` every process of a batch job, ``batch`` its
+        batch script only, ``steps`` its job steps (a job ``srun`` made has no script)."""
+        scopes = {"full": ["--full"], "batch": ["--batch"], "steps": []}
+        await self.run("scancel", f"--signal={signal}", *scopes[scope], str(job_id))
 
     async def cancel(self, job_id: int) -> None:
         await self.run("scancel", str(job_id))

@@ -279,6 +279,14 @@ class SlurmInventory(Inventory):
         slice.""",
     ).tag(config=True)
 
+    end_wait = Float(
+        5.0,
+        help="""Seconds after a job ends in Slurm before the broker ends its slice
+        (default 5): the slice's holder (the spawner, the batch runner) usually
+        releases it first, with its own reason; the broker ends the slices whose
+        holder does not.""",
+    ).tag(config=True)
+
     preempt_signal = Unicode(
         "TERM",
         help="""The signal a job gets when its slice is preempted, at the start of the grace
@@ -317,6 +325,12 @@ class SlurmInventory(Inventory):
         the hub submits as itself. A job of anyone else ends a slice only if its Slurm
         user is the slice's user. Default: empty.""",
     ).tag(config=True)
+
+    @validate("end_wait")
+    def _check_not_negative(self, proposal):
+        if not proposal.value >= 0:
+            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
+        return proposal.value
 
     @validate("poll_interval", "job_interval", "command_timeout")
     def _check_positive(self, proposal):

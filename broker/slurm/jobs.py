@@ -16,7 +16,9 @@ what to do — a pure function, tested on tables:
   cancelled: nothing runs there that the broker did not place;
 - a job that ended in Slurm (completed, failed, cancelled, timed out, its node
   failed) ends its slice at once, with Slurm's state and exit code as the
-  reason, unless another job of the slice still runs. Only a job submitted for
+  reason, ``end_wait`` seconds after the job's end (its holder, the spawner or
+  the batch runner, usually releases it first), unless another job of the
+  slice still runs. Only a job submitted for
   the slice's current grant (not one before a requeue) whose Slurm user is the
   slice's user, or one of ``submit_users``, may end a slice.
 
@@ -64,6 +66,9 @@ ENDED_STATES = frozenset(
         "TIMEOUT",
     }
 )
+
+
+SCOPE_WORDS = {"full": "every process", "batch": "the batch script", "steps": "its steps"}
 
 
 def job_comment(slice_id: int) -> str:
@@ -128,7 +133,8 @@ def end_reason(job: Mapping[str, Any]) -> str:
 class Signal:
     job_id: int
     slice_id: int
-    full: bool
+    #: ``full``, ``batch`` or ``steps``: see :meth:`SlurmCommands.signal`.
+    scope: str
 
 
 @dataclass(frozen=True)
@@ -161,11 +167,14 @@ def plan(
     signal: bool = True,
     full_signal: Callable[[Mapping[str, Any]], bool] = lambda s: True,
     cancel_strays: bool = False,
+    end_wait: float = 0.0,
 ) -> Plan:
     """What to do with the slices' jobs. ``live``: the broker's live slices by id
     (``state``, ``placements``, ``preempt_deadline``, ``user``, ``kind``); ``jobs``:
     Slurm's jobs (of the broker's partition); ``signalled``: jobs already signalled;
-    ``full_signal(slice)``: whether the signal goes to every process of its job."""
+    ``full_signal(slice)``: whether the signal goes to every process of its job;
+    ``end_wait``: seconds after a job's end before its slice is ended (its holder
+    may release it first)."""
     result = Plan()
     running: dict[int, list[Mapping[str, Any]]] = {}
     finished: dict[int, list[Mapping[str, Any]]] = {}
@@ -189,7 +198,10 @@ def plan(
                 if now >= float(s.get("preempt_deadline") or 0):
                     result.cancels.append(Cancel(job_id, slice_id, "its grace period is over"))
                 elif signal and job_id not in signalled:
-                    result.signals.append(Signal(job_id, slice_id, full_signal(s)))
+                    scope = "full" if full_signal(s) else "batch"
+                    if job.get("batch_flag") is False:
+                        scope = "steps"  # srun's own job: no script, its steps are the job
+                    result.signals.append(Signal(job_id, slice_id, scope))
     for slice_id, slice_jobs in finished.items():
         s = live.get(slice_id)
         if s is None or s.get("state") not in ("granted", "preempting") or slice_id in running:
@@ -199,6 +211,9 @@ def plan(
             continue  # a job of an earlier grant (before a requeue), or one never on it
         if str(job.get("user_name") or "") not in (*submit_users, s.get("user")):
             continue
+        end_time = job.get("end_time")
+        if isinstance(end_time, int | float) and now < end_time + end_wait:
+            continue  # its holder (the spawner, the batch runner) may release it first
         result.ends.append(EndSlice(slice_id, end_reason(job)))
     return result
 
@@ -226,6 +241,7 @@ class JobExecutor:
         full_signal: Callable[[Mapping[str, Any]], bool] = lambda s: True,
         submit_users: Collection[str] = (),
         cancel_strays: bool = False,
+        end_wait: float = 5.0,
         interval: float = 2.0,
         clock: Callable[[], float] | None = None,
         backoff: Backoff | None = None,
@@ -238,6 +254,7 @@ class JobExecutor:
         self.full_signal = full_signal
         self.submit_users = tuple(submit_users)
         self.cancel_strays = cancel_strays
+        self.end_wait = end_wait
         self.interval = interval
         self.clock = clock or time.time
         self.backoff = backoff or Backoff(maximum=max(interval, 5.0))
@@ -260,16 +277,17 @@ class JobExecutor:
             signal=bool(self.signal),
             full_signal=self.full_signal,
             cancel_strays=self.cancel_strays,
+            end_wait=self.end_wait,
         )
         for step in todo.signals:
-            await self.slurm.signal(step.job_id, self.signal, full=step.full)
+            await self.slurm.signal(step.job_id, self.signal, scope=step.scope)
             self.signalled[step.job_id] = step.slice_id
             log.info(
                 "Job %s of slice %s: SIG%s sent (%s), its slice is preempted",
                 step.job_id,
                 step.slice_id,
                 self.signal,
-                "every process" if step.full else "the batch script",
+                SCOPE_WORDS[step.scope],
             )
         for step in todo.cancels:
             if step.job_id in self.cancelled:

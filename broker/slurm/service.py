@@ -49,6 +49,7 @@ class SlurmTasks:
             full_signal=lambda s: scopes.get(str(s.get("kind")), "full") == "full",
             submit_users=options.submit_users,
             cancel_strays=options.cancel_strays and bool(options.partition),
+            end_wait=options.end_wait,
             interval=options.job_interval,
         )
         self.tasks: list[asyncio.Task] = []
