@@ -1183,6 +1183,18 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="longest wait between two looks at the queue figures (default: 10)",
     )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run CMD as a Slurm job step (srun) pinned to the granted node and GPUs, in the "
+        "broker's partition; see docs/slurm.md",
+    )
+    parser.add_argument(
+        "--slurm-partition",
+        default="slicebroker",
+        metavar="PARTITION",
+        help="the Slurm partition the broker owns, for --slurm (default: slicebroker)",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the command")
     parser.set_defaults(check_args=_check_run)
 
@@ -1197,7 +1209,12 @@ async def run(client: BrokerClient, args: argparse.Namespace) -> int:
         priority=args.priority,
         resumable=args.resumable,
     )
-    return await run_batch(client, request, args.cmd, grace_kill=args.grace_kill, poll=args.poll)
+    command = args.cmd
+    if args.slurm:
+        partition = f"--partition={args.slurm_partition}"
+        srun = [sys.executable, "-m", "broker.slurm.srun", partition, "--"]
+        command = [*srun, *command]
+    return await run_batch(client, request, command, grace_kill=args.grace_kill, poll=args.poll)
 
 
 def _check_run(args: argparse.Namespace) -> None:

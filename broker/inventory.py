@@ -3,7 +3,7 @@
 ``slicebroker serve`` runs one :class:`Inventory`, chosen by
 ``BrokerApp.inventory_class``: a class, a dotted ``module.Class`` name, or the
 name of an entry point in the ``slicebroker.inventories`` group. The package
-registers three:
+registers four:
 
 - ``static`` (:class:`StaticInventory`, the default): the cluster file's
   ``[[nodes]]``, changed by editing the file and restarting, or by admins
@@ -11,7 +11,9 @@ registers three:
 - ``nvidia-smi`` (:class:`LocalInventory`): this machine's GPUs, found with
   ``nvidia-smi`` at start;
 - ``kubernetes`` (:class:`broker.kube.inventory.KubernetesInventory`): the
-  cluster's GPU nodes, kept current with a watch.
+  cluster's GPU nodes, kept current with a watch;
+- ``slurm`` (:class:`broker.slurm.inventory.SlurmInventory`): the GPU nodes of
+  the broker's Slurm partition, read every few seconds, with slices run as Slurm jobs.
 
 An inventory is a traitlets ``Configurable``: its options are its own traits,
 set as ``c.LocalInventory.nvidia_smi = ...`` in the options file or

@@ -28,17 +28,19 @@ from broker.inventory import (
 )
 from broker.kube.inventory import KubernetesInventory
 from broker.service.runner import BrokerRunner
+from broker.slurm.inventory import SlurmInventory
 from broker.store import Broker
 
 pytest.importorskip("kubernetes_asyncio")
 
 
-def test_the_entry_points_name_the_three_backends():
+def test_the_entry_points_name_the_four_backends():
     found = {ep.name: ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)}
     assert found == {
         "static": StaticInventory,
         "nvidia-smi": LocalInventory,
         "kubernetes": KubernetesInventory,
+        "slurm": SlurmInventory,
     }
     assert all(issubclass(cls, Inventory) for cls in found.values())
 

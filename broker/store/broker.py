@@ -309,20 +309,24 @@ class Broker(Journal):
             _event(session, row, None, "submitted", now)
             return _slice_dict(row, now, _Costs()), True
 
-    def release(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+    def release(self, slice_id: int, *, caller: Caller | None = None, why: str = "") -> dict:
         """Cancel a pending slice or release a held one (charging its held time).
 
         A ``caller`` may release only their own slices (:class:`Forbidden`); an
         admin, or no ``caller``, any. Releasing an ended slice changes nothing.
+        ``why`` is the event's reason when the releaser is not the holder (e.g. a
+        backend whose job ended: ``released: job 12 FAILED in Slurm``).
         """
         with self._write() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             costs = self._read_catalog(session).costs
             if row.state == SliceState.PENDING:
-                self._end(session, row, EndReason.CANCELLED, now, costs, why="cancelled")
+                why_text = f"cancelled: {why}" if why else "cancelled"
+                self._end(session, row, EndReason.CANCELLED, now, costs, why=why_text)
             elif row.state in HELD_STATES:
-                self._end(session, row, EndReason.RELEASED, now, costs, why="released")
+                why_text = f"released: {why}" if why else "released"
+                self._end(session, row, EndReason.RELEASED, now, costs, why=why_text)
             return _slice_dict(row, now, costs)
 
     def heartbeat(self, slice_id: int, *, caller: Caller | None = None) -> dict:
