@@ -1049,6 +1049,59 @@ async def release(client: BrokerClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def add_sooner(commands: argparse._SubParsersAction) -> None:
+    parser = _api_command(
+        commands,
+        "sooner",
+        sooner,
+        help="what would start a waiting slice sooner",
+        description="For a pending slice: fewer GPUs, another GPU type, a shorter "
+        "protected period, a debug-length session or another of your projects, each "
+        "with when the broker would start it and the GPU-hours its protection commits.",
+    )
+    parser.add_argument("slice_id", metavar="ID", type=_whole(1), help="the slice")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+#: How each kind of alternative reads, from the request's fields and the changed ones.
+_ALTERNATIVE_WORDS = {
+    "gpus": lambda f: f"{f['gpus']} GPU{'s' if f['gpus'] != 1 else ''}",
+    "gpu_type": lambda f: f"{f['gpu_type']} GPUs",
+    "min_runtime": lambda f: f"{format_duration(f['min_runtime'])} protection",
+    "debug": lambda f: f"a {format_duration(f['min_runtime'])} debug session",
+    "project": lambda f: f"charged to {f['project']}",
+}
+
+
+def _about(seconds: float) -> str:
+    """A wait as a person says it: to the minute, or the hour past three hours."""
+    minutes = max(1, round(seconds / 60))
+    if minutes < 180:
+        return format_duration(60 * minutes)
+    return format_duration(3600 * round(minutes / 60))
+
+
+async def sooner(client: BrokerClient, args: argparse.Namespace) -> int:
+    found = await client.alternatives(args.slice_id)
+    if args.json:
+        _print_json(found)
+        return 0
+    now = found["now"]
+    if not found["alternatives"]:
+        print(f"slice {args.slice_id}: nothing would start it sooner")
+        return 0
+    cells = [
+        [
+            _ALTERNATIVE_WORDS[a["change"]](a["fields"]),
+            "now" if a["starts_at"] <= now else f"in about {_about(a['starts_at'] - now)}",
+            f"{a['gpu_hours']:.2f}",
+        ]
+        for a in found["alternatives"]
+    ]
+    _print(table(["INSTEAD", "STARTS", "PROTECTED GPU-h"], cells, "llr"))
+    return 0
+
+
 # ---- usage ------------------------------------------------------------------
 
 
@@ -1520,6 +1573,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_queue,
     add_slices,
     add_release,
+    add_sooner,
     add_usage,
     add_run,
     add_upgrade_db,

@@ -316,6 +316,10 @@ class BrokerClient:
         """The slice's state changes, oldest first: ``{at, from_state, to_state, reason}``."""
         return (await self.request("GET", f"/slices/{int(slice_id)}/events"))["events"]
 
+    async def alternatives(self, slice_id: int) -> dict[str, Any]:
+        """What would start a waiting slice sooner (``GET /slices/{id}/alternatives``)."""
+        return await self.request("GET", f"/slices/{int(slice_id)}/alternatives")
+
     # ---- projects -----------------------------------------------------------------
 
     async def projects(self) -> list[dict[str, Any]]:

@@ -371,6 +371,25 @@ def test_release_ends_a_slice_and_reports_its_charge(service, capsys):
     assert out.strip() == f"slice {held['id']}: ended (released), charged {hours:.2f} GPU-h"
 
 
+def test_sooner_says_what_would_start_a_waiting_slice_now(service, capsys):
+    alice = service.token("alice")
+    for gpus in (3, 4):  # alice holds 7 of the 8 GPUs: one is free
+        wait_state(
+            service, submit(service, alice, "vision", gpus, min_runtime="8h")["id"], "pending"
+        )
+    waiting = wait_queued(service, submit(service, alice, "vision", 2)["id"])
+    status, out, _ = run_cli(capsys, "sooner", str(waiting["id"]))
+    assert status == 0
+    header, *rows = [line.split() for line in out.splitlines()]
+    assert header == ["INSTEAD", "STARTS", "PROTECTED", "GPU-h"]
+    # 1 GPU for its hour of protection, at this cluster's weight of 1000
+    assert rows[0] == ["1", "GPU", "now", "1000.00"]
+    # a debug session (2 GPUs, 15 min) would get GPUs once alice's protection ends
+    assert rows[1:] == [["a", "15m", "debug", "session", "in", "about", "8h", "500.00"]]
+    status, out, _ = run_cli(capsys, "sooner", str(waiting["id"] + 1000))
+    assert status != 0
+
+
 # ---- usage ------------------------------------------------------------------------------
 
 
