@@ -722,7 +722,7 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
     ) == (1800.0, 120.0, 0.0, 15.0, 2)
     # 0 turns the budget off; the defaults when nothing is set
     assert parse(MINIMAL + "[policy]\npreemption_budget = 0\n").policy.preemption_budget is None
-    assert parse(MINIMAL).policy.preemption_budget == 3
+    assert parse(MINIMAL).policy.preemption_budget == 5
 
 
 @pytest.mark.parametrize(

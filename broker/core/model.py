@@ -184,7 +184,7 @@ class Policy:
     preemption_backoff: float = 2.0
     # Preemptions a job may suffer; past them it is preempted only by a drain or
     # a node going down (design.md §5.7). None: no budget.
-    preemption_budget: int | None = 3
+    preemption_budget: int | None = 5
     # How long a request waits for natural releases before it may preempt
     # allocated work, per class (design.md §5.7): a preemption costs its victim a
     # restart and its work since the last checkpoint, waiting costs the requester.

@@ -132,9 +132,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--preemption-budget",
         type=int,
-        default=3,
+        default=5,
         metavar="K",
-        help="preemptions a job may suffer, drains aside (policy preemption_budget; 3, "
+        help="preemptions a job may suffer, drains aside (policy preemption_budget; 5, "
         "0 = no budget)",
     )
     sim.add_argument(
