@@ -50,7 +50,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -233,7 +233,7 @@ class BrokerRunner:
         self._task: asyncio.Task | None = None
         self._first_pass = asyncio.Event()
         # Reads shared until the next pass or change: fn -> its computation.
-        self._between_passes: dict[Callable[[], Any], asyncio.Future] = {}
+        self._between_passes: dict[Hashable, asyncio.Future] = {}
         # Writes waiting for the next group commit; the lock guards them and the flag.
         self._writes: list[_Write] = []
         self._writes_lock = threading.Lock()
@@ -290,8 +290,9 @@ class BrokerRunner:
         """
         return await self.run(fn, *args, **kwargs)
 
-    async def read_between_passes(self, fn: Callable[[], T]) -> T:
-        """``fn()``'s answer, computed once until the next pass or change.
+    async def read_between_passes(self, fn: Callable[[], T], key: Hashable | None = None) -> T:
+        """``fn()``'s answer, computed once until the next pass or change (per ``key``,
+        by default ``fn`` itself).
 
         For reads that are costly and only move with the schedule, such as the
         project tree with its window usage: between two passes (at most
@@ -300,16 +301,17 @@ class BrokerRunner:
         runs wait for that same computation rather than queueing one each; a failed
         one is not kept.
         """
-        shared = self._between_passes.get(fn)
+        key = fn if key is None else key
+        shared = self._between_passes.get(key)
         if shared is None:
             shared = asyncio.ensure_future(self.read(fn))
-            self._between_passes[fn] = shared
-            shared.add_done_callback(functools.partial(self._forget_failed, fn))
+            self._between_passes[key] = shared
+            shared.add_done_callback(functools.partial(self._forget_failed, key))
         return await asyncio.shield(shared)
 
-    def _forget_failed(self, fn: Callable[[], Any], shared: asyncio.Future) -> None:
-        if (shared.cancelled() or shared.exception()) and self._between_passes.get(fn) is shared:
-            del self._between_passes[fn]
+    def _forget_failed(self, key: Hashable, shared: asyncio.Future) -> None:
+        if (shared.cancelled() or shared.exception()) and self._between_passes.get(key) is shared:
+            del self._between_passes[key]
 
     async def write(
         self, fn: Callable[..., T], *args: Any, durable: bool = True, **kwargs: Any

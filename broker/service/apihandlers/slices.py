@@ -8,6 +8,7 @@ Agents and admins reach every slice.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from sqlalchemy.exc import OperationalError
@@ -328,7 +329,16 @@ class SliceAlternativesHandler(_OwnedSliceHandler):
     }
 
     async def get(self, id: str) -> None:
-        found = await self.owned(self.broker.alternatives, self.slice_id(id))
+        # Several passes each: computed once per slice and caller until the next pass,
+        # however often a pending page polls (design.md §5.8).
+        slice_id = self.slice_id(id)
+        caller = owner_filter(self.identity)["caller"]
+        compute = functools.partial(self.broker.alternatives, slice_id, caller=caller)
+        key = ("alternatives", slice_id, caller)
+        try:
+            found = await self.runner.read_between_passes(compute, key=key)
+        except Forbidden:
+            raise NotFound(f"no slice {slice_id}") from None
         self.write_json(found)
 
 
