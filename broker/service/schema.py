@@ -256,6 +256,11 @@ class Slice(ApiObject):
     charged_gpu_seconds: float = Field(
         description="weighted GPU-seconds charged so far (accruing while held)"
     )
+    preemptions: int = Field(
+        ge=0,
+        description="times preempted so far; past the policy's preemption_budget only a "
+        "drain or a node going down ends it early",
+    )
 
 
 class SliceList(ApiObject):

@@ -50,6 +50,7 @@ def _row_view(row: SliceRow) -> dict[str, Any]:
         "fairshare_value": row.fairshare_value,
         "estimated_start": row.estimated_start,
         "charged_gpu_seconds": row.charged_gpu_seconds,
+        "preemptions": row.preemptions,
     }
 
 
