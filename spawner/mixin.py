@@ -996,7 +996,7 @@ class SliceBrokerMixin(Configurable):
     async def poll(self) -> int | None:
         """``None`` while starting (waiting in the queue included) or running; else the exit
         status, once the slice is released."""
-        if self._starting:
+        if self._starting and not self._stopping:
             return None
         if self._needs_reconnect and not self._stopping:
             self._reconnect()
@@ -1009,12 +1009,16 @@ class SliceBrokerMixin(Configurable):
     async def stop(self, now: bool = False) -> None:
         """Stop the server (if any) and release the slice; safe to call at any time."""
         held = self.slice_id
+        # Before the grant the backend has launched nothing: its stop() would act on no
+        # server (the local backend would signal pid 0, the hub's own process group).
+        launched = self._launching or not self._starting
         self._stopping = True
         try:
             if held is not None:
                 self._cancel_watch()
                 self._cancel_idle_watch()
-            await super().stop(now=now)
+            if launched:
+                await super().stop(now=now)
         finally:
             self._stopping = False
             await self._release(held)

@@ -175,6 +175,10 @@ class FakeBroker:
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
+    async def list_slices(self, state=None):
+        rows = [dict(s) for s in self.slices.values() if state in (None, s["state"])]
+        return as_documented("GET", "/slices", {"slices": rows})["slices"]
+
     async def heartbeat(self, slice_id):
         self.calls.append(("heartbeat", slice_id))
         return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
@@ -609,3 +613,38 @@ def test_the_spawner_defaults_suit_a_queue():
     assert spawner.choices().protected == (900.0, 3600.0, 7200.0, 14400.0, 28800.0, 0.0)
     assert spawner.choices().protected_default == 900.0
     assert callable(spawner.options_form) and callable(spawner.apply_user_options)
+
+
+# ---- stopping a spawn that waits --------------------------------------------------------------
+
+
+class LocalSpawner(SliceBrokerSpawner):
+    """The local-process backend with its signals recorded instead of sent: a signal to
+    pid 0 would go to the test run's own process group."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.signals: list[tuple[int, int]] = []
+
+    async def _signal(self, sig: int) -> bool:
+        self.signals.append((self.pid, sig))
+        return False
+
+
+async def test_stopping_a_spawn_that_waits_in_the_queue_signals_no_process(broker):
+    spawner = LocalSpawner(
+        user=user(),
+        broker_url="http://broker.invalid",
+        broker_token="agent",
+        **dict.fromkeys(("interrupt_timeout", "term_timeout", "kill_timeout"), 0),
+    )
+    spawner._broker = broker
+    task, slice_id = await started_and_waiting(spawner, broker)
+
+    await spawner.stop()
+
+    assert spawner.signals == []
+    assert broker.slices[slice_id]["end_reason"] == "cancelled"
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, SpawnException):
+        await task
