@@ -49,6 +49,7 @@ from traitlets import Bool, Unicode
 from broker.kube.inventory import GPU_RESOURCE, MIG_PREFIX, gpu_resource, kube_node_name
 from broker.kube.reaper import SLICE_LABEL
 
+from .lifecycle import Phase
 from .mixin import SliceBrokerMixin
 
 PROJECT_LABEL = "slicebroker.io/project"
@@ -90,7 +91,7 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         """
         async for event in super().progress():
             yield event
-        if not self._launching:
+        if self.lifecycle.phase is not Phase.LAUNCHING:
             return  # no grant (the request failed), or the launch is already over
         async for event in KubeSpawner.progress(self):
             if "progress" in event:
@@ -112,7 +113,7 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         stale pod of the same name (a 409 on create, e.g. after a hub crash);
         that must not release the slice being launched on.
         """
-        if self._starting:
+        if self.lifecycle.phase is Phase.LAUNCHING:
             await KubeSpawner.stop(self, now=now)
             return
         await super().stop(now=now)

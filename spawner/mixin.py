@@ -60,6 +60,7 @@ from slicebroker_lab import CULL_ENV, session_env
 
 from . import notices
 from .culler import CullLimits, Verdict, verdict, waiter_for
+from .lifecycle import Lifecycle, Phase
 from .options import (
     FORM_TEMPLATE,
     OPTION_KEYS,
@@ -326,6 +327,8 @@ class SliceBrokerMixin(Configurable):
         return apply_slice_options
 
     def __init__(self, **kwargs: Any) -> None:
+        #: Where the session is: every hook reads it (:mod:`spawner.lifecycle`).
+        self.lifecycle = Lifecycle()
         super().__init__(**kwargs)
         if self.has_trait("options_form") and not self.options_form:
             # The spawner below has no form of its own: the slice form is the whole form.
@@ -347,11 +350,6 @@ class SliceBrokerMixin(Configurable):
 
     _broker: BrokerClient | None = None
     _watch_task: asyncio.Task | None = None
-    _starting = False
-    # Granted and launching: the slice's progress is over, the backend's begins.
-    _launching = False
-    _stopping = False
-    _needs_reconnect = False
     _progress_events: list[dict[str, Any]] | None = None
     _progress_update: asyncio.Event | None = None
     _update: asyncio.Event | None = None
@@ -534,8 +532,10 @@ class SliceBrokerMixin(Configurable):
         self.slice = mine.get("slice")
         self.notice = mine.get("notice")
         self.granted_gpu_type = mine.get("granted_gpu_type")
-        # A hub restart: the first poll() asks the broker where the slice stands.
-        self._needs_reconnect = self.slice_id is not None
+        if self.slice_id is not None and not self.lifecycle.starting:
+            # A hub restart: the first poll() asks the broker where the slice stands.
+            self.lifecycle.move(Phase.RUNNING)
+            self.lifecycle.needs_reconnect = True
 
     def clear_state(self) -> None:
         """Forget the slice (the notice stays until the next start, for the pages)."""
@@ -543,7 +543,7 @@ class SliceBrokerMixin(Configurable):
         self.slice_id = None
         self.slice = None
         self.granted_gpu_type = None
-        self._needs_reconnect = False
+        self.lifecycle.needs_reconnect = False
         self._options_seconds = 0.0
 
     def get_env(self) -> dict[str, str]:
@@ -580,8 +580,7 @@ class SliceBrokerMixin(Configurable):
 
     async def start(self) -> Any:
         """Get a slice (waiting in the queue), then start the server on it."""
-        self._starting = True
-        self._needs_reconnect = False
+        self.lifecycle.move(Phase.REQUESTING)
         self.notice = None
         self._progress_events = []
         try:
@@ -590,17 +589,20 @@ class SliceBrokerMixin(Configurable):
                 request = await self.apply_slice_options(self.user_options or {})
             granted = await self._acquire(request)
             self._add_progress(notices.grant_event(granted))
-            self._launching = True
+            self.lifecycle.move(Phase.LAUNCHING)
             try:
                 url = await super().start()
             except BaseException:
                 await asyncio.shield(self._release(self.slice_id))
                 raise
+            self.lifecycle.move(Phase.RUNNING)
             self._start_idle_watch()
             return url
+        except BaseException:
+            if self.lifecycle.starting:
+                self.lifecycle.move(Phase.STOPPED)
+            raise
         finally:
-            self._starting = False
-            self._launching = False
             self.slice_request = None
             self._pulse_progress()
             if self.slice_id is not None and (self.slice or {}).get("state") != "granted":
@@ -726,7 +728,10 @@ class SliceBrokerMixin(Configurable):
             while seen < len(events):
                 yield events[seen]
                 seen += 1
-            if self._launching or not (self._starting or getattr(self, "_spawn_pending", False)):
+            phase = self.lifecycle.phase
+            if phase is Phase.LAUNCHING or not (
+                self.lifecycle.starting or getattr(self, "_spawn_pending", False)
+            ):
                 return
             await update.wait()
 
@@ -740,6 +745,8 @@ class SliceBrokerMixin(Configurable):
     def _track(self, slice_: dict[str, Any]) -> None:
         """Hold ``slice_``: remember it and start heartbeating and watching it."""
         self.slice_id = slice_["id"]
+        if self.lifecycle.phase is Phase.REQUESTING:
+            self.lifecycle.move(Phase.WAITING)
         self._observe(slice_)
         self._start_watch()
 
@@ -760,11 +767,12 @@ class SliceBrokerMixin(Configurable):
         self.slice = slice_
         state = slice_.get("state")
         nodes = _NODES_SEEN.get(self.broker_url)
-        if state == "pending" and self._starting:
+        starting = self.lifecycle.starting
+        if state == "pending" and starting:
             capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
             queue_url = notices.pages_url(self.broker_url)
             self._add_progress(notices.queue_event(slice_, time.time(), capacity, queue_url))
-        if state != previous and state in ("preempting", "ended") and not self._starting:
+        if state != previous and state in ("preempting", "ended") and not starting:
             self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:
                 # The pages read the stored state: show the news now (the hub commits it).
@@ -826,7 +834,12 @@ class SliceBrokerMixin(Configurable):
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
             self._observe(fresh)
-        if self.slice_id == slice_id and not self._starting and not self._stopping:
+        phase = self.lifecycle.phase
+        if (
+            self.slice_id == slice_id
+            and not self.lifecycle.starting
+            and phase is not Phase.STOPPING
+        ):
             await self._end_session(slice_id)
 
     async def _next_change(
@@ -854,14 +867,13 @@ class SliceBrokerMixin(Configurable):
             s.get("state"),
             s.get("end_reason") or s.get("preempt_reason"),
         )
-        self._stopping = True
+        self.lifecycle.move(Phase.STOPPING)
         try:
             await self._backend_stop(now=False)
         except Exception:
             self.log.exception("Stopping %s after its slice ended failed", self._log_name)
-        finally:
-            self._stopping = False
         await self._release(slice_id)
+        self.lifecycle.move(Phase.STOPPED)
         await self.poll_and_notify()
 
     async def _backend_stop(self, now: bool = False) -> None:
@@ -903,7 +915,7 @@ class SliceBrokerMixin(Configurable):
         """After a hub restart: hold the slice again. The background task asks the broker
         where it stands (the broker may still be starting) and stops a server whose slice
         ended while the hub was away."""
-        self._needs_reconnect = False
+        self.lifecycle.needs_reconnect = False
         if self.slice_id is not None:
             self.log.info("Reconnecting %s to slice %s", self._log_name, self.slice_id)
             self._start_watch(beat_now=True)
@@ -961,7 +973,10 @@ class SliceBrokerMixin(Configurable):
         ``culled_idle`` notice."""
         while self.slice_id == slice_id:
             await asyncio.sleep(self.cull_interval)  # a check interval, not a synchronisation
-            if self._starting or self._stopping or (self.slice or {}).get("state") != "granted":
+            if (
+                self.lifecycle.phase is not Phase.RUNNING
+                or (self.slice or {}).get("state") != "granted"
+            ):
                 continue
             try:
                 rule, idle = await self.idle_verdict()
@@ -996,14 +1011,18 @@ class SliceBrokerMixin(Configurable):
     async def poll(self) -> int | None:
         """``None`` while starting (waiting in the queue included) or running; else the exit
         status, once the slice is released."""
-        if self._starting and not self._stopping:
+        phase = self.lifecycle.phase
+        if self.lifecycle.starting:
             return None
-        if self._needs_reconnect and not self._stopping:
+        if self.lifecycle.needs_reconnect:
             self._reconnect()
         held = self.slice_id
         status = await super().poll()  # the local spawner clears its state when dead
-        if status is not None and held is not None and not self._stopping:
-            await self._release(held)
+        if status is not None and phase is not Phase.STOPPING:
+            if held is not None:
+                await self._release(held)
+            if phase is Phase.RUNNING:
+                self.lifecycle.move(Phase.STOPPED)
         return status
 
     async def stop(self, now: bool = False) -> None:
@@ -1011,8 +1030,8 @@ class SliceBrokerMixin(Configurable):
         held = self.slice_id
         # Before the grant the backend has launched nothing: its stop() would act on no
         # server (the local backend would signal pid 0, the hub's own process group).
-        launched = self._launching or not self._starting
-        self._stopping = True
+        launched = not self.lifecycle.before_grant
+        self.lifecycle.move(Phase.STOPPING)
         try:
             if held is not None:
                 self._cancel_watch()
@@ -1020,8 +1039,8 @@ class SliceBrokerMixin(Configurable):
             if launched:
                 await super().stop(now=now)
         finally:
-            self._stopping = False
             await self._release(held)
+            self.lifecycle.move(Phase.STOPPED)
 
 
 __all__ = ["SliceBrokerMixin", "apply_slice_options", "render_options_form", "spawn_error"]
