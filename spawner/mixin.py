@@ -101,6 +101,16 @@ def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400)
     return exc
 
 
+def cancelled_error(slice_id: int | None) -> SpawnException:
+    """What ``start()`` raises when ``stop()`` withdrew the request it waited on."""
+    which = f"GPU request (slice {slice_id})" if slice_id is not None else "GPU request"
+    return spawn_error(
+        "cancelled",
+        f"The spawn was cancelled: the server was stopped while its {which} waited for "
+        "GPUs, and the request was withdrawn. Start again when you need the GPUs.",
+    )
+
+
 def broker_error(err: BrokerAPIError) -> web.HTTPError:
     """What the user sees when the broker refuses or fails a request."""
     if err.status == 0 or err.status >= 500:
@@ -643,6 +653,10 @@ class SliceBrokerMixin(Configurable):
         except BrokerAPIError as err:
             raise broker_error(err) from None
         self.log.info("Slice %s requested for %s: %s", submitted["id"], self._log_name, request)
+        if self.lifecycle.cancelled:
+            # stop() came while the request was on its way: withdraw what it made.
+            await asyncio.shield(self._release(submitted["id"]))
+            raise cancelled_error(submitted["id"])
         self._track(submitted)
         try:
             granted = await self._until_granted()
@@ -684,8 +698,11 @@ class SliceBrokerMixin(Configurable):
         return ",".join(types) or None
 
     async def _until_granted(self) -> dict[str, Any]:
+        waited_on = self.slice_id
         while True:
             update = self._update_event()
+            if self.lifecycle.cancelled:
+                raise cancelled_error(waited_on)
             s = self.slice or {}
             if s.get("state") == "granted":
                 return s
@@ -742,6 +759,12 @@ class SliceBrokerMixin(Configurable):
             self._update = asyncio.Event()
         return self._update
 
+    def _pulse_update(self) -> None:
+        """Wake whoever waits on the slice (:meth:`_until_granted`)."""
+        if self._update is not None:
+            old, self._update = self._update, asyncio.Event()
+            old.set()
+
     def _track(self, slice_: dict[str, Any]) -> None:
         """Hold ``slice_``: remember it and start heartbeating and watching it."""
         self.slice_id = slice_["id"]
@@ -784,9 +807,7 @@ class SliceBrokerMixin(Configurable):
                 state,
                 slice_.get("preempt_reason") or slice_.get("end_reason"),
             )
-        if self._update is not None:
-            old, self._update = self._update, asyncio.Event()
-            old.set()
+        self._pulse_update()
 
     async def _watch(self, slice_id: int, beat_now: bool = False) -> None:
         """Heartbeat the slice and follow its state until it ends or is released.
@@ -1031,6 +1052,9 @@ class SliceBrokerMixin(Configurable):
         # Before the grant the backend has launched nothing: its stop() would act on no
         # server (the local backend would signal pid 0, the hub's own process group).
         launched = not self.lifecycle.before_grant
+        if not launched:
+            # A spawn that waits is cancelled: start() raises once the request is gone.
+            self.lifecycle.cancelled = True
         self.lifecycle.move(Phase.STOPPING)
         try:
             if held is not None:
@@ -1041,6 +1065,7 @@ class SliceBrokerMixin(Configurable):
         finally:
             await self._release(held)
             self.lifecycle.move(Phase.STOPPED)
+            self._pulse_update()
 
 
 __all__ = ["SliceBrokerMixin", "apply_slice_options", "render_options_form", "spawn_error"]

@@ -648,3 +648,34 @@ async def test_stopping_a_spawn_that_waits_in_the_queue_signals_no_process(broke
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, SpawnException):
         await task
+
+
+async def test_stopping_a_spawn_that_waits_ends_its_start_as_cancelled_at_once(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+
+    await spawner.stop()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert f"slice {slice_id}" in raised.value.jupyterhub_message
+    assert broker.slices[slice_id]["end_reason"] == "cancelled"
+    assert not spawner.stops  # no server was launched, so none was stopped
+    assert await spawner.poll() == 0
+
+
+async def test_stopping_a_spawn_whose_request_is_on_the_way_withdraws_it_when_made(make, broker):
+    spawner = make()
+    spawner.user_options = {"project": "vision"}
+    broker.submit_gate = asyncio.Event()
+    task = asyncio.ensure_future(spawner.start())
+    await eventually(lambda: broker.calls)
+
+    await spawner.stop()
+    broker.submit_gate.set()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert broker.slices[1]["end_reason"] == "cancelled"
