@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC
 from typing import Any
 
 from jupyterhub.spawner import SpawnException
-from jupyterhub.utils import maybe_future
 from tornado import web
 from traitlets import Dict, Float, Int, List, Unicode, Union, default, validate
 from traitlets.config import Configurable
@@ -436,26 +436,33 @@ class SliceBrokerMixin(Configurable):
         own = await super().get_options_form()
         return f"{own}\n{slice_form}" if own else slice_form
 
-    async def run_options_from_form(self, form_data: Mapping[str, Any]) -> dict[str, Any]:
+    def run_options_from_form(self, form_data: Mapping[str, Any]) -> Any:
         """User options from the submitted form (:meth:`_own_and_slice_options`)."""
-        return await self._own_and_slice_options(form_data, super().run_options_from_form)
+        return self._own_and_slice_options(form_data, super().run_options_from_form)
 
-    async def options_from_query(self, query_data: Mapping[str, Any]) -> dict[str, Any]:
+    def options_from_query(self, query_data: Mapping[str, Any]) -> Any:
         """User options from ``/hub/spawn?project=...`` (:meth:`_own_and_slice_options`)."""
-        return await self._own_and_slice_options(query_data, super().options_from_query)
+        return self._own_and_slice_options(query_data, super().options_from_query)
 
-    async def _own_and_slice_options(
+    def _own_and_slice_options(
         self, form_data: Mapping[str, Any], own: Callable[[dict[str, Any]], Any]
-    ) -> dict[str, Any]:
+    ) -> Any:
         """The slice's fields as :func:`~spawner.options.options_from_form` reads them, and
-        the other fields, where the spawner has a form of its own, as ``own`` (its
-        ``options_from_form``) reads them: KubeSpawner's profile and profile options."""
-        options: dict[str, Any] = {}
-        if self.options_form is not render_options_form:
-            others = {k: v for k, v in form_data.items() if k not in OPTION_KEYS}
-            options.update(await maybe_future(own(others)))
-        options.update(options_from_form(form_data))
-        return options
+        the others as ``own`` reads them: the spawner's ``options_from_form``, JupyterHub's
+        'passthrough' unless the admin set 'simple' or a callable (KubeSpawner: its
+        profiles). A dict, as JupyterHub's contract has it; an awaitable only where
+        ``own`` gives one."""
+        others = own({k: v for k, v in form_data.items() if k not in OPTION_KEYS})
+        slice_fields = options_from_form(form_data)
+        if inspect.isawaitable(others):
+            return self._merge_options(others, slice_fields)
+        return {**(others or {}), **slice_fields}
+
+    @staticmethod
+    async def _merge_options(
+        others: Awaitable[dict[str, Any]], slice_fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {**((await others) or {}), **slice_fields}
 
     async def slice_options_form(self) -> str:
         """The options form: the user's projects with their budget position and queue,

@@ -679,3 +679,29 @@ async def test_stopping_a_spawn_whose_request_is_on_the_way_withdraws_it_when_ma
         await asyncio.wait_for(task, 2)
     assert raised.value.reason == "cancelled"
     assert broker.slices[1]["end_reason"] == "cancelled"
+
+
+# ---- options from the form ----------------------------------------------------------------
+
+FORM = {"project": ["vision"], "gpus": ["2"], "x": ["y"], "multi": ["a", "b"]}
+
+
+@pytest.mark.parametrize(
+    ("options_from_form", "others"),
+    [
+        (None, {"x": ["y"], "multi": ["a", "b"]}),  # JupyterHub's default: 'passthrough'
+        ("passthrough", {"x": ["y"], "multi": ["a", "b"]}),
+        ("simple", {"x": "y", "multi": ["a", "b"]}),
+        (lambda form: {"x_was": form["x"][0]}, {"x_was": "y"}),
+    ],
+)
+def test_the_admins_options_from_form_reads_the_fields_that_are_not_the_slices(
+    make, options_from_form, others
+):
+    traits = {} if options_from_form is None else {"options_from_form": options_from_form}
+    spawner = make(**traits)
+
+    options = spawner.run_options_from_form(FORM)  # a dict, as JupyterHub's contract has it
+
+    assert options == {**others, "project": "vision", "gpus": "2"}
+    assert spawner.options_from_query(FORM) == options
