@@ -49,9 +49,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC
 from typing import Any
 
-from jupyterhub.spawner import SpawnException
+from jupyterhub.spawner import Spawner, SpawnException
 from tornado import web
-from traitlets import Dict, Float, Int, List, Unicode, Union, default, validate
+from traitlets import Dict, Float, Int, List, TraitType, Unicode, Union, default, validate
 from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
@@ -81,6 +81,10 @@ TOKEN_ENV = "SLICEBROKER_TOKEN"
 END_WAIT_S = 5.0
 #: Pause after a failed broker call in the background task (seconds).
 RETRY_PAUSE_S = 2.0
+
+#: ``start_timeout`` of a spawner whose backend sets none (seconds): start() includes the
+#: wait in the queue.
+QUEUE_START_TIMEOUT_S = 3600
 
 _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
 
@@ -329,8 +333,19 @@ class SliceBrokerMixin(Configurable):
 
     @default("start_timeout")
     def _start_timeout_default(self) -> int:
-        # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
-        return 3600
+        # A backend's own default wins (JupyterHub's NeverSpawner: 1 s); else an hour, not
+        # the hub's 60 s: waiting in the queue happens inside start().
+        mro = type(self).__mro__
+        for cls in mro[mro.index(SliceBrokerMixin) + 1 :]:
+            if cls is Spawner:
+                break
+            own = vars(cls).get("_trait_default_generators", {}).get("start_timeout")
+            if own is not None:
+                return own(self)
+            trait = vars(cls).get("start_timeout")  # the trait declared again, e.g. Integer(300)
+            if isinstance(trait, TraitType):
+                return trait.default_value
+        return QUEUE_START_TIMEOUT_S
 
     @default("apply_user_options")
     def _apply_user_options_default(self) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from jupyterhub.spawner import Spawner, SpawnException
+from traitlets import Integer, default
 
 from broker.client import BrokerAPIError
 from broker.errors import InvalidRequest
@@ -705,3 +706,33 @@ def test_the_admins_options_from_form_reads_the_fields_that_are_not_the_slices(
 
     assert options == {**others, "project": "vision", "gpus": "2"}
     assert spawner.options_from_query(FORM) == options
+
+
+# ---- the start timeout ----------------------------------------------------------------------
+
+
+class QuickBackend(MemoryBackend):
+    """A backend with a start timeout of its own (JupyterHub's NeverSpawner has 1 s)."""
+
+    @default("start_timeout")
+    def _quick_start(self):
+        return 7
+
+
+class QuickGpuSpawner(SliceBrokerMixin, QuickBackend):
+    pass
+
+
+class PatientBackend(MemoryBackend):
+    start_timeout = Integer(300)  # the trait declared again, with a default of its own
+
+
+class PatientGpuSpawner(SliceBrokerMixin, PatientBackend):
+    pass
+
+
+def test_the_queue_start_timeout_is_the_default_only_where_the_backend_has_none():
+    assert GpuSpawner(user=user()).start_timeout == 3600  # the hub's 60 s is no queue
+    assert QuickGpuSpawner(user=user()).start_timeout == 7
+    assert QuickGpuSpawner(user=user(), start_timeout=99).start_timeout == 99
+    assert PatientGpuSpawner(user=user()).start_timeout == 300
