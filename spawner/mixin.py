@@ -920,8 +920,12 @@ class SliceBrokerMixin(Configurable):
         await self.poll_and_notify()
 
     async def _backend_stop(self, now: bool = False) -> None:
-        """Stop the server with the spawner below this mixin."""
-        await super().stop(now=now)
+        """Stop the server with the spawner below this mixin (``now`` only when set: some
+        spawners' ``stop()`` takes no argument, JupyterHub's mock spawners among them)."""
+        if now:
+            await super().stop(now=True)
+        else:
+            await super().stop()
 
     async def _release(self, slice_id: int | None) -> None:
         """Let the slice go (cancel it if it waits). Idempotent; never raises."""
@@ -1078,16 +1082,32 @@ class SliceBrokerMixin(Configurable):
             # A spawn that waits is cancelled: start() raises once the request is gone.
             self.lifecycle.cancelled = True
         self.lifecycle.move(Phase.STOPPING)
+        if held is not None:
+            self._cancel_watch()
+            self._cancel_idle_watch()
         try:
-            if held is not None:
-                self._cancel_watch()
-                self._cancel_idle_watch()
             if launched:
-                await super().stop(now=now)
-        finally:
+                await self._backend_stop(now=now)
+        except BaseException:
+            if held is not None and self.slice_id == held:
+                # The server may still run on the slice's GPUs: they must not go to anyone
+                # else. The slice stays held (heartbeats go on) until a stop succeeds.
+                self.log.error(
+                    "Stopping %s failed; its slice %s is kept, as the server may still run "
+                    "on its GPUs",
+                    self._log_name,
+                    held,
+                )
+                self.lifecycle.move(Phase.RUNNING)
+                self._start_watch()
+                self._start_idle_watch()
+                raise
             await self._release(held)
             self.lifecycle.move(Phase.STOPPED)
-            self._pulse_update()
+            raise
+        await self._release(held)
+        self.lifecycle.move(Phase.STOPPED)
+        self._pulse_update()
 
 
 __all__ = ["SliceBrokerMixin", "apply_slice_options", "render_options_form", "spawn_error"]

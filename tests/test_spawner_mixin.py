@@ -248,6 +248,7 @@ class MemoryBackend(Spawner):
     running = False
     launched_env: dict[str, str] | None = None
     stops = 0
+    stop_error: Exception | None = None
 
     def get_env(self):
         return {}
@@ -259,6 +260,8 @@ class MemoryBackend(Spawner):
 
     async def stop(self, now=False):
         self.stops += 1
+        if self.stop_error is not None:
+            raise self.stop_error
         self.running = False
 
     async def poll(self):
@@ -736,3 +739,24 @@ def test_the_queue_start_timeout_is_the_default_only_where_the_backend_has_none(
     assert QuickGpuSpawner(user=user()).start_timeout == 7
     assert QuickGpuSpawner(user=user(), start_timeout=99).start_timeout == 99
     assert PatientGpuSpawner(user=user()).start_timeout == 300
+
+
+# ---- a backend that fails to stop -------------------------------------------------------------
+
+
+async def test_a_backend_that_fails_to_stop_keeps_its_slice_and_says_so(make, broker, caplog):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    spawner.stop_error = RuntimeError("the node does not answer")
+
+    with pytest.raises(RuntimeError, match="the node does not answer"):
+        await spawner.stop()
+
+    assert broker.released() == [] and broker.slices[slice_id]["state"] == "granted"
+    assert spawner.slice_id == slice_id and spawner.lifecycle.phase == "running"
+    assert f"slice {slice_id} is kept" in caplog.text
+    beats = broker.calls.count(("heartbeat", slice_id))
+    await eventually(lambda: broker.calls.count(("heartbeat", slice_id)) > beats)  # still held
+    spawner.stop_error = None
+    await spawner.stop()  # the next stop works: now the slice goes
+    assert broker.released() == [slice_id]
