@@ -53,9 +53,6 @@ from .lifecycle import Phase
 from .mixin import SliceBrokerMixin
 
 PROJECT_LABEL = "slicebroker.io/project"
-#: The progress of the grant's event (:func:`spawner.notices.grant_event`): the pod's
-#: events fill the bar after it.
-GRANT_PROGRESS = 60
 
 
 def _label_value(value: Any) -> str:
@@ -80,23 +77,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         limits for extended resources; turning this off leaves requests to the
         defaults, which then equal the limits).""",
     ).tag(config=True)
-
-    # ---- progress: the queue, then the pod ---------------------------------------------
-
-    async def progress(self) -> Any:
-        """The broker's events up to the grant, then KubeSpawner's pod events.
-
-        KubeSpawner's progress runs from 0 to 90; after the grant (60) it is
-        scaled into the rest of the bar, so the bar never goes back.
-        """
-        async for event in super().progress():
-            yield event
-        if self.lifecycle.phase is not Phase.LAUNCHING:
-            return  # no grant (the request failed), or the launch is already over
-        async for event in KubeSpawner.progress(self):
-            if "progress" in event:
-                event = {**event, "progress": _after_grant(event["progress"])}
-            yield event
 
     # ---- the pod ---------------------------------------------------------------------
 
@@ -150,11 +130,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         labels[PROJECT_LABEL] = _label_value(s.get("project") or "")
         pod.metadata.labels = labels
         return pod
-
-
-def _after_grant(progress: float) -> int:
-    """KubeSpawner's progress (0-100) in the part of the bar after the grant."""
-    return int(GRANT_PROGRESS + (100 - GRANT_PROGRESS) * progress / 100)
 
 
 def _without_gpus(resources: Mapping[str, Any] | None) -> dict[str, Any]:

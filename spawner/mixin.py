@@ -105,6 +105,11 @@ def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400)
     return exc
 
 
+def after_grant(progress: float) -> int:
+    """A backend's progress (0-100) in the part of the bar after the grant."""
+    return int(notices.GRANT_PROGRESS + (100 - notices.GRANT_PROGRESS) * progress / 100)
+
+
 def cancelled_error(slice_id: int | None) -> SpawnException:
     """What ``start()`` raises when ``stop()`` withdrew the request it waited on."""
     which = f"GPU request (slice {slice_id})" if slice_id is not None else "GPU request"
@@ -753,11 +758,10 @@ class SliceBrokerMixin(Configurable):
             old.set()
 
     async def progress(self) -> Any:
-        """Queue position, fair-share value and estimated wait while pending; then the grant.
-
-        The stream ends with the grant: what follows is the backend's launch, which a
-        backend with progress of its own (KubeSpawner's pod events) chains after this.
-        """
+        """Queue position, fair-share value and estimated wait while pending; the grant;
+        then the backend's own events while it launches (KubeSpawner's pod events,
+        JupyterHub's "Spawning server..."), their progress scaled into the part of the bar
+        after the grant so that it never goes back."""
         seen = 0
         while True:
             if self._progress_update is None:
@@ -771,8 +775,14 @@ class SliceBrokerMixin(Configurable):
             if phase is Phase.LAUNCHING or not (
                 self.lifecycle.starting or getattr(self, "_spawn_pending", False)
             ):
-                return
+                break
             await update.wait()
+        if self.lifecycle.phase is not Phase.LAUNCHING:
+            return  # no grant (the request failed), or the launch is already over
+        async for event in super().progress():
+            if "progress" in event:
+                event = {**event, "progress": after_grant(event["progress"])}
+            yield event
 
     # ---- the slice's background task ------------------------------------------------------
 

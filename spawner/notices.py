@@ -33,6 +33,8 @@ from .culler import CULLED_IDLE, Verdict
 TEMPLATE_PATH = str(Path(__file__).with_name("templates"))
 """Add to ``c.JupyterHub.template_paths`` for pages that say why a session ended."""
 
+#: Where the progress bar stands at the grant; the backend's launch fills the rest.
+GRANT_PROGRESS = 60
 STATE_KEY = "slicebroker"
 
 # Why a running slice was asked to leave (the broker's preempt_reason) ...
@@ -335,7 +337,7 @@ def grant_event(slice_: Mapping[str, Any]) -> dict[str, Any]:
         until = "free session: preemptible at any time"
     gpus = slice_.get("gpus") or 0
     return {
-        "progress": 60,
+        "progress": GRANT_PROGRESS,
         "message": f"Granted {gpus} GPU{'s' if gpus != 1 else ''} on {places} ({until}); "
         "starting the server.",
     }

@@ -249,12 +249,15 @@ class MemoryBackend(Spawner):
     launched_env: dict[str, str] | None = None
     stops = 0
     stop_error: Exception | None = None
+    launch_gate: asyncio.Event | None = None
 
     def get_env(self):
         return {}
 
     async def start(self):
         self.launched_env = self.get_env()
+        if self.launch_gate is not None:
+            await self.launch_gate.wait()
         self.running = True
         return ("127.0.0.1", 12345)
 
@@ -367,6 +370,23 @@ async def test_progress_streams_the_queue_then_the_grant(make, broker):
     assert seen[0].startswith("Asking the GPU broker for 2 GPUs (project vision")
     assert any("2nd in the queue" in m for m in seen)
     assert seen[-1].startswith("Granted 2 GPUs")
+    await spawner.stop()
+
+
+async def test_progress_goes_on_with_the_backends_own_events_after_the_grant(make, broker):
+    spawner = make()
+    spawner.launch_gate = asyncio.Event()  # the backend takes its time to launch
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.grant(slice_id)
+    await eventually(lambda: spawner.lifecycle.phase == "launching")
+
+    events = [event async for event in spawner.progress()]
+    spawner.launch_gate.set()
+    await task
+
+    assert events[-2]["message"].startswith("Granted 2 GPUs") and events[-2]["progress"] == 60
+    # JupyterHub's own event (50 of the backend's bar), after the grant's 60.
+    assert events[-1] == {"progress": 80, "message": "Spawning server..."}
     await spawner.stop()
 
 
