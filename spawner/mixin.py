@@ -514,8 +514,9 @@ class SliceBrokerMixin(Configurable):
         """Check ``user_options`` and keep the request for :meth:`start`.
 
         Raises a :class:`SpawnException` with a message for the user when the
-        options ask for what the user may not have. The server's
-        ``user_options`` then show the request as resolved (defaults filled in).
+        options ask for what the user may not have. ``user_options`` stay as the hub
+        and the form gave them; the request as resolved (defaults filled in) is in the
+        spawner's state with its slice (``state["slicebroker"]["slice"]``).
         """
         began = time.perf_counter()
         projects, gpu_types, _, _ = await self._cluster_view()
@@ -526,9 +527,6 @@ class SliceBrokerMixin(Configurable):
         except OptionsError as err:
             raise spawn_error(err.reason, err.message, html=err.html) from None
         self.slice_request = request
-        # Options of the backend (e.g. KubeSpawner's ``profile``) are kept as given.
-        others = {k: v for k, v in (user_options or {}).items() if k not in OPTION_KEYS}
-        self.user_options = {**others, **request.as_user_options()}
         self._options_seconds = time.perf_counter() - began
         return request
 

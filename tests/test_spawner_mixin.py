@@ -489,11 +489,20 @@ async def test_a_user_with_no_project_is_told_so(make, broker):
     assert "not a member of any project" in raised.value.jupyterhub_message
 
 
-async def test_applied_options_show_the_resolved_request(make, broker):
+async def test_applied_options_resolve_the_request_and_leave_the_user_options_as_given(
+    make, broker
+):
     spawner = make(user=user("alice", ["nlp-team"]))
-    await spawner.apply_slice_options({})
+    spawner.user_options = {"s": ["value"], "i": 5}
+    await spawner.apply_slice_options(spawner.user_options)
     # No project given: the user's best-ranked project; the admin's defaults for the rest.
-    assert spawner.user_options == {"project": "nlp", "gpus": 1, "gpu_type": "", "protected": "15m"}
+    assert spawner.slice_request.as_user_options() == {
+        "project": "nlp",
+        "gpus": 1,
+        "gpu_type": "",
+        "protected": "15m",
+    }
+    assert spawner.user_options == {"s": ["value"], "i": 5}  # round-trips, as the hub has it
 
 
 # ---- running: poll, stop, state ---------------------------------------------------------------
