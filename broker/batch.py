@@ -65,9 +65,17 @@ RETRY_PAUSE_S = 5.0
 
 
 def transient(err: BrokerAPIError) -> bool:
-    """Whether ``err`` may pass: no answer (status 0) or a 5xx (a proxy's 502/503/504
-    while the broker restarts, the broker's 503 while its database is away)."""
-    return err.status == 0 or err.status >= 500
+    """Whether ``err`` may pass: no answer (status 0), a 5xx (a proxy's 502/503/504 while
+    the broker restarts, the broker's 503 while its database is away), or an error that is
+    not the broker's (no JSON error body: the hub's proxy answering 404 pages while a
+    restarted hub has not yet put the service's route back)."""
+    return err.status == 0 or err.status >= 500 or not_from_the_broker(err)
+
+
+def not_from_the_broker(err: BrokerAPIError) -> bool:
+    """An HTTP error without the broker's JSON error body: someone in between answered
+    (the client names such errors ``http_<status>``)."""
+    return err.code == f"http_{err.status}"
 
 
 class BatchError(Exception):
