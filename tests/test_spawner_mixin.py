@@ -645,7 +645,8 @@ def test_the_spawner_defaults_suit_a_queue():
     assert spawner.start_timeout == 3600
     assert spawner.choices().protected == (900.0, 3600.0, 7200.0, 14400.0, 28800.0, 0.0)
     assert spawner.choices().protected_default == 900.0
-    assert callable(spawner.options_form) and callable(spawner.apply_user_options)
+    assert callable(spawner.options_form)
+    assert spawner.apply_user_options is None  # the admin's: start() resolves the slice's
 
 
 # ---- stopping a spawn that waits --------------------------------------------------------------
