@@ -94,6 +94,9 @@ _QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
 #: The broker's nodes as last read, per broker URL: what the pending page and the notices
 #: say about draining and down nodes.
 _NODES_SEEN: dict[str, list[dict[str, Any]]] = {}
+#: The broker's granted slices as last read, per broker URL: when the GPUs a pending
+#: request waits for come out of their protection (the pending page's reason).
+_HELD_SEEN: dict[str, list[dict[str, Any]]] = {}
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -815,7 +818,10 @@ class SliceBrokerMixin(Configurable):
         if state == "pending" and starting:
             capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
             queue_url = notices.pages_url(self.broker_url)
-            self._add_progress(notices.queue_event(slice_, time.time(), capacity, queue_url))
+            now = time.time()
+            held = _HELD_SEEN.get(self.broker_url) or []
+            reason = notices.wait_reason(slice_, nodes or [], held, now)
+            self._add_progress(notices.queue_event(slice_, now, capacity, queue_url, reason))
         if state != previous and state in ("preempting", "ended") and not starting:
             self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:
@@ -998,11 +1004,16 @@ class SliceBrokerMixin(Configurable):
         if not stale and cached[1].done() and cached[1].exception() is not None:
             stale = True
         if stale:
-            read = asyncio.gather(self.broker.list_slices(state="pending"), self.broker.nodes())
+            read = asyncio.gather(
+                self.broker.list_slices(state="pending"),
+                self.broker.nodes(),
+                self.broker.list_slices(state="granted"),
+            )
             read.add_done_callback(lambda f: f.cancelled() or f.exception())
             cached = _QUEUE_VIEWS[key] = (clock, read)
-        pending, nodes = await asyncio.shield(cached[1])
+        pending, nodes, held = await asyncio.shield(cached[1])
         _NODES_SEEN[self.broker_url] = nodes
+        _HELD_SEEN[self.broker_url] = held
         return pending, nodes
 
     async def idle_verdict(self) -> tuple[Verdict, float | None]:
