@@ -118,8 +118,8 @@ def cancelled_error(slice_id: int | None) -> SpawnException:
     which = f"GPU request (slice {slice_id})" if slice_id is not None else "GPU request"
     return spawn_error(
         "cancelled",
-        f"The spawn was cancelled: the server was stopped while its {which} waited for "
-        "GPUs, and the request was withdrawn. Start again when you need the GPUs.",
+        f"The spawn was cancelled: the server was stopped before it started, and its {which} "
+        "was withdrawn. Start again when you need the GPUs.",
     )
 
 
@@ -617,6 +617,8 @@ class SliceBrokerMixin(Configurable):
             # calls start() at once after it, as JupyterHub's own tests expect.
             request = await self.apply_slice_options(self.user_options or {})
             granted = await self._acquire(request)
+            if self.lifecycle.cancelled:  # stop() came as the grant did
+                raise cancelled_error(granted.get("id"))
             self._add_progress(notices.grant_event(granted))
             self.lifecycle.move(Phase.LAUNCHING)
             try:
@@ -624,6 +626,9 @@ class SliceBrokerMixin(Configurable):
             except BaseException:
                 await asyncio.shield(self._release(self.slice_id))
                 raise
+            if self.lifecycle.phase is not Phase.LAUNCHING:
+                # stop() came during the launch: it stops the server and the slice.
+                raise cancelled_error(granted.get("id"))
             self.lifecycle.move(Phase.RUNNING)
             self._start_idle_watch()
             return url

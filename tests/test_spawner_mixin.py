@@ -790,3 +790,26 @@ async def test_a_backend_that_fails_to_stop_keeps_its_slice_and_says_so(make, br
     spawner.stop_error = None
     await spawner.stop()  # the next stop works: now the slice goes
     assert broker.released() == [slice_id]
+
+
+async def test_a_stop_that_comes_with_the_grant_cancels_the_spawn_without_launching(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+    looked_up = asyncio.Event()
+    nodes = broker.nodes
+
+    async def slow_nodes():  # the grant's node lookup, under way when stop() comes
+        looked_up.set()
+        await asyncio.sleep(0.1)
+        return await nodes()
+
+    broker.nodes = slow_nodes
+    broker.grant(slice_id)
+    await looked_up.wait()
+    await spawner.stop()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert spawner.launched_env is None and spawner.lifecycle.phase == "stopped"
+    assert broker.slices[slice_id]["end_reason"] == "released"
