@@ -94,6 +94,10 @@ _QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
 #: The broker's nodes as last read, per broker URL: what the pending page and the notices
 #: say about draining and down nodes.
 _NODES_SEEN: dict[str, list[dict[str, Any]]] = {}
+#: GPUs of sessions this hub is stopping as idle since the queue view was last read, per
+#: view: node -> GPUs on their way back. The next session's idle check counts them as
+#: free, so that one waiting request does not cost every idle session that could serve it.
+_FREEING: dict[str, dict[str, int]] = {}
 #: The broker's granted slices as last read, per broker URL: when the GPUs a pending
 #: request waits for come out of their protection (the pending page's reason).
 _HELD_SEEN: dict[str, list[dict[str, Any]]] = {}
@@ -910,16 +914,14 @@ class SliceBrokerMixin(Configurable):
             wait = min(wait, max(until_end, 0.05))
         return await self.broker.wait_for_change(slice_id, state, wait)
 
-    async def _end_session(self, slice_id: int) -> None:
-        """The slice is over: stop the server and let the hub notice at once."""
+    async def _end_session(self, slice_id: int, why: str | None = None) -> None:
+        """The slice is over (or the session ``why``, e.g. idle): stop the server and let
+        the hub notice at once."""
         s = self.slice or {}
-        self.log.warning(
-            "Stopping %s: its slice %s is %s (%s)",
-            self._log_name,
-            slice_id,
-            s.get("state"),
-            s.get("end_reason") or s.get("preempt_reason"),
-        )
+        if why is None:
+            reason = s.get("end_reason") or s.get("preempt_reason")
+            why = f"its slice {slice_id} is {s.get('state')}" + (f" ({reason})" if reason else "")
+        self.log.warning("Stopping %s: %s", self._log_name, why)
         self.lifecycle.move(Phase.STOPPING)
         try:
             await self._backend_stop(now=False)
@@ -1002,7 +1004,7 @@ class SliceBrokerMixin(Configurable):
     async def _queue_view(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The broker's pending slices and nodes, shared by the hub's sessions for
         ``cull_interval / 2``."""
-        key = f"{id(asyncio.get_running_loop())}:{self.broker_url}"
+        key = self._queue_key()
         clock = time.monotonic()
         cached = _QUEUE_VIEWS.get(key)
         stale = cached is None or clock - cached[0] >= self.cull_interval / 2
@@ -1016,6 +1018,7 @@ class SliceBrokerMixin(Configurable):
             )
             read.add_done_callback(lambda f: f.cancelled() or f.exception())
             cached = _QUEUE_VIEWS[key] = (clock, read)
+            _FREEING[key] = {}  # the fresh view shows what the stopped sessions gave back
         pending, nodes, held = await asyncio.shield(cached[1])
         _NODES_SEEN[self.broker_url] = nodes
         _HELD_SEEN[self.broker_url] = held
@@ -1027,8 +1030,19 @@ class SliceBrokerMixin(Configurable):
         pending, nodes = await self._queue_view()
         now = time.time()
         session = self.slice or {}
-        rule = verdict(session, now, self.cull_limits(), waiter_for(session, pending, nodes))
-        return rule, self.idle_seconds(now)
+        freeing = _FREEING.get(self._queue_key(), {})
+        waiter = waiter_for(session, pending, nodes, freeing)
+        return verdict(session, now, self.cull_limits(), waiter), self.idle_seconds(now)
+
+    def _queue_key(self) -> str:
+        return f"{id(asyncio.get_running_loop())}:{self.broker_url}"
+
+    def _count_as_freeing(self, slice_: Mapping[str, Any]) -> None:
+        """The GPUs of a session being stopped as idle: free for the next idle checks."""
+        freeing = _FREEING.setdefault(self._queue_key(), {})
+        for placement in slice_.get("placements") or ():
+            node = placement["node"]
+            freeing[node] = freeing.get(node, 0) + len(placement.get("gpu_indices") or ())
 
     async def _idle_watch(self, slice_id: int) -> None:
         """Every ``cull_interval``: stop the session when the idle rule says so, with a
@@ -1045,27 +1059,33 @@ class SliceBrokerMixin(Configurable):
             except BrokerAPIError as err:
                 self.log.warning("Idle check of %s: %s", self._log_name, err.message)
                 continue
+            waiting = (
+                f"waiting request {rule.waiter} could use its GPUs"
+                if rule.waiter is not None
+                else "no waiting request could use its GPUs"
+            )
             self.log.debug(
-                "Idle check of %s: idle %s s, limit %s s, waiting request %s",
+                "Idle check of %s: idle %s s, limit %s s, %s",
                 self._log_name,
                 None if idle is None else round(idle),
                 rule.limit,
-                rule.waiter,
+                waiting,
             )
             if idle is None or not rule.due(idle) or self.slice_id != slice_id:
                 continue
             self.log.warning(
-                "Culling %s: idle %.0f s >= %.0f s (%s; waiting request %s could use its GPUs)",
+                "Culling %s: idle %.0f s >= %.0f s (%s; %s)",
                 self._log_name,
                 idle,
                 rule.limit,
                 "protected" if rule.protected else "past its protection",
-                rule.waiter,
+                waiting,
             )
             self.notice = notices.cull_notice(self.slice or {}, time.time(), idle, rule)
             if self.orm_spawner is not None:
                 self.orm_spawner.state = self.get_state()
-            await self._end_session(slice_id)
+            self._count_as_freeing(self.slice or {})
+            await self._end_session(slice_id, why=f"idle for {idle:.0f} s")
             return
 
     # ---- poll and stop ----------------------------------------------------------------------
