@@ -299,6 +299,7 @@ def test_a_batch_job_past_its_protection_is_preempted_for_a_notebook_of_an_under
             "2",
             "--min-runtime",
             "2s",
+            "--no-resumable",  # the cluster's [defaults.batch] is resumable
             "--",
             sys.executable,
             "-c",
