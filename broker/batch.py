@@ -49,6 +49,10 @@ from .units import gpu_hours
 
 T = TypeVar("T")
 
+#: The project of the hub session a command runs in (the spawner sets it): ``slicebroker
+#: run``'s default project, and what the runner gives the command it runs.
+PROJECT_ENV = "SLICEBROKER_PROJECT"
+
 #: Heartbeat interval when the broker does not say how long a lease lasts (seconds).
 FALLBACK_HEARTBEAT_S = 30.0
 #: Signals the runner forwards to the command.
@@ -61,9 +65,17 @@ RETRY_PAUSE_S = 5.0
 
 
 def transient(err: BrokerAPIError) -> bool:
-    """Whether ``err`` may pass: no answer (status 0) or a 5xx (a proxy's 502/503/504
-    while the broker restarts, the broker's 503 while its database is away)."""
-    return err.status == 0 or err.status >= 500
+    """Whether ``err`` may pass: no answer (status 0), a 5xx (a proxy's 502/503/504 while
+    the broker restarts, the broker's 503 while its database is away), or an error that is
+    not the broker's (no JSON error body: the hub's proxy answering 404 pages while a
+    restarted hub has not yet put the service's route back)."""
+    return err.status == 0 or err.status >= 500 or not_from_the_broker(err)
+
+
+def not_from_the_broker(err: BrokerAPIError) -> bool:
+    """An HTTP error without the broker's JSON error body: someone in between answered
+    (the client names such errors ``http_<status>``)."""
+    return err.code == f"http_{err.status}"
 
 
 class BatchError(Exception):
@@ -77,15 +89,16 @@ class BatchError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BatchRequest:
-    """What ``slicebroker run`` asks for; durations in seconds."""
+    """What ``slicebroker run`` asks for; durations in seconds. Terms left ``None`` are the
+    broker's ``[defaults.batch]`` (the slice it makes says what they came to)."""
 
     project: str
-    gpus: int
-    min_runtime: float
+    gpus: int = 1
+    min_runtime: float | None = None
     max_runtime: float | None = None
     gpu_type: str | None = None
     priority: int | None = None
-    resumable: bool = False
+    resumable: bool | None = None
 
     def submit(
         self, client: BrokerClient, idempotency_key: str | None = None
@@ -217,7 +230,7 @@ class _Runner:
 
     async def run(self) -> int:
         slice_ = await self._submit()
-        self.say(f"slice {slice_['id']} requested: {_describe_request(self.request)}")
+        self.say(f"slice {slice_['id']} requested: {_describe_request(slice_)}")
         try:
             while True:
                 granted = await self._wait_for_grant(slice_)
@@ -225,7 +238,8 @@ class _Runner:
                     return 128 + (self.signum or signal.SIGINT)
                 slice_ = granted
                 status, stop, slice_ = await self._run_command(granted)
-                resumable = self.request.resumable and not self.interrupted.is_set()
+                # The slice's own term: the request's, or the broker's default for batch.
+                resumable = bool(granted.get("resumable")) and not self.interrupted.is_set()
                 if stop is _Stop.PREEMPTED and resumable:
                     slice_ = await self._requeue(granted)
                     continue
@@ -407,7 +421,7 @@ class _Runner:
         env = dict(self.environ)
         placements = slice_["placements"]
         env["SLICEBROKER_SLICE_ID"] = str(slice_["id"])
-        env["SLICEBROKER_PROJECT"] = slice_["project"]
+        env[PROJECT_ENV] = slice_["project"]
         # ISO 8601 in UTC, as in notebook sessions (empty for a slice without protection).
         until = slice_.get("protected_until")
         env["SLICEBROKER_PROTECTED_UNTIL"] = (
@@ -536,12 +550,15 @@ def _clock(epoch: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(epoch))
 
 
-def _describe_request(request: BatchRequest) -> str:
-    text = f"{request.gpus} GPU{'s' * (request.gpus != 1)}"
-    if request.gpu_type:
-        text += f" of type {request.gpu_type}"
-    text += f" for project {request.project}, protected {format_duration(request.min_runtime)}"
-    if request.resumable:
+def _describe_request(slice_: Mapping[str, Any]) -> str:
+    """The terms of a new slice (the broker's defaults filled in), as the user reads them."""
+    gpus = slice_["gpus"]
+    text = f"{gpus} GPU{'s' * (gpus != 1)}"
+    if slice_.get("gpu_type"):
+        text += f" of type {slice_['gpu_type']}"
+    protected = format_duration(slice_.get("min_runtime") or 0)
+    text += f" for project {slice_['project']}, protected {protected}"
+    if slice_.get("resumable"):
         text += ", resumable"
     return text
 

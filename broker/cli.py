@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
-from .batch import BatchError, BatchRequest, run_batch
+from .batch import PROJECT_ENV, BatchError, BatchRequest, run_batch
 from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from .config import DEMO_CONFIG, ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
@@ -1197,17 +1197,23 @@ def add_run(commands: argparse._SubParsersAction) -> None:
         "fair-share value and estimated start when they change), then run CMD with "
         "CUDA_VISIBLE_DEVICES set to the granted GPUs. On preemption CMD gets SIGTERM at "
         "once and SIGKILL at the deadline; with --resumable the request queues again and "
-        "CMD runs again. Exits with CMD's status. See docs/batch.md.",
-        usage=f"{PROG} run --project P --gpus N --min-runtime DURATION [options] -- CMD...",
+        "CMD runs again. Exits with CMD's status. Terms not given are the cluster's "
+        "[defaults.batch]. See docs/batch.md.",
+        usage=f"{PROG} run [--project P] [--gpus N] [--min-runtime DURATION] [options] -- CMD...",
     )
-    parser.add_argument("--project", required=True, help="the project to charge")
-    parser.add_argument("--gpus", type=_whole(1), required=True, help="how many GPUs")
+    parser.add_argument(
+        "--project",
+        default=os.environ.get(PROJECT_ENV) or None,
+        help=f"the project to charge (default: ${PROJECT_ENV}, the project of the session "
+        "you run in)",
+    )
+    parser.add_argument("--gpus", type=_whole(1), default=1, help="how many GPUs (default: 1)")
     parser.add_argument(
         "--min-runtime",
         type=_duration,
-        required=True,
         metavar="DURATION",
-        help="protected period: seconds or 15m, 2h, ... (0: free but preemptible any time)",
+        help="protected period: seconds or 15m, 2h, ... (0: free but preemptible any time; "
+        "default: the cluster's [defaults.batch] min_runtime)",
     )
     parser.add_argument(
         "--max-runtime", type=_duration, metavar="DURATION", help="hard end (default: none)"
@@ -1218,8 +1224,10 @@ def add_run(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--resumable",
-        action="store_true",
-        help="after a preemption, queue again and run CMD again (it resumes from its checkpoint)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after a preemption, queue again and run CMD again (it resumes from its "
+        "checkpoint); --no-resumable: never (default: the cluster's [defaults.batch])",
     )
     parser.add_argument(
         "--grace-kill",
@@ -1271,11 +1279,16 @@ async def run(client: BrokerClient, args: argparse.Namespace) -> int:
 
 
 def _check_run(args: argparse.Namespace) -> None:
-    """Take CMD from after ``--``; a usage error if there is none."""
+    """Take CMD from after ``--``; a usage error if there is none, or no project."""
     if args.cmd[:1] == ["--"]:
         args.cmd = args.cmd[1:]
     if not args.cmd:
         raise _UsageError(f"no command to run (see '{PROG} run --help')")
+    if not args.project:
+        raise _UsageError(
+            f"no project: pass --project P (in a hub session, ${PROJECT_ENV} names the "
+            "session's project)"
+        )
 
 
 # ---- local commands: database, tokens, the service --------------------------

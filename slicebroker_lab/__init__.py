@@ -14,11 +14,19 @@ config directory. ``pip install .`` copies them under the environment's
 (``pip install -e .``) copies no data files, so the spawner points the session's
 ``JUPYTER_PATH`` and ``JUPYTER_CONFIG_PATH`` at the folder instead
 (:func:`session_env`).
+
+Lab's terminals run a login shell, whose profile resets ``PATH`` to the system's
+and so loses the environment the session runs in (and ``slicebroker`` with it).
+The extension gives them a login shell that puts the environment's ``bin`` back in
+front (:func:`terminal_shell`), unless the admin set
+``ServerApp.terminado_settings["shell_command"]`` themselves.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,8 +69,39 @@ def session_env(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+#: Shells whose ``-l -c`` and ``export`` are POSIX's: those :func:`terminal_shell` wraps.
+POSIX_SHELLS = frozenset({"sh", "bash", "dash", "ksh", "zsh"})
+
+
+def environment_bin() -> str:
+    """The folder of this environment's commands (where ``slicebroker`` is)."""
+    found = shutil.which("slicebroker")
+    return os.path.dirname(found) if found else os.path.dirname(sys.executable)
+
+
+def terminal_shell(shell: str, bin_dir: str) -> list[str] | None:
+    """A login ``shell`` (its profile read, as Jupyter's terminals have it) that then puts
+    ``bin_dir`` first on ``PATH`` and goes on as an interactive shell; ``None`` for a
+    shell that is not POSIX (it keeps Jupyter's default)."""
+    if os.path.basename(shell) not in POSIX_SHELLS:
+        return None
+    keep = f'PATH={shlex.quote(bin_dir)}:"$PATH"; export PATH; exec {shlex.quote(shell)} -i'
+    return [shell, "-l", "-c", keep]
+
+
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     return [{"module": "slicebroker_lab"}]
+
+
+def _link_jupyter_server_extension(serverapp: Any) -> None:
+    """Give Lab's terminals a shell that finds ``slicebroker`` (linked before any extension
+    loads: the terminals read their shell when they load)."""
+    settings = dict(serverapp.terminado_settings or {})
+    if "shell_command" in settings:
+        return  # the admin's choice
+    shell = terminal_shell(os.environ.get("SHELL") or shutil.which("sh") or "sh", environment_bin())
+    if shell is not None:
+        serverapp.terminado_settings = {**settings, "shell_command": shell}
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:

@@ -16,6 +16,10 @@ session's GPUs are free too, on a node that takes work (``ready``). A request
 that cannot run either way — too large, another type, or the only node
 draining or down — is never a reason to stop anyone; nor is one that fits in
 free GPUs already (it waits for something else, such as its budget or the next pass).
+Nor is a request of the session's own user: nobody's session is stopped to make room for
+their own request. Sessions already stopped for a request count as freed (``freeing``:
+node -> GPUs on their way back), so that the hub stops only as many as the waiting work
+can use, not every idle session that could serve it.
 
 The spawner (:mod:`spawner.mixin`) applies the rule to its own session: it
 holds the slice and the broker's connection, so it can warn first and record
@@ -67,24 +71,28 @@ def _by_name(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]
     return {node["name"]: node for node in nodes}
 
 
-def _free(node: Mapping[str, Any]) -> int:
-    """GPUs a node could grant now: none unless it takes work."""
+def _free(node: Mapping[str, Any], freeing: Mapping[str, int] | None = None) -> int:
+    """GPUs a node could grant now (with those ``freeing`` gives back): none unless it
+    takes work."""
     if node.get("state") != "ready" or not node.get("in_config", True):
         return 0
-    return max(int(node.get("gpu_count") or 0) - int(node.get("gpus_held") or 0), 0)
+    held = int(node.get("gpus_held") or 0) - (freeing or {}).get(node.get("name"), 0)
+    return max(int(node.get("gpu_count") or 0) - max(held, 0), 0)
 
 
 def waiter_for(
     session: Mapping[str, Any],
     pending: Iterable[Mapping[str, Any]],
     nodes: Sequence[Mapping[str, Any]],
+    freeing: Mapping[str, int] | None = None,
 ) -> Mapping[str, Any] | None:
     """The first waiting request (queue order) that could run now on ``session``'s GPUs.
 
-    ``session`` is the held slice (``placements``, ``gpus``), ``pending`` the
-    broker's pending slices, ``nodes`` its ``GET /nodes``. A request fits
-    on one node, or across the ready nodes of its type when it is larger than
-    any one of them.
+    ``session`` is the held slice (``placements``, ``gpus``, ``user``), ``pending``
+    the broker's pending slices, ``nodes`` its ``GET /nodes``, ``freeing`` the GPUs
+    (node -> count) of sessions already being stopped. A request fits on one node, or
+    across the ready nodes of its type when it is larger than any one of them. The
+    session's own user's requests are left out.
     """
     by_name = _by_name(nodes)
     placements = session.get("placements") or ()
@@ -95,8 +103,13 @@ def waiter_for(
         return None  # freed GPUs on a draining or down node go to nobody
     kind = home.get("gpu_type")
     held = int(session.get("gpus") or 0)
+    owner = session.get("user")
     waiting = sorted(
-        (p for p in pending if p.get("id") != session.get("id")),
+        (
+            p
+            for p in pending
+            if p.get("id") != session.get("id") and not (owner and p.get("user") == owner)
+        ),
         key=lambda p: (p.get("queue_position") or 1 << 30, p.get("id") or 0),
     )
     for request in waiting:
@@ -105,11 +118,11 @@ def waiter_for(
             continue
         need = int(request.get("gpus") or 0)
         same_type = [n for n in nodes if n.get("gpu_type") == kind]
-        free_total = sum(_free(n) for n in same_type)
+        free_total = sum(_free(n, freeing) for n in same_type)
         largest = max((int(n.get("gpu_count") or 0) for n in same_type), default=0)
-        if need <= max((_free(n) for n in same_type), default=0):
-            continue  # it fits without this session: it waits for something else
-        fits_here = need <= _free(home) + held
+        if need <= max((_free(n, freeing) for n in same_type), default=0):
+            continue  # it fits without this session (or with those being stopped)
+        fits_here = need <= _free(home, freeing) + held
         fits_across = need > largest and free_total < need <= free_total + held
         if fits_here or fits_across:
             return request

@@ -49,12 +49,10 @@ from traitlets import Bool, Unicode
 from broker.kube.inventory import GPU_RESOURCE, MIG_PREFIX, gpu_resource, kube_node_name
 from broker.kube.reaper import SLICE_LABEL
 
+from .lifecycle import Phase
 from .mixin import SliceBrokerMixin
 
 PROJECT_LABEL = "slicebroker.io/project"
-#: The progress of the grant's event (:func:`spawner.notices.grant_event`): the pod's
-#: events fill the bar after it.
-GRANT_PROGRESS = 60
 
 
 def _label_value(value: Any) -> str:
@@ -80,23 +78,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         defaults, which then equal the limits).""",
     ).tag(config=True)
 
-    # ---- progress: the queue, then the pod ---------------------------------------------
-
-    async def progress(self) -> Any:
-        """The broker's events up to the grant, then KubeSpawner's pod events.
-
-        KubeSpawner's progress runs from 0 to 90; after the grant (60) it is
-        scaled into the rest of the bar, so the bar never goes back.
-        """
-        async for event in super().progress():
-            yield event
-        if not self._launching:
-            return  # no grant (the request failed), or the launch is already over
-        async for event in KubeSpawner.progress(self):
-            if "progress" in event:
-                event = {**event, "progress": _after_grant(event["progress"])}
-            yield event
-
     # ---- the pod ---------------------------------------------------------------------
 
     def placement_problem(self, slice_: Mapping[str, Any]) -> str | None:
@@ -112,7 +93,7 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         stale pod of the same name (a 409 on create, e.g. after a hub crash);
         that must not release the slice being launched on.
         """
-        if self._starting:
+        if self.lifecycle.phase is Phase.LAUNCHING:
             await KubeSpawner.stop(self, now=now)
             return
         await super().stop(now=now)
@@ -149,11 +130,6 @@ class KubeSliceBrokerSpawner(SliceBrokerMixin, KubeSpawner):
         labels[PROJECT_LABEL] = _label_value(s.get("project") or "")
         pod.metadata.labels = labels
         return pod
-
-
-def _after_grant(progress: float) -> int:
-    """KubeSpawner's progress (0-100) in the part of the bar after the grant."""
-    return int(GRANT_PROGRESS + (100 - GRANT_PROGRESS) * progress / 100)
 
 
 def _without_gpus(resources: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -42,16 +42,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC
 from typing import Any
 
-from jupyterhub.spawner import SpawnException
-from jupyterhub.utils import maybe_future
+from jupyterhub.spawner import Spawner, SpawnException
 from tornado import web
-from traitlets import Dict, Float, Int, List, Unicode, Union, default, validate
+from traitlets import Dict, Float, Int, List, TraitType, Unicode, Union, default, validate
 from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
@@ -60,6 +60,7 @@ from slicebroker_lab import CULL_ENV, session_env
 
 from . import notices
 from .culler import CullLimits, Verdict, verdict, waiter_for
+from .lifecycle import Lifecycle, Phase
 from .options import (
     FORM_TEMPLATE,
     OPTION_KEYS,
@@ -81,6 +82,10 @@ END_WAIT_S = 5.0
 #: Pause after a failed broker call in the background task (seconds).
 RETRY_PAUSE_S = 2.0
 
+#: ``start_timeout`` of a spawner whose backend sets none (seconds): start() includes the
+#: wait in the queue.
+QUEUE_START_TIMEOUT_S = 3600
+
 _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
 
 #: The queue and the nodes as last read for the idle rule, per broker URL: one read per
@@ -89,6 +94,13 @@ _QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
 #: The broker's nodes as last read, per broker URL: what the pending page and the notices
 #: say about draining and down nodes.
 _NODES_SEEN: dict[str, list[dict[str, Any]]] = {}
+#: GPUs of sessions this hub is stopping as idle since the queue view was last read, per
+#: view: node -> GPUs on their way back. The next session's idle check counts them as
+#: free, so that one waiting request does not cost every idle session that could serve it.
+_FREEING: dict[str, dict[str, int]] = {}
+#: The broker's granted slices as last read, per broker URL: when the GPUs a pending
+#: request waits for come out of their protection (the pending page's reason).
+_HELD_SEEN: dict[str, list[dict[str, Any]]] = {}
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -98,6 +110,21 @@ def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400)
     if html:
         exc.jupyterhub_html_message = html
     return exc
+
+
+def after_grant(progress: float) -> int:
+    """A backend's progress (0-100) in the part of the bar after the grant."""
+    return int(notices.GRANT_PROGRESS + (100 - notices.GRANT_PROGRESS) * progress / 100)
+
+
+def cancelled_error(slice_id: int | None) -> SpawnException:
+    """What ``start()`` raises when ``stop()`` withdrew the request it waited on."""
+    which = f"GPU request (slice {slice_id})" if slice_id is not None else "GPU request"
+    return spawn_error(
+        "cancelled",
+        f"The spawn was cancelled: the server was stopped before it started, and its {which} "
+        "was withdrawn. Start again when you need the GPUs.",
+    )
 
 
 def broker_error(err: BrokerAPIError) -> web.HTTPError:
@@ -124,11 +151,6 @@ def broker_error(err: BrokerAPIError) -> web.HTTPError:
 async def render_options_form(spawner: SliceBrokerMixin) -> str:
     """``Spawner.options_form`` of a slice-broker spawner (JupyterHub calls it with the spawner)."""
     return await spawner.slice_options_form()
-
-
-async def apply_slice_options(spawner: SliceBrokerMixin, user_options: Mapping[str, Any]) -> None:
-    """``Spawner.apply_user_options`` of a slice-broker spawner: check the options."""
-    await spawner.apply_slice_options(user_options)
 
 
 class SliceBrokerMixin(Configurable):
@@ -318,14 +340,23 @@ class SliceBrokerMixin(Configurable):
 
     @default("start_timeout")
     def _start_timeout_default(self) -> int:
-        # Waiting in the queue happens inside start(): an hour, not the hub's 60 s.
-        return 3600
-
-    @default("apply_user_options")
-    def _apply_user_options_default(self) -> Any:
-        return apply_slice_options
+        # A backend's own default wins (JupyterHub's NeverSpawner: 1 s); else an hour, not
+        # the hub's 60 s: waiting in the queue happens inside start().
+        mro = type(self).__mro__
+        for cls in mro[mro.index(SliceBrokerMixin) + 1 :]:
+            if cls is Spawner:
+                break
+            own = vars(cls).get("_trait_default_generators", {}).get("start_timeout")
+            if own is not None:
+                return own(self)
+            trait = vars(cls).get("start_timeout")  # the trait declared again, e.g. Integer(300)
+            if isinstance(trait, TraitType):
+                return trait.default_value
+        return QUEUE_START_TIMEOUT_S
 
     def __init__(self, **kwargs: Any) -> None:
+        #: Where the session is: every hook reads it (:mod:`spawner.lifecycle`).
+        self.lifecycle = Lifecycle()
         super().__init__(**kwargs)
         if self.has_trait("options_form") and not self.options_form:
             # The spawner below has no form of its own: the slice form is the whole form.
@@ -347,11 +378,6 @@ class SliceBrokerMixin(Configurable):
 
     _broker: BrokerClient | None = None
     _watch_task: asyncio.Task | None = None
-    _starting = False
-    # Granted and launching: the slice's progress is over, the backend's begins.
-    _launching = False
-    _stopping = False
-    _needs_reconnect = False
     _progress_events: list[dict[str, Any]] | None = None
     _progress_update: asyncio.Event | None = None
     _update: asyncio.Event | None = None
@@ -428,26 +454,33 @@ class SliceBrokerMixin(Configurable):
         own = await super().get_options_form()
         return f"{own}\n{slice_form}" if own else slice_form
 
-    async def run_options_from_form(self, form_data: Mapping[str, Any]) -> dict[str, Any]:
+    def run_options_from_form(self, form_data: Mapping[str, Any]) -> Any:
         """User options from the submitted form (:meth:`_own_and_slice_options`)."""
-        return await self._own_and_slice_options(form_data, super().run_options_from_form)
+        return self._own_and_slice_options(form_data, super().run_options_from_form)
 
-    async def options_from_query(self, query_data: Mapping[str, Any]) -> dict[str, Any]:
+    def options_from_query(self, query_data: Mapping[str, Any]) -> Any:
         """User options from ``/hub/spawn?project=...`` (:meth:`_own_and_slice_options`)."""
-        return await self._own_and_slice_options(query_data, super().options_from_query)
+        return self._own_and_slice_options(query_data, super().options_from_query)
 
-    async def _own_and_slice_options(
+    def _own_and_slice_options(
         self, form_data: Mapping[str, Any], own: Callable[[dict[str, Any]], Any]
-    ) -> dict[str, Any]:
+    ) -> Any:
         """The slice's fields as :func:`~spawner.options.options_from_form` reads them, and
-        the other fields, where the spawner has a form of its own, as ``own`` (its
-        ``options_from_form``) reads them: KubeSpawner's profile and profile options."""
-        options: dict[str, Any] = {}
-        if self.options_form is not render_options_form:
-            others = {k: v for k, v in form_data.items() if k not in OPTION_KEYS}
-            options.update(await maybe_future(own(others)))
-        options.update(options_from_form(form_data))
-        return options
+        the others as ``own`` reads them: the spawner's ``options_from_form``, JupyterHub's
+        'passthrough' unless the admin set 'simple' or a callable (KubeSpawner: its
+        profiles). A dict, as JupyterHub's contract has it; an awaitable only where
+        ``own`` gives one."""
+        others = own({k: v for k, v in form_data.items() if k not in OPTION_KEYS})
+        slice_fields = options_from_form(form_data)
+        if inspect.isawaitable(others):
+            return self._merge_options(others, slice_fields)
+        return {**(others or {}), **slice_fields}
+
+    @staticmethod
+    async def _merge_options(
+        others: Awaitable[dict[str, Any]], slice_fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {**((await others) or {}), **slice_fields}
 
     async def slice_options_form(self) -> str:
         """The options form: the user's projects with their budget position and queue,
@@ -479,8 +512,9 @@ class SliceBrokerMixin(Configurable):
         """Check ``user_options`` and keep the request for :meth:`start`.
 
         Raises a :class:`SpawnException` with a message for the user when the
-        options ask for what the user may not have. The server's
-        ``user_options`` then show the request as resolved (defaults filled in).
+        options ask for what the user may not have. ``user_options`` stay as the hub
+        and the form gave them; the request as resolved (defaults filled in) is in the
+        spawner's state with its slice (``state["slicebroker"]["slice"]``).
         """
         began = time.perf_counter()
         projects, gpu_types, _, _ = await self._cluster_view()
@@ -491,9 +525,6 @@ class SliceBrokerMixin(Configurable):
         except OptionsError as err:
             raise spawn_error(err.reason, err.message, html=err.html) from None
         self.slice_request = request
-        # Options of the backend (e.g. KubeSpawner's ``profile``) are kept as given.
-        others = {k: v for k, v in (user_options or {}).items() if k not in OPTION_KEYS}
-        self.user_options = {**others, **request.as_user_options()}
         self._options_seconds = time.perf_counter() - began
         return request
 
@@ -534,8 +565,10 @@ class SliceBrokerMixin(Configurable):
         self.slice = mine.get("slice")
         self.notice = mine.get("notice")
         self.granted_gpu_type = mine.get("granted_gpu_type")
-        # A hub restart: the first poll() asks the broker where the slice stands.
-        self._needs_reconnect = self.slice_id is not None
+        if self.slice_id is not None and not self.lifecycle.starting:
+            # A hub restart: the first poll() asks the broker where the slice stands.
+            self.lifecycle.move(Phase.RUNNING)
+            self.lifecycle.needs_reconnect = True
 
     def clear_state(self) -> None:
         """Forget the slice (the notice stays until the next start, for the pages)."""
@@ -543,7 +576,7 @@ class SliceBrokerMixin(Configurable):
         self.slice_id = None
         self.slice = None
         self.granted_gpu_type = None
-        self._needs_reconnect = False
+        self.lifecycle.needs_reconnect = False
         self._options_seconds = 0.0
 
     def get_env(self) -> dict[str, str]:
@@ -580,27 +613,34 @@ class SliceBrokerMixin(Configurable):
 
     async def start(self) -> Any:
         """Get a slice (waiting in the queue), then start the server on it."""
-        self._starting = True
-        self._needs_reconnect = False
+        self.lifecycle.move(Phase.REQUESTING)
         self.notice = None
         self._progress_events = []
         try:
-            request = self.slice_request
-            if request is None:
-                request = await self.apply_slice_options(self.user_options or {})
+            # Resolved here, not in apply_user_options (which stays the admin's): the hub
+            # calls start() at once after it, as JupyterHub's own tests expect.
+            request = await self.apply_slice_options(self.user_options or {})
             granted = await self._acquire(request)
+            if self.lifecycle.cancelled:  # stop() came as the grant did
+                raise cancelled_error(granted.get("id"))
             self._add_progress(notices.grant_event(granted))
-            self._launching = True
+            self.lifecycle.move(Phase.LAUNCHING)
             try:
                 url = await super().start()
             except BaseException:
                 await asyncio.shield(self._release(self.slice_id))
                 raise
+            if self.lifecycle.phase is not Phase.LAUNCHING:
+                # stop() came during the launch: it stops the server and the slice.
+                raise cancelled_error(granted.get("id"))
+            self.lifecycle.move(Phase.RUNNING)
             self._start_idle_watch()
             return url
+        except BaseException:
+            if self.lifecycle.starting:
+                self.lifecycle.move(Phase.STOPPED)
+            raise
         finally:
-            self._starting = False
-            self._launching = False
             self.slice_request = None
             self._pulse_progress()
             if self.slice_id is not None and (self.slice or {}).get("state") != "granted":
@@ -641,6 +681,10 @@ class SliceBrokerMixin(Configurable):
         except BrokerAPIError as err:
             raise broker_error(err) from None
         self.log.info("Slice %s requested for %s: %s", submitted["id"], self._log_name, request)
+        if self.lifecycle.cancelled:
+            # stop() came while the request was on its way: withdraw what it made.
+            await asyncio.shield(self._release(submitted["id"]))
+            raise cancelled_error(submitted["id"])
         self._track(submitted)
         try:
             granted = await self._until_granted()
@@ -682,8 +726,11 @@ class SliceBrokerMixin(Configurable):
         return ",".join(types) or None
 
     async def _until_granted(self) -> dict[str, Any]:
+        waited_on = self.slice_id
         while True:
             update = self._update_event()
+            if self.lifecycle.cancelled:
+                raise cancelled_error(waited_on)
             s = self.slice or {}
             if s.get("state") == "granted":
                 return s
@@ -712,11 +759,10 @@ class SliceBrokerMixin(Configurable):
             old.set()
 
     async def progress(self) -> Any:
-        """Queue position, fair-share value and estimated wait while pending; then the grant.
-
-        The stream ends with the grant: what follows is the backend's launch, which a
-        backend with progress of its own (KubeSpawner's pod events) chains after this.
-        """
+        """Queue position, fair-share value and estimated wait while pending; the grant;
+        then the backend's own events while it launches (KubeSpawner's pod events,
+        JupyterHub's "Spawning server..."), their progress scaled into the part of the bar
+        after the grant so that it never goes back."""
         seen = 0
         while True:
             if self._progress_update is None:
@@ -726,9 +772,18 @@ class SliceBrokerMixin(Configurable):
             while seen < len(events):
                 yield events[seen]
                 seen += 1
-            if self._launching or not (self._starting or getattr(self, "_spawn_pending", False)):
-                return
+            phase = self.lifecycle.phase
+            if phase is Phase.LAUNCHING or not (
+                self.lifecycle.starting or getattr(self, "_spawn_pending", False)
+            ):
+                break
             await update.wait()
+        if self.lifecycle.phase is not Phase.LAUNCHING:
+            return  # no grant (the request failed), or the launch is already over
+        async for event in super().progress():
+            if "progress" in event:
+                event = {**event, "progress": after_grant(event["progress"])}
+            yield event
 
     # ---- the slice's background task ------------------------------------------------------
 
@@ -737,9 +792,17 @@ class SliceBrokerMixin(Configurable):
             self._update = asyncio.Event()
         return self._update
 
+    def _pulse_update(self) -> None:
+        """Wake whoever waits on the slice (:meth:`_until_granted`)."""
+        if self._update is not None:
+            old, self._update = self._update, asyncio.Event()
+            old.set()
+
     def _track(self, slice_: dict[str, Any]) -> None:
         """Hold ``slice_``: remember it and start heartbeating and watching it."""
         self.slice_id = slice_["id"]
+        if self.lifecycle.phase is Phase.REQUESTING:
+            self.lifecycle.move(Phase.WAITING)
         self._observe(slice_)
         self._start_watch()
 
@@ -760,11 +823,15 @@ class SliceBrokerMixin(Configurable):
         self.slice = slice_
         state = slice_.get("state")
         nodes = _NODES_SEEN.get(self.broker_url)
-        if state == "pending" and self._starting:
+        starting = self.lifecycle.starting
+        if state == "pending" and starting:
             capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
             queue_url = notices.pages_url(self.broker_url)
-            self._add_progress(notices.queue_event(slice_, time.time(), capacity, queue_url))
-        if state != previous and state in ("preempting", "ended") and not self._starting:
+            now = time.time()
+            held = _HELD_SEEN.get(self.broker_url) or []
+            reason = notices.wait_reason(slice_, nodes or [], held, now)
+            self._add_progress(notices.queue_event(slice_, now, capacity, queue_url, reason))
+        if state != previous and state in ("preempting", "ended") and not starting:
             self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:
                 # The pages read the stored state: show the news now (the hub commits it).
@@ -776,9 +843,7 @@ class SliceBrokerMixin(Configurable):
                 state,
                 slice_.get("preempt_reason") or slice_.get("end_reason"),
             )
-        if self._update is not None:
-            old, self._update = self._update, asyncio.Event()
-            old.set()
+        self._pulse_update()
 
     async def _watch(self, slice_id: int, beat_now: bool = False) -> None:
         """Heartbeat the slice and follow its state until it ends or is released.
@@ -826,7 +891,12 @@ class SliceBrokerMixin(Configurable):
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
             self._observe(fresh)
-        if self.slice_id == slice_id and not self._starting and not self._stopping:
+        phase = self.lifecycle.phase
+        if (
+            self.slice_id == slice_id
+            and not self.lifecycle.starting
+            and phase is not Phase.STOPPING
+        ):
             await self._end_session(slice_id)
 
     async def _next_change(
@@ -844,29 +914,30 @@ class SliceBrokerMixin(Configurable):
             wait = min(wait, max(until_end, 0.05))
         return await self.broker.wait_for_change(slice_id, state, wait)
 
-    async def _end_session(self, slice_id: int) -> None:
-        """The slice is over: stop the server and let the hub notice at once."""
+    async def _end_session(self, slice_id: int, why: str | None = None) -> None:
+        """The slice is over (or the session ``why``, e.g. idle): stop the server and let
+        the hub notice at once."""
         s = self.slice or {}
-        self.log.warning(
-            "Stopping %s: its slice %s is %s (%s)",
-            self._log_name,
-            slice_id,
-            s.get("state"),
-            s.get("end_reason") or s.get("preempt_reason"),
-        )
-        self._stopping = True
+        if why is None:
+            reason = s.get("end_reason") or s.get("preempt_reason")
+            why = f"its slice {slice_id} is {s.get('state')}" + (f" ({reason})" if reason else "")
+        self.log.warning("Stopping %s: %s", self._log_name, why)
+        self.lifecycle.move(Phase.STOPPING)
         try:
             await self._backend_stop(now=False)
         except Exception:
             self.log.exception("Stopping %s after its slice ended failed", self._log_name)
-        finally:
-            self._stopping = False
         await self._release(slice_id)
+        self.lifecycle.move(Phase.STOPPED)
         await self.poll_and_notify()
 
     async def _backend_stop(self, now: bool = False) -> None:
-        """Stop the server with the spawner below this mixin."""
-        await super().stop(now=now)
+        """Stop the server with the spawner below this mixin (``now`` only when set: some
+        spawners' ``stop()`` takes no argument, JupyterHub's mock spawners among them)."""
+        if now:
+            await super().stop(now=True)
+        else:
+            await super().stop()
 
     async def _release(self, slice_id: int | None) -> None:
         """Let the slice go (cancel it if it waits). Idempotent; never raises."""
@@ -903,7 +974,7 @@ class SliceBrokerMixin(Configurable):
         """After a hub restart: hold the slice again. The background task asks the broker
         where it stands (the broker may still be starting) and stops a server whose slice
         ended while the hub was away."""
-        self._needs_reconnect = False
+        self.lifecycle.needs_reconnect = False
         if self.slice_id is not None:
             self.log.info("Reconnecting %s to slice %s", self._log_name, self.slice_id)
             self._start_watch(beat_now=True)
@@ -933,18 +1004,24 @@ class SliceBrokerMixin(Configurable):
     async def _queue_view(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The broker's pending slices and nodes, shared by the hub's sessions for
         ``cull_interval / 2``."""
-        key = f"{id(asyncio.get_running_loop())}:{self.broker_url}"
+        key = self._queue_key()
         clock = time.monotonic()
         cached = _QUEUE_VIEWS.get(key)
         stale = cached is None or clock - cached[0] >= self.cull_interval / 2
         if not stale and cached[1].done() and cached[1].exception() is not None:
             stale = True
         if stale:
-            read = asyncio.gather(self.broker.list_slices(state="pending"), self.broker.nodes())
+            read = asyncio.gather(
+                self.broker.list_slices(state="pending"),
+                self.broker.nodes(),
+                self.broker.list_slices(state="granted"),
+            )
             read.add_done_callback(lambda f: f.cancelled() or f.exception())
             cached = _QUEUE_VIEWS[key] = (clock, read)
-        pending, nodes = await asyncio.shield(cached[1])
+            _FREEING[key] = {}  # the fresh view shows what the stopped sessions gave back
+        pending, nodes, held = await asyncio.shield(cached[1])
         _NODES_SEEN[self.broker_url] = nodes
+        _HELD_SEEN[self.broker_url] = held
         return pending, nodes
 
     async def idle_verdict(self) -> tuple[Verdict, float | None]:
@@ -953,42 +1030,62 @@ class SliceBrokerMixin(Configurable):
         pending, nodes = await self._queue_view()
         now = time.time()
         session = self.slice or {}
-        rule = verdict(session, now, self.cull_limits(), waiter_for(session, pending, nodes))
-        return rule, self.idle_seconds(now)
+        freeing = _FREEING.get(self._queue_key(), {})
+        waiter = waiter_for(session, pending, nodes, freeing)
+        return verdict(session, now, self.cull_limits(), waiter), self.idle_seconds(now)
+
+    def _queue_key(self) -> str:
+        return f"{id(asyncio.get_running_loop())}:{self.broker_url}"
+
+    def _count_as_freeing(self, slice_: Mapping[str, Any]) -> None:
+        """The GPUs of a session being stopped as idle: free for the next idle checks."""
+        freeing = _FREEING.setdefault(self._queue_key(), {})
+        for placement in slice_.get("placements") or ():
+            node = placement["node"]
+            freeing[node] = freeing.get(node, 0) + len(placement.get("gpu_indices") or ())
 
     async def _idle_watch(self, slice_id: int) -> None:
         """Every ``cull_interval``: stop the session when the idle rule says so, with a
         ``culled_idle`` notice."""
         while self.slice_id == slice_id:
             await asyncio.sleep(self.cull_interval)  # a check interval, not a synchronisation
-            if self._starting or self._stopping or (self.slice or {}).get("state") != "granted":
+            if (
+                self.lifecycle.phase is not Phase.RUNNING
+                or (self.slice or {}).get("state") != "granted"
+            ):
                 continue
             try:
                 rule, idle = await self.idle_verdict()
             except BrokerAPIError as err:
                 self.log.warning("Idle check of %s: %s", self._log_name, err.message)
                 continue
+            waiting = (
+                f"waiting request {rule.waiter} could use its GPUs"
+                if rule.waiter is not None
+                else "no waiting request could use its GPUs"
+            )
             self.log.debug(
-                "Idle check of %s: idle %s s, limit %s s, waiting request %s",
+                "Idle check of %s: idle %s s, limit %s s, %s",
                 self._log_name,
                 None if idle is None else round(idle),
                 rule.limit,
-                rule.waiter,
+                waiting,
             )
             if idle is None or not rule.due(idle) or self.slice_id != slice_id:
                 continue
             self.log.warning(
-                "Culling %s: idle %.0f s >= %.0f s (%s; waiting request %s could use its GPUs)",
+                "Culling %s: idle %.0f s >= %.0f s (%s; %s)",
                 self._log_name,
                 idle,
                 rule.limit,
                 "protected" if rule.protected else "past its protection",
-                rule.waiter,
+                waiting,
             )
             self.notice = notices.cull_notice(self.slice or {}, time.time(), idle, rule)
             if self.orm_spawner is not None:
                 self.orm_spawner.state = self.get_state()
-            await self._end_session(slice_id)
+            self._count_as_freeing(self.slice or {})
+            await self._end_session(slice_id, why=f"idle for {idle:.0f} s")
             return
 
     # ---- poll and stop ----------------------------------------------------------------------
@@ -996,28 +1093,56 @@ class SliceBrokerMixin(Configurable):
     async def poll(self) -> int | None:
         """``None`` while starting (waiting in the queue included) or running; else the exit
         status, once the slice is released."""
-        if self._starting:
+        phase = self.lifecycle.phase
+        if self.lifecycle.starting:
             return None
-        if self._needs_reconnect and not self._stopping:
+        if self.lifecycle.needs_reconnect:
             self._reconnect()
         held = self.slice_id
         status = await super().poll()  # the local spawner clears its state when dead
-        if status is not None and held is not None and not self._stopping:
-            await self._release(held)
+        if status is not None and phase is not Phase.STOPPING:
+            if held is not None:
+                await self._release(held)
+            if phase is Phase.RUNNING:
+                self.lifecycle.move(Phase.STOPPED)
         return status
 
     async def stop(self, now: bool = False) -> None:
         """Stop the server (if any) and release the slice; safe to call at any time."""
         held = self.slice_id
-        self._stopping = True
+        # Before the grant the backend has launched nothing: its stop() would act on no
+        # server (the local backend would signal pid 0, the hub's own process group).
+        launched = not self.lifecycle.before_grant
+        if not launched:
+            # A spawn that waits is cancelled: start() raises once the request is gone.
+            self.lifecycle.cancelled = True
+        self.lifecycle.move(Phase.STOPPING)
+        if held is not None:
+            self._cancel_watch()
+            self._cancel_idle_watch()
         try:
-            if held is not None:
-                self._cancel_watch()
-                self._cancel_idle_watch()
-            await super().stop(now=now)
-        finally:
-            self._stopping = False
+            if launched:
+                await self._backend_stop(now=now)
+        except BaseException:
+            if held is not None and self.slice_id == held:
+                # The server may still run on the slice's GPUs: they must not go to anyone
+                # else. The slice stays held (heartbeats go on) until a stop succeeds.
+                self.log.error(
+                    "Stopping %s failed; its slice %s is kept, as the server may still run "
+                    "on its GPUs",
+                    self._log_name,
+                    held,
+                )
+                self.lifecycle.move(Phase.RUNNING)
+                self._start_watch()
+                self._start_idle_watch()
+                raise
             await self._release(held)
+            self.lifecycle.move(Phase.STOPPED)
+            raise
+        await self._release(held)
+        self.lifecycle.move(Phase.STOPPED)
+        self._pulse_update()
 
 
-__all__ = ["SliceBrokerMixin", "apply_slice_options", "render_options_form", "spawn_error"]
+__all__ = ["SliceBrokerMixin", "render_options_form", "spawn_error"]

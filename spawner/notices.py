@@ -33,6 +33,8 @@ from .culler import CULLED_IDLE, Verdict
 TEMPLATE_PATH = str(Path(__file__).with_name("templates"))
 """Add to ``c.JupyterHub.template_paths`` for pages that say why a session ended."""
 
+#: Where the progress bar stands at the grant; the backend's launch fills the rest.
+GRANT_PROGRESS = 60
 STATE_KEY = "slicebroker"
 
 # Why a running slice was asked to leave (the broker's preempt_reason) ...
@@ -289,12 +291,59 @@ def pages_url(broker_url: str, page: str = "queue") -> str:
     return f"{root.rstrip('/')}/{page}"
 
 
+def wait_reason(
+    slice_: Mapping[str, Any],
+    nodes: Sequence[Mapping[str, Any]],
+    held: Sequence[Mapping[str, Any]],
+    now: float,
+) -> str:
+    """Why a pending slice waits, in one sentence: the requests that go first, or the GPUs
+    of its type in use and when the first of their protections ends (``held``: the
+    granted slices). Empty when the nodes are not known."""
+    gpu_type = slice_.get("gpu_type")
+    typed = [
+        n
+        for n in nodes
+        if n.get("state") == "ready"
+        and n.get("in_config", True)
+        and (not gpu_type or n.get("gpu_type") == gpu_type)
+    ]
+    if not typed:
+        return ""
+    kind = f"{gpu_type} " if gpu_type else ""
+    capacity = sum(int(n.get("gpu_count") or 0) for n in typed)
+    busy = sum(int(n.get("gpus_held") or 0) for n in typed)
+    in_use = f"{busy} of {capacity} {kind}GPUs are in use"
+    position = slice_.get("queue_position") or 0
+    if position > 1:
+        ahead = position - 1
+        return (
+            f"{ahead} request{'s go' if ahead != 1 else ' goes'} first (a lower fair-share "
+            f"value, or submitted earlier); {in_use}."
+        )
+    gpus = slice_.get("gpus") or 0
+    names = {n.get("name") for n in typed}
+    ends = [
+        s["protected_until"]
+        for s in held
+        if (s.get("protected_until") or 0) > now
+        and any(p.get("node") in names for p in s.get("placements") or ())
+    ]
+    until = f", held under protection until {clock_time(min(ends))}" if ends else ""
+    return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
+
+
 def queue_event(
-    slice_: Mapping[str, Any], now: float, capacity: str = "", queue_url: str = ""
+    slice_: Mapping[str, Any],
+    now: float,
+    capacity: str = "",
+    queue_url: str = "",
+    reason: str = "",
 ) -> dict[str, Any]:
-    """The progress event for a pending slice: queue position, fair-share value, wait, and
-    ``capacity`` (what draining and down nodes mean for it, from
-    :func:`spawner.options.capacity_note`); with ``queue_url``, a link to the queue page."""
+    """The progress event for a pending slice: queue position, fair-share value, wait,
+    ``reason`` (:func:`wait_reason`) and ``capacity`` (what draining and down nodes mean
+    for it, from :func:`spawner.options.capacity_note`); with ``queue_url``, a link to the
+    queue page."""
     gpus = slice_.get("gpus") or 0
     kind = f" {slice_['gpu_type']}" if slice_.get("gpu_type") else ""
     what = f"{gpus}{kind} GPU{'s' if gpus != 1 else ''} for project {slice_.get('project')}"
@@ -313,6 +362,9 @@ def queue_event(
         f"Waiting for {escape(what)}: <strong>{escape(where)}</strong>; {escape(fair)} "
         f"(usage ÷ entitlement, lower goes first); estimated start: {escape(wait)}."
     )
+    if reason:
+        message += f" {reason}"
+        html += f' <span id="sb-wait-reason">{escape(reason)}</span>'
     if capacity:
         message += f" {capacity}"
         html += f' <span id="sb-capacity">{escape(capacity)}</span>'
@@ -335,7 +387,7 @@ def grant_event(slice_: Mapping[str, Any]) -> dict[str, Any]:
         until = "free session: preemptible at any time"
     gpus = slice_.get("gpus") or 0
     return {
-        "progress": 60,
+        "progress": GRANT_PROGRESS,
         "message": f"Granted {gpus} GPU{'s' if gpus != 1 else ''} on {places} ({until}); "
         "starting the server.",
     }

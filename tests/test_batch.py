@@ -158,6 +158,32 @@ def test_command_runs_on_the_granted_gpus_and_its_status_is_the_runners(service,
     assert f"slice {slice_['id']} granted: {placement['node']} GPUs" in runner.stderr
 
 
+def test_in_a_session_a_command_alone_runs_on_the_sessions_project_and_the_batch_defaults(
+    service, tmp_path
+):
+    directory = tmp_path / "markers"
+    directory.mkdir()
+    command = ["--", sys.executable, "-c", COMMAND, str(directory), "exit-0"]
+    runner = Runner(service, directory, "alice", command, {"SLICEBROKER_PROJECT": "vision"})
+
+    assert runner.wait() == 0, runner.stderr
+    slice_ = get_slice(service, runner.marker("started-1")["SLICEBROKER_SLICE_ID"])
+    # The cluster's [defaults.batch]: protected 1 h, resumable.
+    assert (slice_["project"], slice_["gpus"], slice_["kind"]) == ("vision", 1, "batch")
+    assert (slice_["min_runtime"], slice_["resumable"]) == (3600.0, True)
+    assert "requested: 1 GPU for project vision, protected 1h, resumable" in runner.stderr
+
+
+def test_outside_a_session_a_run_without_a_project_is_one_line_status_2(service, tmp_path):
+    runner = Runner(service, tmp_path, "alice", ["--", "true"], {"SLICEBROKER_PROJECT": ""})
+
+    assert runner.wait() == 2
+    assert runner.stderr.strip().splitlines() == [
+        "error: no project: pass --project P (in a hub session, $SLICEBROKER_PROJECT "
+        "names the session's project)"
+    ]
+
+
 def test_a_waiting_runner_shows_its_place_then_runs_when_gpus_free(long_lease_service, tmp_path):
     service = long_lease_service
     blockers = fill_cluster(service)
@@ -256,7 +282,7 @@ def test_a_node_going_down_requeues_the_same_slice_and_the_command_runs_again(se
 
 
 def test_a_command_ignoring_sigterm_is_killed_at_the_deadline(service, tmp_path):
-    runner = start_runner(service, tmp_path, "ignore-term")
+    runner = start_runner(service, tmp_path, "ignore-term", "--no-resumable")
     slice_ = drain_where(service, runner.marker("started-1"))
 
     assert runner.wait() == 128 + signal.SIGKILL

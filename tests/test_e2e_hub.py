@@ -99,13 +99,16 @@ def test_a_server_started_through_the_rest_api_sees_the_granted_gpus(clean):
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(slice_["protected_until"])
     )
     assert slice_["protected_until"] == pytest.approx(slice_["granted_at"] + 900)
-    assert server["user_options"] == {
+    # The user options as given; the slice's fields, resolved, in the spawner's state.
+    assert server["user_options"] == {"project": "vision", "gpus": 1, "protected": "15m"}
+    held = server["state"]["slicebroker"]
+    assert held["slice_id"] == slice_["id"]
+    assert {k: held["slice"][k] for k in ("project", "gpus", "gpu_type", "min_runtime")} == {
         "project": "vision",
         "gpus": 1,
-        "gpu_type": "",
-        "protected": "15m",
+        "gpu_type": None,
+        "min_runtime": 900.0,
     }
-    assert server["state"]["slicebroker"]["slice_id"] == slice_["id"]
 
 
 def test_stopping_releases_the_slice_and_the_charge_equals_the_held_time(clean):
@@ -296,6 +299,7 @@ def test_a_batch_job_past_its_protection_is_preempted_for_a_notebook_of_an_under
             "2",
             "--min-runtime",
             "2s",
+            "--no-resumable",  # the cluster's [defaults.batch] is resumable
             "--",
             sys.executable,
             "-c",

@@ -51,7 +51,8 @@ class FlakyProxy:
     def __init__(self, target: str):
         self.target = target.rstrip("/")
         self.failing_until = 0.0
-        self.refused = 0  # 503s answered
+        self.failing_with = 503  # or 404: the hub's proxy before the service's route is back
+        self.refused = 0  # 503s (or 404s) answered
         self.forwarded = 0
         self.lose_answers = 0  # answers to drop (502 instead) after forwarding the request
         self._ready = threading.Event()
@@ -67,7 +68,8 @@ class FlakyProxy:
     def failing(self) -> bool:
         return time.monotonic() < self.failing_until
 
-    def outage(self, seconds: float) -> None:
+    def outage(self, seconds: float, status: int = 503) -> None:
+        self.failing_with = status
         self.failing_until = time.monotonic() + seconds
 
     def _serve(self) -> None:
@@ -78,6 +80,13 @@ class FlakyProxy:
 
         class Forward(web.RequestHandler):
             async def _any(self) -> None:
+                if proxy.failing and proxy.failing_with == 404:
+                    # configurable-http-proxy with no route for the service yet: a page.
+                    proxy.refused += 1
+                    self.set_status(404)
+                    self.set_header("Content-Type", "text/html")
+                    self.finish("<html><body><h1>404: Not Found</h1></body></html>")
+                    return
                 if proxy.failing:
                     proxy.refused += 1
                     self.set_status(503)
@@ -237,6 +246,36 @@ async def test_a_runner_that_gives_up_waiting_still_releases_its_request(service
     assert (mine["state"], mine["end_reason"]) == ("ended", "cancelled"), lines
     assert any("giving up" in line for line in lines), lines
     assert any(f"slice {mine['id']} released, charged 0.00 GPU-h" in line for line in lines)
+
+
+async def test_a_proxy_404_while_the_hub_restarts_is_an_outage_not_an_answer(
+    service, proxy, tmp_path
+):
+    """The hub restarts as the job ends: its proxy answers 404 pages for the service until
+    the service's route is back. The runner waits it out and releases the slice."""
+    lines: list[str] = []
+    request = BatchRequest(project="vision", gpus=1, min_runtime=60)
+    go = tmp_path / "go"
+    command = [sys.executable, "-c", COMMAND, str(tmp_path)]
+    async with BrokerClient(proxy.url, service.token("alice"), retries=1, backoff=0.05) as client:
+        running = asyncio.ensure_future(
+            run_batch(client, request, command, poll=0.5, patience=30, say=lines.append,
+                      handle_signals=False)
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists():
+            assert not running.done(), (lines, running)
+            assert time.monotonic() < deadline, f"the command never started: {lines}"
+            await asyncio.sleep(0.02)
+        proxy.outage(2.0, status=404)
+        go.touch()
+        status = await asyncio.wait_for(running, 30)
+
+    assert status == 0, lines
+    assert proxy.refused > 0
+    (mine,) = alices_slices(service)
+    assert (mine["state"], mine["end_reason"]) == ("ended", "released"), lines
+    assert not any("could not release" in line for line in lines), lines
 
 
 async def test_a_submission_whose_answer_is_lost_makes_one_slice(service, proxy):

@@ -110,3 +110,37 @@ def test_an_idle_warning_comes_with_the_hub_s_limit_and_a_countdown(tmp_path, br
         expect(dialog).to_have_count(0)
     finally:
         hub.shutdown()
+
+
+def test_when_the_grace_period_is_over_lab_says_the_session_ended(tmp_path, browser, screenshots):
+    # A short grace period: the session is gone soon after the drain.
+    cluster = TEST_CLUSTER.replace('grace_period = "2s"', 'grace_period = "20s"')
+    hub = HubProcess(tmp_path / "hub", cluster=cluster, extra_config=LAB_SESSIONS)
+    try:
+        hub.start()
+        hub.start_server("alice", project="vision", gpus=1, protected="0")
+        hub.wait_ready("alice", timeout=90)
+        page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+        hub_login(page, hub, "alice")
+        page.goto(f"{hub.url}/user/alice/lab")
+        status = page.locator(".sb-status")
+        expect(status).to_contain_text("not protected", timeout=90_000)
+
+        hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
+        dialog = page.locator(".jp-Dialog")
+        expect(dialog).to_contain_text("Your GPU session is stopping", timeout=30_000)
+        # The countdown gives way to what happened, with the cost and the way on.
+        expect(dialog).to_contain_text("GPU session ended", timeout=60_000)
+        expect(dialog).to_have_count(1)
+        expect(dialog).to_contain_text("its grace period after a preemption is over")
+        expect(dialog).to_contain_text(re.compile(r"It cost \d+\.\d\d GPU-h"))
+        expect(dialog.get_by_role("link", name="My GPUs")).to_have_attribute(
+            "href", "/services/slicebroker/"
+        )
+        expect(status).to_have_text(
+            re.compile(r"^GPU ×1 · vision · ended \(preempted\) · \d+\.\d\d GPU-h$")
+        )
+        page.screenshot(path=str(screenshots / "lab-session-ended.png"))
+        assert hub.slice_of("alice") is None  # the broker ended it: nothing live is left
+    finally:
+        hub.shutdown()

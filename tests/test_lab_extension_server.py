@@ -3,9 +3,12 @@ reading a real broker with the session's own environment, and the idle-warning r
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,6 +183,41 @@ def test_a_session_without_a_slice_gets_a_404_in_the_api_shape(broker, tmp_path)
         reply = server.session()
         assert reply.status_code == 404
         assert reply.json()["error"]["code"] == "no_slice"
+    finally:
+        server.stop()
+
+
+def terminal_output(server: JupyterServer, line: str, until: str, timeout: float = 30.0) -> str:
+    """What a Lab terminal of ``server`` shows after ``line`` is typed, once ``until`` shows."""
+    import websocket  # websocket-client, as Jupyter's own tests use
+
+    made = requests.post(f"{server.url}/api/terminals", params=server._auth, timeout=30)
+    assert made.status_code == 200, made.text
+    name = made.json()["name"]
+    ws_url = f"ws://127.0.0.1:{server.port}/terminals/websocket/{name}?token={server.token}"
+    ws = websocket.create_connection(ws_url, timeout=timeout)
+    try:
+        ws.send(json.dumps(["stdin", line + "\r"]))
+        shown = ""
+        deadline = time.monotonic() + timeout
+        while until not in shown.split(line, 1)[-1]:
+            assert time.monotonic() < deadline, f"the terminal showed: {shown!r}"
+            kind, *content = json.loads(ws.recv())
+            if kind == "stdout":
+                shown += content[0]
+        return shown.split(line, 1)[-1]
+    finally:
+        ws.close()
+
+
+def test_a_lab_terminal_finds_slicebroker_although_its_login_shell_resets_path(broker, tmp_path):
+    env = session_environment(broker, broker.token("alice"), None)
+    env.update(SHELL="/bin/bash", HOME=str(tmp_path))  # /etc/profile sets PATH anew
+    server = JupyterServer(tmp_path, env)
+    try:
+        shown = terminal_output(server, "command -v slicebroker || echo NOT-FOUND", "\n")
+        assert "NOT-FOUND" not in shown
+        assert os.path.join(os.path.dirname(sys.executable), "slicebroker") in shown
     finally:
         server.stop()
 

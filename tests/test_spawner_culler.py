@@ -91,6 +91,26 @@ def test_requests_that_cannot_run_are_never_a_reason():
     assert waiter_for(session(), [waiting(id=1)], full) is None
 
 
+def test_nobody_is_culled_for_their_own_request():
+    mine = session() | {"user": "carol"}
+    assert waiter_for(mine, [waiting() | {"user": "carol"}], [node()]) is None
+    assert waiter_for(mine, [waiting() | {"user": "dave"}], [node()])["id"] == 9
+
+
+def test_sessions_already_being_stopped_count_as_freed():
+    # One 2-GPU request waits on a full node of four idle 2-GPU sessions: the first
+    # session stopped for it is enough; the others are no longer needed.
+    full = [node(held=8)]
+    assert waiter_for(session(id=1), [waiting(gpus=2)], full, freeing={})["id"] == 9
+    assert waiter_for(session(id=2), [waiting(gpus=2)], full, freeing={"n0": 2}) is None
+    # A 4-GPU request needs two of them: the second is still a waiter, the third is not.
+    four = [waiting(gpus=4)]
+    assert waiter_for(session(id=2), four, full, freeing={"n0": 2})["id"] == 9
+    assert waiter_for(session(id=3), four, full, freeing={"n0": 4}) is None
+    # GPUs freed on another node do not help a request that must fit on this one.
+    assert waiter_for(session(id=2), [waiting(gpus=2)], full, freeing={"n1": 2})["id"] == 9
+
+
 def test_the_first_usable_request_in_queue_order_is_named():
     queue = [waiting(gpus=4, id=7, position=1), waiting(gpus=2, id=8, position=2)]
     assert waiter_for(session(), queue, [node()])["id"] == 8

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from jupyterhub.spawner import Spawner, SpawnException
+from traitlets import Integer, default
 
 from broker.client import BrokerAPIError
 from broker.errors import InvalidRequest
@@ -175,6 +176,10 @@ class FakeBroker:
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
+    async def list_slices(self, state=None):
+        rows = [dict(s) for s in self.slices.values() if state in (None, s["state"])]
+        return as_documented("GET", "/slices", {"slices": rows})["slices"]
+
     async def heartbeat(self, slice_id):
         self.calls.append(("heartbeat", slice_id))
         return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
@@ -243,17 +248,23 @@ class MemoryBackend(Spawner):
     running = False
     launched_env: dict[str, str] | None = None
     stops = 0
+    stop_error: Exception | None = None
+    launch_gate: asyncio.Event | None = None
 
     def get_env(self):
         return {}
 
     async def start(self):
         self.launched_env = self.get_env()
+        if self.launch_gate is not None:
+            await self.launch_gate.wait()
         self.running = True
         return ("127.0.0.1", 12345)
 
     async def stop(self, now=False):
         self.stops += 1
+        if self.stop_error is not None:
+            raise self.stop_error
         self.running = False
 
     async def poll(self):
@@ -362,6 +373,23 @@ async def test_progress_streams_the_queue_then_the_grant(make, broker):
     await spawner.stop()
 
 
+async def test_progress_goes_on_with_the_backends_own_events_after_the_grant(make, broker):
+    spawner = make()
+    spawner.launch_gate = asyncio.Event()  # the backend takes its time to launch
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.grant(slice_id)
+    await eventually(lambda: spawner.lifecycle.phase == "launching")
+
+    events = [event async for event in spawner.progress()]
+    spawner.launch_gate.set()
+    await task
+
+    assert events[-2]["message"].startswith("Granted 2 GPUs") and events[-2]["progress"] == 60
+    # JupyterHub's own event (50 of the backend's bar), after the grant's 60.
+    assert events[-1] == {"progress": 80, "message": "Spawning server..."}
+    await spawner.stop()
+
+
 @pytest.mark.parametrize("how", ["cancelled", "timed out"])
 async def test_a_cancelled_or_timed_out_spawn_withdraws_its_request(make, broker, how):
     spawner = make()
@@ -461,11 +489,20 @@ async def test_a_user_with_no_project_is_told_so(make, broker):
     assert "not a member of any project" in raised.value.jupyterhub_message
 
 
-async def test_applied_options_show_the_resolved_request(make, broker):
+async def test_applied_options_resolve_the_request_and_leave_the_user_options_as_given(
+    make, broker
+):
     spawner = make(user=user("alice", ["nlp-team"]))
-    await spawner.apply_slice_options({})
+    spawner.user_options = {"s": ["value"], "i": 5}
+    await spawner.apply_slice_options(spawner.user_options)
     # No project given: the user's best-ranked project; the admin's defaults for the rest.
-    assert spawner.user_options == {"project": "nlp", "gpus": 1, "gpu_type": "", "protected": "15m"}
+    assert spawner.slice_request.as_user_options() == {
+        "project": "nlp",
+        "gpus": 1,
+        "gpu_type": "",
+        "protected": "15m",
+    }
+    assert spawner.user_options == {"s": ["value"], "i": 5}  # round-trips, as the hub has it
 
 
 # ---- running: poll, stop, state ---------------------------------------------------------------
@@ -608,4 +645,171 @@ def test_the_spawner_defaults_suit_a_queue():
     assert spawner.start_timeout == 3600
     assert spawner.choices().protected == (900.0, 3600.0, 7200.0, 14400.0, 28800.0, 0.0)
     assert spawner.choices().protected_default == 900.0
-    assert callable(spawner.options_form) and callable(spawner.apply_user_options)
+    assert callable(spawner.options_form)
+    assert spawner.apply_user_options is None  # the admin's: start() resolves the slice's
+
+
+# ---- stopping a spawn that waits --------------------------------------------------------------
+
+
+class LocalSpawner(SliceBrokerSpawner):
+    """The local-process backend with its signals recorded instead of sent: a signal to
+    pid 0 would go to the test run's own process group."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.signals: list[tuple[int, int]] = []
+
+    async def _signal(self, sig: int) -> bool:
+        self.signals.append((self.pid, sig))
+        return False
+
+
+async def test_stopping_a_spawn_that_waits_in_the_queue_signals_no_process(broker):
+    spawner = LocalSpawner(
+        user=user(),
+        broker_url="http://broker.invalid",
+        broker_token="agent",
+        **dict.fromkeys(("interrupt_timeout", "term_timeout", "kill_timeout"), 0),
+    )
+    spawner._broker = broker
+    task, slice_id = await started_and_waiting(spawner, broker)
+
+    await spawner.stop()
+
+    assert spawner.signals == []
+    assert broker.slices[slice_id]["end_reason"] == "cancelled"
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, SpawnException):
+        await task
+
+
+async def test_stopping_a_spawn_that_waits_ends_its_start_as_cancelled_at_once(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+
+    await spawner.stop()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert f"slice {slice_id}" in raised.value.jupyterhub_message
+    assert broker.slices[slice_id]["end_reason"] == "cancelled"
+    assert not spawner.stops  # no server was launched, so none was stopped
+    assert await spawner.poll() == 0
+
+
+async def test_stopping_a_spawn_whose_request_is_on_the_way_withdraws_it_when_made(make, broker):
+    spawner = make()
+    spawner.user_options = {"project": "vision"}
+    broker.submit_gate = asyncio.Event()
+    task = asyncio.ensure_future(spawner.start())
+    await eventually(lambda: broker.calls)
+
+    await spawner.stop()
+    broker.submit_gate.set()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert broker.slices[1]["end_reason"] == "cancelled"
+
+
+# ---- options from the form ----------------------------------------------------------------
+
+FORM = {"project": ["vision"], "gpus": ["2"], "x": ["y"], "multi": ["a", "b"]}
+
+
+@pytest.mark.parametrize(
+    ("options_from_form", "others"),
+    [
+        (None, {"x": ["y"], "multi": ["a", "b"]}),  # JupyterHub's default: 'passthrough'
+        ("passthrough", {"x": ["y"], "multi": ["a", "b"]}),
+        ("simple", {"x": "y", "multi": ["a", "b"]}),
+        (lambda form: {"x_was": form["x"][0]}, {"x_was": "y"}),
+    ],
+)
+def test_the_admins_options_from_form_reads_the_fields_that_are_not_the_slices(
+    make, options_from_form, others
+):
+    traits = {} if options_from_form is None else {"options_from_form": options_from_form}
+    spawner = make(**traits)
+
+    options = spawner.run_options_from_form(FORM)  # a dict, as JupyterHub's contract has it
+
+    assert options == {**others, "project": "vision", "gpus": "2"}
+    assert spawner.options_from_query(FORM) == options
+
+
+# ---- the start timeout ----------------------------------------------------------------------
+
+
+class QuickBackend(MemoryBackend):
+    """A backend with a start timeout of its own (JupyterHub's NeverSpawner has 1 s)."""
+
+    @default("start_timeout")
+    def _quick_start(self):
+        return 7
+
+
+class QuickGpuSpawner(SliceBrokerMixin, QuickBackend):
+    pass
+
+
+class PatientBackend(MemoryBackend):
+    start_timeout = Integer(300)  # the trait declared again, with a default of its own
+
+
+class PatientGpuSpawner(SliceBrokerMixin, PatientBackend):
+    pass
+
+
+def test_the_queue_start_timeout_is_the_default_only_where_the_backend_has_none():
+    assert GpuSpawner(user=user()).start_timeout == 3600  # the hub's 60 s is no queue
+    assert QuickGpuSpawner(user=user()).start_timeout == 7
+    assert QuickGpuSpawner(user=user(), start_timeout=99).start_timeout == 99
+    assert PatientGpuSpawner(user=user()).start_timeout == 300
+
+
+# ---- a backend that fails to stop -------------------------------------------------------------
+
+
+async def test_a_backend_that_fails_to_stop_keeps_its_slice_and_says_so(make, broker, caplog):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    spawner.stop_error = RuntimeError("the node does not answer")
+
+    with pytest.raises(RuntimeError, match="the node does not answer"):
+        await spawner.stop()
+
+    assert broker.released() == [] and broker.slices[slice_id]["state"] == "granted"
+    assert spawner.slice_id == slice_id and spawner.lifecycle.phase == "running"
+    assert f"slice {slice_id} is kept" in caplog.text
+    beats = broker.calls.count(("heartbeat", slice_id))
+    await eventually(lambda: broker.calls.count(("heartbeat", slice_id)) > beats)  # still held
+    spawner.stop_error = None
+    await spawner.stop()  # the next stop works: now the slice goes
+    assert broker.released() == [slice_id]
+
+
+async def test_a_stop_that_comes_with_the_grant_cancels_the_spawn_without_launching(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+    looked_up = asyncio.Event()
+    nodes = broker.nodes
+
+    async def slow_nodes():  # the grant's node lookup, under way when stop() comes
+        looked_up.set()
+        await asyncio.sleep(0.1)
+        return await nodes()
+
+    broker.nodes = slow_nodes
+    broker.grant(slice_id)
+    await looked_up.wait()
+    await spawner.stop()
+
+    with pytest.raises(SpawnException) as raised:
+        await asyncio.wait_for(task, 2)
+    assert raised.value.reason == "cancelled"
+    assert spawner.launched_env is None and spawner.lifecycle.phase == "stopped"
+    assert broker.slices[slice_id]["end_reason"] == "released"

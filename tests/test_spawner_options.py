@@ -18,6 +18,7 @@ from spawner.notices import (
     notices_for,
     ordinal,
     queue_event,
+    wait_reason,
     wait_text,
 )
 from spawner.options import (
@@ -441,6 +442,47 @@ def test_the_queue_event_shows_position_value_and_wait():
     assert wait_text(None, now) == "no estimate yet"
     assert wait_text(now + 30, now) == "within a minute"
     assert wait_text(now + 5400, now) == "in about 1.5 h"
+
+
+#: Two granted slices on node a: protected until 14:05 and 15:00 (UTC, today).
+NOON = 1_764_676_800.0  # 2025-12-02 12:00 UTC
+HELD = [
+    {"placements": [{"node": "a"}], "protected_until": NOON + 2 * 3600 + 300},
+    {"placements": [{"node": "a"}], "protected_until": NOON + 3 * 3600},
+    {"placements": [{"node": "b"}], "protected_until": NOON + 600},  # b is draining
+]
+
+
+@pytest.mark.parametrize(
+    ("request_", "held", "reason"),
+    [
+        (
+            {"gpus": 4, "queue_position": 1},
+            HELD,
+            "Waiting for 4 GPUs to free up: 5 of 8 GPUs are in use, held under protection "
+            "until 14:05:00 UTC.",
+        ),
+        (
+            {"gpus": 1, "gpu_type": "h100", "queue_position": 1},
+            [],
+            "Waiting for 1 h100 GPU to free up: 5 of 8 h100 GPUs are in use.",
+        ),
+        (
+            {"gpus": 2, "queue_position": 3},
+            HELD,
+            "2 requests go first (a lower fair-share value, or submitted earlier); "
+            "5 of 8 GPUs are in use.",
+        ),
+        ({"gpus": 1, "gpu_type": "b200", "queue_position": 1}, HELD, ""),  # its node is down
+    ],
+)
+def test_the_pending_page_says_why_a_request_waits(request_, held, reason, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: NOON)  # clock_time shows today's times bare
+    assert wait_reason(request_, NODES, held, NOON) == reason
+    if reason:
+        event = queue_event({**request_, "project": "nlp"}, NOON, reason=reason)
+        assert event["message"].endswith(f"estimated start: no estimate yet. {reason}")
+        assert f'<span id="sb-wait-reason">{reason}</span>' in event["html_message"]
 
 
 def test_a_project_cap_limits_the_form_and_refuses_larger_requests_before_submitting():

@@ -87,6 +87,7 @@ class SessionModel {
   private skew = 0;
   private listeners: Array<() => void> = [];
   private timer: number | undefined;
+  private ended = false;
 
   constructor(private settings: ServerConnection.ISettings) {}
 
@@ -97,6 +98,15 @@ class SessionModel {
 
   onChange(listener: () => void): void {
     this.listeners.push(listener);
+  }
+
+  /** The server is gone with its slice (``last``, as the session ended): show it so, and
+   * poll no more (only the hub would answer). */
+  endWith(last: ISession): void {
+    this.ended = true;
+    window.clearTimeout(this.timer);
+    this.session = last;
+    this.listeners.forEach(listener => listener());
   }
 
   start(): void {
@@ -111,6 +121,9 @@ class SessionModel {
 
   async refresh(): Promise<void> {
     window.clearTimeout(this.timer);
+    if (this.ended) {
+      return;
+    }
     const url = URLExt.join(this.settings.baseUrl, 'slicebroker', 'session');
     try {
       const reply = await ServerConnection.makeRequest(url, {}, this.settings);
@@ -294,6 +307,8 @@ class Warnings {
   private shownCull = false;
   private ended = false;
   private lastPreempting: ISession | null = null;
+  // The countdown dialog on screen: the "ended" dialog replaces it (Lab shows one at a time).
+  private open: Dialog<unknown> | null = null;
 
   constructor(
     private app: JupyterFrontEnd,
@@ -336,7 +351,8 @@ class Warnings {
     }
   }
 
-  /** Past a preemption's deadline the server goes away: say why, once. */
+  /** Past a preemption's deadline the server goes away (the hub answers for it): say
+   * why, once, in place of the countdown, and in the status bar. */
   checkEnded(): void {
     const last = this.lastPreempting;
     if (
@@ -348,12 +364,18 @@ class Warnings {
       return;
     }
     this.ended = true;
+    this.open?.reject();
+    this.open = null;
+    this.model.endWith({ ...last, state: 'ended', end_reason: 'preempted' });
     const body = new Widget();
+    body.addClass('sb-ended-body');
     body.node.append(
       document.createTextNode(
         'Your GPU session ended: its grace period after a preemption is over ' +
           `(${preemptReason(last.preempt_reason)}). It cost ${last.cost}. `
       ),
+      link(last.broker_pages, 'My GPUs'),
+      document.createTextNode(' · '),
       link(hubHome(), 'Start a new one from the hub')
     );
     void showDialog({
@@ -369,7 +391,7 @@ class Warnings {
     deadline: () => number | null
   ): Promise<void> {
     const body = new CountdownBody(this.model, deadline, message);
-    const result = await showDialog({
+    const dialog = new Dialog({
       title,
       body,
       buttons: [
@@ -378,6 +400,11 @@ class Warnings {
       ],
       defaultButton: 1
     });
+    this.open = dialog;
+    const result = await dialog.launch();
+    if (this.open === dialog) {
+      this.open = null;
+    }
     body.dispose();
     if (result.button.accept) {
       await this.app.commands.execute(SAVE_ALL_COMMAND);
