@@ -81,6 +81,9 @@ TOKEN_ENV = "SLICEBROKER_TOKEN"
 END_WAIT_S = 5.0
 #: Pause after a failed broker call in the background task (seconds).
 RETRY_PAUSE_S = 2.0
+#: How long a request waits before the pending page says what would start it sooner
+#: (design.md §5.8), in seconds.
+SOONER_AFTER_S = 60.0
 
 #: ``start_timeout`` of a spawner whose backend sets none (seconds): start() includes the
 #: wait in the queue.
@@ -379,6 +382,7 @@ class SliceBrokerMixin(Configurable):
     _broker: BrokerClient | None = None
     _watch_task: asyncio.Task | None = None
     _progress_events: list[dict[str, Any]] | None = None
+    _sooner: str = ""  # what would start the waiting request sooner, in words
     _progress_update: asyncio.Event | None = None
     _update: asyncio.Event | None = None
     _options_seconds = 0.0
@@ -830,7 +834,8 @@ class SliceBrokerMixin(Configurable):
             now = time.time()
             held = _HELD_SEEN.get(self.broker_url) or []
             reason = notices.wait_reason(slice_, nodes or [], held, now)
-            self._add_progress(notices.queue_event(slice_, now, capacity, queue_url, reason))
+            event = notices.queue_event(slice_, now, capacity, queue_url, reason, self._sooner)
+            self._add_progress(event)
         if state != previous and state in ("preempting", "ended") and not starting:
             self.notice = notices.notice_from_slice(slice_, nodes)
             if self.orm_spawner is not None:
@@ -909,10 +914,23 @@ class SliceBrokerMixin(Configurable):
             wait = min(wait, self.queue_refresh_interval)
             # Fresh nodes for the page: is the cluster draining or down?
             await self._queue_view()
+            await self._look_for_sooner(slice_id, s)
         elif state == "preempting":
             until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
             wait = min(wait, max(until_end, 0.05))
         return await self.broker.wait_for_change(slice_id, state, wait)
+
+    async def _look_for_sooner(self, slice_id: int, s: Mapping[str, Any]) -> None:
+        """Once the request has waited ``SOONER_AFTER_S``, what would start it sooner, for
+        the pending page (design.md §5.8); a broker without the route offers nothing."""
+        if time.time() - (s.get("submitted_at") or time.time()) < SOONER_AFTER_S:
+            return
+        try:
+            found = await self.broker.alternatives(slice_id)
+        except BrokerAPIError as err:
+            self.log.debug("No alternatives for slice %s: %s", slice_id, err.message)
+            return
+        self._sooner = notices.sooner_text(found, s)
 
     async def _end_session(self, slice_id: int, why: str | None = None) -> None:
         """The slice is over (or the session ``why``, e.g. idle): stop the server and let

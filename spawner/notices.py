@@ -333,17 +333,46 @@ def wait_reason(
     return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
 
 
+def _instead(change: str, fields: Mapping[str, Any], slice_: Mapping[str, Any]) -> str:
+    """One alternative in words: what it changes, against the request as it is."""
+    if change == "gpus":
+        plural = "s" if fields["gpus"] != 1 else ""
+        return f"{fields['gpus']} GPU{plural} instead of {slice_.get('gpus')}"
+    if change == "gpu_type":
+        return f"{fields['gpu_type']} instead of {slice_.get('gpu_type')}"
+    if change == "min_runtime":
+        was = slice_.get("min_runtime") or 0
+        return f"{minutes(fields['min_runtime'])} protection instead of {minutes(was)}"
+    if change == "debug":
+        return f"a {minutes(fields['min_runtime'])} debug session"
+    return f"charged to {fields['project']}"
+
+
+def sooner_text(found: Mapping[str, Any], slice_: Mapping[str, Any], most: int = 3) -> str:
+    """What would start a waiting request sooner (``GET /slices/{id}/alternatives``), in
+    words: "Start sooner with 1 GPU instead of 2: now (1.00 GPU-h protected) · …"."""
+    now = found.get("now") or 0.0
+    items = []
+    for alternative in list(found.get("alternatives") or ())[:most]:
+        starts = alternative["starts_at"]
+        when = "now" if starts <= now else f"in about {minutes(starts - now)}"
+        what = _instead(alternative["change"], alternative["fields"], slice_)
+        items.append(f"{what}: {when} ({alternative['gpu_hours']:.2f} GPU-h protected)")
+    return f"Start sooner with {' · '.join(items)}." if items else ""
+
+
 def queue_event(
     slice_: Mapping[str, Any],
     now: float,
     capacity: str = "",
     queue_url: str = "",
     reason: str = "",
+    sooner: str = "",
 ) -> dict[str, Any]:
     """The progress event for a pending slice: queue position, fair-share value, wait,
-    ``reason`` (:func:`wait_reason`) and ``capacity`` (what draining and down nodes mean
-    for it, from :func:`spawner.options.capacity_note`); with ``queue_url``, a link to the
-    queue page."""
+    ``reason`` (:func:`wait_reason`), ``sooner`` (:func:`sooner_text`) and ``capacity``
+    (what draining and down nodes mean for it, from
+    :func:`spawner.options.capacity_note`); with ``queue_url``, a link to the queue page."""
     gpus = slice_.get("gpus") or 0
     kind = f" {slice_['gpu_type']}" if slice_.get("gpu_type") else ""
     what = f"{gpus}{kind} GPU{'s' if gpus != 1 else ''} for project {slice_.get('project')}"
@@ -368,6 +397,9 @@ def queue_event(
     if capacity:
         message += f" {capacity}"
         html += f' <span id="sb-capacity">{escape(capacity)}</span>'
+    if sooner:
+        message += f" {sooner}"
+        html += f' <span id="sb-sooner">{escape(sooner)}</span>'
     if queue_url:
         html += (
             f' <a id="sb-queue-link" href="{escape(queue_url)}" target="_blank">See the queue</a>'

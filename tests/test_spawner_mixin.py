@@ -130,6 +130,7 @@ class FakeBroker:
         self.changed = asyncio.Event()
         self.submit_error: BrokerAPIError | None = None
         self.submit_gate: asyncio.Event | None = None
+        self.sooner: dict[int, dict[str, Any]] = {}  # slice id -> its alternatives
 
     def _touch(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
@@ -173,6 +174,7 @@ class FakeBroker:
             "fairshare_value": None,
             "estimated_start": None,
             "charged_gpu_seconds": 0.0,
+            "preemptions": 0,
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
@@ -186,6 +188,12 @@ class FakeBroker:
 
     async def get_slice(self, slice_id, **_):
         return slice_answer("GET", "/slices/{id}", self._get(slice_id))
+
+    async def alternatives(self, slice_id):
+        self.calls.append(("alternatives", slice_id))
+        found = self.sooner.get(slice_id, {"starts_at": None, "alternatives": []})
+        body = {"slice_id": slice_id, "now": time.time(), **found}
+        return as_documented("GET", "/slices/{id}/alternatives", body)
 
     async def wait_for_change(self, slice_id, known_state, timeout):
         changed = self.changed
@@ -346,6 +354,46 @@ async def test_start_asks_for_a_slice_for_the_user_waits_in_the_queue_then_launc
     assert any("fair-share value 0.04 GPU-h" in m and "in about 10 min" in m for m in messages)
     assert "Granted 2 GPUs on n0 [1, 2]" in messages[-1]
     await spawner.stop()
+
+
+async def test_after_a_minute_in_the_queue_the_progress_says_what_would_start_it_sooner(
+    make, broker
+):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+    broker.queue(slice_id, 2)
+    await eventually(
+        lambda: any("2nd in the queue" in e["message"] for e in spawner._progress_events)
+    )
+    assert ("alternatives", slice_id) not in broker.calls  # not within its first minute
+    broker.sooner[slice_id] = {
+        "starts_at": None,
+        "alternatives": [
+            {
+                "change": "gpus",
+                "fields": {
+                    "project": "vision",
+                    "gpus": 1,
+                    "gpu_type": None,
+                    "kind": "interactive",
+                    "min_runtime": 3600.0,
+                },
+                "starts_at": time.time(),
+                "gpu_hours": 1.0,
+            }
+        ],
+    }
+    broker.slices[slice_id]["submitted_at"] -= 120  # it has waited two minutes now
+    broker.queue(slice_id, 2)
+    await eventually(
+        lambda: any(
+            "Start sooner with 1 GPU instead of 2: now (1.00 GPU-h protected)." in e["message"]
+            for e in spawner._progress_events
+        )
+    )
+    await spawner.stop()
+    with pytest.raises(Exception, match="cancelled"):
+        await task
 
 
 async def test_progress_streams_the_queue_then_the_grant(make, broker):

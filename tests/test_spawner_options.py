@@ -18,6 +18,7 @@ from spawner.notices import (
     notices_for,
     ordinal,
     queue_event,
+    sooner_text,
     wait_reason,
     wait_text,
 )
@@ -533,3 +534,36 @@ def test_the_pending_message_explains_a_draining_cluster():
     )
     assert "no start can be estimated" in event["message"]
     assert 'id="sb-capacity"' in event["html_message"]
+
+
+def test_the_pending_message_says_what_would_start_the_request_sooner():
+    request_ = {"id": 3, "gpus": 2, "gpu_type": "b200", "project": "vision", "min_runtime": 28800}
+    found = {
+        "now": NOON,
+        "alternatives": [
+            {"change": "gpus", "fields": {"gpus": 1}, "starts_at": NOON, "gpu_hours": 8.0},
+            {
+                "change": "gpu_type",
+                "fields": {"gpu_type": "h100"},
+                "starts_at": NOON,
+                "gpu_hours": 16.0,
+            },
+            {
+                "change": "min_runtime",
+                "fields": {"min_runtime": 7200},
+                "starts_at": NOON + 300,
+                "gpu_hours": 8.0,
+            },
+        ],
+    }
+    sooner = sooner_text(found, request_)
+    assert sooner == (
+        "Start sooner with 1 GPU instead of 2: now (8.00 GPU-h protected) · "
+        "h100 instead of b200: now (16.00 GPU-h protected) · "
+        "2.0 h protection instead of 8.0 h: in about 5 min (8.00 GPU-h protected)."
+    )
+    event = queue_event(request_, NOON, sooner=sooner)
+    assert event["message"].endswith(sooner)
+    assert 'id="sb-sooner"' in event["html_message"]
+    # nothing sooner: nothing said
+    assert sooner_text({"now": NOON, "alternatives": []}, request_) == ""
