@@ -215,7 +215,9 @@ def test_a_lab_terminal_finds_slicebroker_although_its_login_shell_resets_path(b
     env.update(SHELL="/bin/bash", HOME=str(tmp_path))  # /etc/profile sets PATH anew
     server = JupyterServer(tmp_path, env)
     try:
-        shown = terminal_output(server, "command -v slicebroker || echo NOT-FOUND", "\n")
+        # DONE after the answer: the typed line's own echo ends in a newline too
+        line = "command -v slicebroker || echo NOT-FOUND; echo DONE"
+        shown = terminal_output(server, line, "DONE")
         assert "NOT-FOUND" not in shown
         assert os.path.join(os.path.dirname(sys.executable), "slicebroker") in shown
     finally:

@@ -32,6 +32,7 @@ from broker.service.auth import (
 )
 from broker.service.runner import SliceWatchers, next_deadline
 from broker.service.schema import COMPONENTS, ref, validate
+from broker.slurm.inventory import SlurmInventory
 
 # ---- options ---------------------------------------------------------------------------
 
@@ -90,7 +91,8 @@ def test_the_inventory_is_chosen_by_entry_point_name_or_by_class(clean_env):
     app.parse_command_line(["--KubernetesInventory.pod_namespace=jhub-2"])
     inventory = app.make_inventory()
     assert isinstance(inventory, KubernetesInventory) and inventory.pod_namespace == "jhub-2"
-    for not_one in ("slurm", "broker.store.Broker"):
+    assert BrokerApp(inventory_class="slurm").inventory_class is SlurmInventory
+    for not_one in ("lsf", "broker.store.Broker"):
         with pytest.raises(Exception, match="inventory_class"):
             BrokerApp(inventory_class=not_one)
 

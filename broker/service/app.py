@@ -49,6 +49,7 @@ from ..inventory import (
 )
 from ..kube.inventory import KubernetesInventory
 from ..orm import DatabaseSchemaError, normalize_url
+from ..slurm.inventory import SlurmInventory
 from ..store import Broker
 from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
@@ -159,7 +160,7 @@ class BrokerApp(Application):
         "scheduling loop. Standalone it uses its own tokens (slicebroker token create); "
         "launched by JupyterHub as a service it uses JupyterHub's tokens and scopes."
     )
-    classes = [StaticInventory, LocalInventory, KubernetesInventory]
+    classes = [StaticInventory, LocalInventory, KubernetesInventory, SlurmInventory]
     # A broken options file stops the service instead of being skipped.
     raise_config_file_errors = Bool(True)
     aliases = {
