@@ -32,6 +32,7 @@ from ..apihandlers.projects import put_project
 from ..auth import Identity, parse_authorization
 from ..schema import ref, validate
 from . import views
+from .redirects import is_local_target
 from .views import Cluster
 
 #: The cookie holding a standalone login's broker token (signed, HTTP only).
@@ -459,11 +460,9 @@ class LoginHandler(PageHandler):
         )
 
     def _next(self) -> str:
-        target = self.get_argument("next", "")
-        # Only pages of this service: never an open redirect.
-        if not target.startswith(self.base) or target.startswith("//"):
-            target = f"{self.base}gpus"
-        return target
+        # Exactly as sent (not stripped): only pages of this service, never an open redirect.
+        target = self.get_argument("next", "", strip=False)
+        return target if is_local_target(target, self.base) else f"{self.base}gpus"
 
     async def post(self) -> None:
         token = self.get_body_argument("token", "").strip()
