@@ -406,6 +406,7 @@ class InProcessBroker:
             headers["Authorization"] = f"token {token}"
         if json is not None:
             body = jsonlib.dumps(json)
+        if body:  # a raw body too is sent as JSON, as every client must (docs/api.md)
             headers["Content-Type"] = "application/json"
         if body is None and method in ("POST", "PUT", "PATCH"):
             body = b""

@@ -5,11 +5,13 @@ and the pages' XSRF token belongs to one login.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 import requests
 from servicefixtures import BrokerService, running_service
+from test_edge_http import assert_json_error
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +51,70 @@ def test_the_login_never_redirects_to_another_site(service, target):
 def test_the_login_returns_to_the_page_that_sent_there(service):
     _session, answer = log_in(service, service.token("alice"), "/usage?project=vision")
     assert (answer.status_code, answer.headers["Location"]) == (302, "/usage?project=vision")
+
+
+# ---- 2. strict bodies ---------------------------------------------------------------------
+
+SLICE = '{"project": "vision", "gpus": 1, "kind": "batch", "min_runtime": "1h"}'
+
+
+def slice_count(service: BrokerService) -> int:
+    return len(service.get("/slices", token=service.admin_token).json()["slices"])
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "text/json"],
+)
+def test_a_json_body_sent_as_another_type_is_a_415_and_creates_nothing(service, content_type):
+    before = slice_count(service)
+    headers = {"Content-Type": content_type} if content_type else {}
+    alice = service.token("alice")
+    response = service.post("/slices", token=alice, data=SLICE, headers=headers)
+    assert_json_error(response, 415, "unsupported_media_type")
+    assert slice_count(service) == before
+
+
+def test_a_json_content_type_with_a_charset_is_taken(service):
+    alice = service.token("alice")
+    headers = {"Content-Type": "Application/JSON; charset=utf-8"}
+    response = service.post("/slices", token=alice, data=SLICE, headers=headers)
+    assert response.status_code == 201, response.text
+    service.delete(f"/slices/{response.json()['id']}", token=alice)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"project": "nlp", "gpus": 1, "kind": "batch", "project": "vision"}',
+        '{"project": "vision", "gpus": 1, "kind": "batch", "gpus": 1}',
+        '{"share": 1, "users": ["a"], "groups": [], "users": ["b"]}',
+    ],
+)
+def test_a_body_with_a_key_twice_is_a_400_and_creates_nothing(service, body):
+    before = slice_count(service)
+    path = "/projects/vision" if "share" in body else "/slices"
+    method = "PUT" if "share" in body else "POST"
+    headers = {"Content-Type": "application/json"}
+    response = service.request(method, path, token=service.admin_token, data=body, headers=headers)
+    error = assert_json_error(response, 400, "invalid_json")
+    assert "twice" in error["message"]
+    assert slice_count(service) == before
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\n", "\x7f", "\x85", "\ud800"])
+def test_control_characters_in_a_nodes_reason_are_a_400(service, char):
+    body = json.dumps({"reason": f"disk{char}failed"})
+    headers = {"Content-Type": "application/json"}
+    response = service.post(
+        "/nodes/n1/drain", token=service.admin_token, data=body, headers=headers
+    )
+    assert_json_error(response, 400, "invalid_request")
+    assert service.get("/nodes", token=service.admin_token).json()["nodes"][1]["state"] == "ready"
+
+
+def test_a_reason_over_1000_characters_is_a_400(service):
+    response = service.post(
+        "/nodes/n1/drain", token=service.admin_token, json={"reason": "x" * 1001}
+    )
+    assert_json_error(response, 400, "invalid_request")

@@ -21,11 +21,19 @@ from urllib.parse import urlencode
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
+from tornado.httputil import HTTPServerRequest
 
 from ... import __version__
 from ...core.accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
-from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
+from ..apihandlers.base import (
+    MAX_ID,
+    MESSAGE_LIMIT,
+    bounded,
+    describe_error,
+    log_failure,
+    parse_json_body,
+)
 from ..apihandlers.common import is_member, owner_filter
 from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
@@ -406,7 +414,7 @@ class NodeActionHandler(PageHandler):
 
     async def post(self, name: str, action: str) -> None:
         self.require_admin(f"{action} nodes")
-        body = _json_body(self.request.body)
+        body = _json_body(self.request)
         validate(body, ref("NodeChange"), "body")
         node = await self.runner.change(
             self.broker.set_node_state, name, NODE_ACTIONS[action].value, body.get("reason") or ""
@@ -419,7 +427,7 @@ class ProjectActionHandler(PageHandler):
 
     async def post(self, name: str) -> None:
         self.require_admin("change projects")
-        body = _json_body(self.request.body)
+        body = _json_body(self.request)
         validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
         validate(body, ref("ProjectUpdate"), "body")
         project = await put_project(self.runner, name, body, self.identity.name)
@@ -504,11 +512,11 @@ class OAuthCallbackHandler(HubOAuthCallbackHandler):
         return self.settings["hub_oauth"]
 
 
-def _json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise InvalidRequest("the body is not valid JSON") from None
+def _json_body(request: HTTPServerRequest) -> dict[str, Any]:
+    """A page action's body, under the API's rules (an empty one is an empty object)."""
+    if not request.body.strip():
+        return {}
+    body = parse_json_body(request.body, request.headers.get("Content-Type"))
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     return body

@@ -1,0 +1,34 @@
+"""The free-text rule (broker.validation.check_text) holds on every database alike: what
+one of them would refuse with an error of its own (PostgreSQL and NUL) is a 400 first."""
+
+from __future__ import annotations
+
+import pytest
+from servicefixtures import serving_in_process
+
+from broker.errors import InvalidRequest
+from broker.validation import REASON_MAX_LENGTH, check_text
+
+
+@pytest.mark.parametrize("text", ["a\x00b", "a\x01", "\x9f", "tab\there", "a\ud800"])
+def test_check_text_refuses_control_characters_and_lone_surrogates(text):
+    with pytest.raises(InvalidRequest):
+        check_text(text, "reason", REASON_MAX_LENGTH)
+
+
+def test_check_text_keeps_plain_unicode_and_refuses_the_over_long():
+    assert check_text("GPU 3 fällt aus — ✓", "reason", REASON_MAX_LENGTH)
+    with pytest.raises(InvalidRequest, match="longer than 1000"):
+        check_text("x" * 1001, "reason", REASON_MAX_LENGTH)
+
+
+async def test_a_nul_in_a_nodes_reason_is_a_400_on_every_database(db_url):
+    async with serving_in_process(db_url) as api:
+        admin = api.admin_token
+        reply = await api.call("POST", "/nodes/n0/down", token=admin, json={"reason": "a\x00b"})
+        assert reply.status == 400, reply.text
+        assert reply.json["error"]["code"] == "invalid_request"
+        with pytest.raises(InvalidRequest, match="control character"):
+            api.broker.set_node_state("n0", "down", "a\x00b")  # the store holds the rule too
+        nodes = (await api.call("GET", "/nodes", token=admin)).json["nodes"]
+        assert nodes[0]["state"] == "ready"
