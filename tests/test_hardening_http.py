@@ -6,12 +6,13 @@ and the pages' XSRF token belongs to one login.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 
 import pytest
 import requests
 from servicefixtures import BrokerService, running_service
-from test_edge_http import assert_json_error
+from test_edge_http import MiB, assert_json_error, parse_answer, raw_exchange
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,51 @@ def test_a_reason_over_1000_characters_is_a_400(service):
         "/nodes/n1/drain", token=service.admin_token, json={"reason": "x" * 1001}
     )
     assert_json_error(response, 400, "invalid_request")
+
+
+# ---- 3. errors of the HTTP layer ----------------------------------------------------------
+
+MALFORMED = {
+    "Content-Length and Transfer-Encoding": (
+        b"POST /api/v1/slices HTTP/1.1\r\nHost: x\r\nAuthorization: token {admin}\r\n"
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+    "a NUL in a header": b"GET /api/v1/ HTTP/1.1\r\nHost: x\r\nX-Note: a\x00b\r\n\r\n",
+    "a header line without a colon": b"GET /api/v1/ HTTP/1.1\r\nHost: x\r\nnocolon\r\n\r\n",
+    "no HTTP start line": b"GARBAGE\r\n\r\n",
+    "a chunk size that is no number": (
+        b"POST /api/v1/slices HTTP/1.1\r\nHost: x\r\nAuthorization: token {admin}\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n\r\n"
+    ),
+    "a page action with both lengths": (
+        b"POST /ui/slices/1/release HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED)
+def test_a_request_tornado_cannot_parse_is_a_json_400(service, request_bytes):
+    request_bytes = request_bytes.replace(b"{admin}", service.admin_token.encode())
+    raw = raw_exchange(service.port, request_bytes)
+    assert raw.startswith(b"HTTP/1.1 400 "), raw[:300]
+    assert b"\r\nContent-Type: application/json" in raw.partition(b"\r\n\r\n")[0]
+    status, body = parse_answer(raw)
+    assert (status, body["error"]["code"]) == (400, "bad_request")
+    assert "not valid HTTP/1.1" in body["error"]["message"]
+
+
+def test_headers_over_the_read_limit_close_the_connection_without_a_bare_answer(service):
+    # The documented exception (broker.service.httpserver): past 1 MiB of headers tornado's
+    # stream closes the socket itself. What the client reads is nothing (a close or a
+    # reset), never a non-JSON answer, and the service serves the next request.
+    received = b""
+    with socket.create_connection(("127.0.0.1", service.port), timeout=10) as sock:
+        try:
+            sock.sendall(b"GET /api/v1/ HTTP/1.1\r\nX-Pad: " + b"a" * (2 * MiB) + b"\r\n\r\n")
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    assert received == b""
+    assert service.get("/").status_code == 200

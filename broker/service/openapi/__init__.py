@@ -41,7 +41,13 @@ its options are listed [at the end](#service-options).
 
 Every error, whatever the route or status (4xx or 5xx, unknown paths and
 methods included), is `{{"error": {{"code": "...", "message": "..."}}}}`; clients
-match on `code`, never on `message`.
+match on `code`, never on `message`. So are the HTTP server's own refusals: a
+request that is not valid HTTP/1.1 (both `Content-Length` and
+`Transfer-Encoding`, a NUL or a line without a colon in the headers, a bad chunk
+size) is `400 bad_request`, and the connection is closed after it. One request
+gets no answer at all: headers over 1 MiB make the server close the connection
+while the client is still sending (headers over 64 KiB, up to that, are `431
+headers_too_large`).
 
 ## Request bodies
 
