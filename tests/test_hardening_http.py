@@ -6,6 +6,7 @@ and the pages' XSRF token belongs to one login.
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Iterator
 
@@ -167,3 +168,38 @@ def test_headers_over_the_read_limit_close_the_connection_without_a_bare_answer(
             pass
     assert received == b""
     assert service.get("/").status_code == 200
+
+
+# ---- 4. the pages' XSRF token belongs to one login ---------------------------------------
+
+
+def page_xsrf(session: requests.Session, service: BrokerService) -> str:
+    """The XSRF token a logged-in page carries for its script."""
+    page = session.get(service.url + "gpus", timeout=10)
+    assert page.status_code == 200, page.text[:300]
+    return re.search(r'data-xsrf="([^"]+)"', page.text).group(1)
+
+
+def test_one_logins_session_with_another_logins_xsrf_token_is_refused(service):
+    alice_session, _ = log_in(service, service.token("alice"))
+    bob_token = service.token("bob")
+    bob_session, _ = log_in(service, bob_token)
+    held = service.post(
+        "/slices", token=bob_token, json={"project": "vision", "gpus": 1, "kind": "interactive"}
+    ).json()
+    release = f"{service.url}ui/slices/{held['id']}/release"
+    # bob's session cookie, alice's _xsrf cookie and her page's token: a forged release
+    forged = requests.Session()
+    forged.cookies.set("slicebroker-token", bob_session.cookies["slicebroker-token"])
+    forged.cookies.set("_xsrf", alice_session.cookies["_xsrf"])
+    refused = forged.post(
+        release, headers={"X-XSRFToken": page_xsrf(alice_session, service)}, timeout=10
+    )
+    assert_json_error(refused, 403, "xsrf")
+    assert service.get(f"/slices/{held['id']}", token=bob_token).json()["state"] != "ended"
+    # bob's own page's token releases it
+    own = bob_session.post(
+        release, headers={"X-XSRFToken": page_xsrf(bob_session, service)}, timeout=10
+    )
+    assert own.status_code == 200, own.text
+    assert service.get(f"/slices/{held['id']}", token=bob_token).json()["state"] == "ended"

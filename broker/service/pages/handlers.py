@@ -4,8 +4,9 @@ Who is calling is decided as for the API, by the service's authenticator, from
 a token the browser holds in a cookie: JupyterHub's OAuth token in hub mode
 (the hub's login, :class:`jupyterhub.services.auth.HubOAuth`), or a broker
 token pasted into :class:`LoginHandler`'s form standalone. Every POST carries an
-XSRF token (tornado's ``_xsrf`` cookie and the ``X-XSRFToken`` header), and
-actions check roles themselves: a non-admin gets 403, button or not.
+XSRF token bound to the login (the ``X-XSRFToken`` header: the hub's scheme, or
+standalone a MAC of the login's token; the login form itself uses tornado's
+``_xsrf`` cookie), and actions check roles themselves: a non-admin gets 403, button or not.
 
 Pages are rendered whole on the server (the first paint has the data); each
 then polls ``ui/fragment/<page>`` every few seconds, and tornado's ETag lets an
@@ -14,6 +15,8 @@ unchanged fragment cost a 304 without a body.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from typing import Any
@@ -37,7 +40,7 @@ from ..apihandlers.base import (
 from ..apihandlers.common import is_member, owner_filter
 from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
-from ..auth import Identity, parse_authorization
+from ..auth import Identity, parse_authorization, token_key
 from ..schema import ref, validate
 from . import views
 from .redirects import is_local_target
@@ -62,6 +65,12 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
+def login_xsrf_token(secret: bytes, token: str) -> str:
+    """A standalone login's XSRF token: a MAC of its broker token under the cookie secret,
+    so that it proves the page was this login's (and changes with every restart)."""
+    return hmac.new(secret, b"xsrf:" + token_key(token).encode(), hashlib.sha256).hexdigest()
+
+
 class XsrfRefused(BrokerError):
     """A POST without the page's XSRF token: it may come from another site."""
 
@@ -74,6 +83,8 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
 
     identity: Identity
     _counted = False
+    #: Standalone: the token of the caller's login, once it is known to be valid.
+    _login_token: str | None = None
 
     @property
     def hub_auth(self) -> Any:
@@ -112,21 +123,39 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
 
     @property
     def xsrf_token(self) -> bytes:
-        # The hub's XSRF scheme (bound to the login) in hub mode, tornado's standalone.
+        """The page's XSRF token, bound to the login: the hub's scheme in hub mode; standalone,
+        a MAC of the login's token (:func:`login_xsrf_token`). Before a login (the login
+        form), tornado's, from the ``_xsrf`` cookie."""
         if self.hub_auth is not None:
             return HubOAuthenticated.xsrf_token.fget(self)
+        if self._login_token is not None:
+            return login_xsrf_token(self.settings["cookie_secret"], self._login_token).encode()
         return web.RequestHandler.xsrf_token.fget(self)
 
     def check_xsrf_cookie(self) -> None:
         try:
             if self.hub_auth is not None:
                 self.hub_auth.check_xsrf_cookie(self)
+            elif self._login_token is not None:
+                self._check_login_xsrf()
             else:
                 web.RequestHandler.check_xsrf_cookie(self)
         except web.HTTPError as err:
             raise XsrfRefused(
                 f"{err.log_message}: send the page's XSRF token (X-XSRFToken header)"
             ) from None
+
+    def _check_login_xsrf(self) -> None:
+        # Another login's token (with its _xsrf cookie, say) is no proof of this one's page.
+        sent = (
+            self.get_argument("_xsrf", None)
+            or self.request.headers.get("X-Xsrftoken")
+            or self.request.headers.get("X-Csrftoken")
+        )
+        if not sent:
+            raise web.HTTPError(403, "'_xsrf' argument missing from POST")
+        if not hmac.compare_digest(sent.encode(), self.xsrf_token):
+            raise web.HTTPError(403, "XSRF token of another login, or none")
 
     def get_login_url(self) -> str:
         if self.hub_auth is not None:
@@ -153,6 +182,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
                 return
             raise web.HTTPError(401, "log in first")
         self.identity = identity
+        self._login_token = token
         if self.request.method not in ("GET", "HEAD"):
             self.check_xsrf_cookie()
 
