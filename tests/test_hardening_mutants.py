@@ -1,0 +1,67 @@
+"""Cases that the suite let through when the code was mutated (issue 24's audit): each
+names the change it catches. The scheduler's are pure passes on hand-made snapshots;
+the half-life's runs on the store, on every database."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from builders import HOUR, NOW, flat_tree, nodes, pending, running, snapshot
+from test_store import ask, cluster
+
+from broker.config import parse_config
+from broker.core.model import Policy
+from broker.core.scheduler import schedule
+from broker.store import Broker
+
+
+def granted_ids(decisions) -> set[int]:
+    return {grant.slice_id for grant in decisions.grants}
+
+
+def test_a_request_that_fits_the_free_gpus_exactly_is_granted_behind_its_blocked_project():
+    # Catches `slice_.gpus <= free` -> `<` in the scheduler's _blocked_until. One node of
+    # 8, 6 held by b in their protected hour; a asks for 8 (which cannot preempt b: the
+    # hour protects it) and then 2. With no reservations left to plan, a's run is asked
+    # whether anything in it fits: the 2 fits the 2 free GPUs exactly and is granted.
+    held = running("b", "n0", tuple(range(6)), granted_ago=HOUR / 2)
+    whole = pending("a", 8, submitted_at=NOW - 20)
+    small = pending("a", 2, submitted_at=NOW - 10)
+    policy = Policy(max_reservations=0)
+    decisions = schedule(
+        snapshot(nodes(1), flat_tree("a", "b"), [held, whole, small], policy=policy)
+    )
+    assert granted_ids(decisions) == {small.id}
+    assert decisions.preemptions == ()
+    # and one GPU more than is free is not granted (the boundary, from the other side)
+    larger = replace(small, gpus=3)
+    decisions = schedule(
+        snapshot(nodes(1), flat_tree("a", "b"), [held, whole, larger], policy=policy)
+    )
+    assert granted_ids(decisions) == set()
+
+
+# ---- the half-life's horizon, on the store ----------------------------------------------------
+
+
+def test_use_ten_half_lives_old_still_counts_with_a_half_life(db_url, clock):
+    # Catches the usage horizon shrinking (40 half-lives -> 4): the store reads the ledger
+    # back only that far, so use 10 half-lives old would vanish instead of weighing 2^-10.
+    policy = {"window": "7d", "grace_period": "60s", "max_min_runtime": "8h", "half_life": "1h"}
+    broker = Broker(db_url, parse_config(cluster(policy=policy)), clock=clock)
+    try:
+        made = ask(broker, gpus=2, gpu_type="h100")
+        broker.run_pass()
+        assert broker.get_slice(made["id"])["state"] == "granted"
+        clock.advance(HOUR)
+        broker.release(made["id"])
+        clock.advance(10 * HOUR)
+        usage = {row["name"]: row["usage"] for row in broker.projects()}
+    finally:
+        broker.close()
+    # 2 GPUs over the hour that ended 10 h ago: 2 * h/ln2 * (2^-10 - 2^-11)
+    expected = 2 * HOUR / math.log(2) * (2**-10 - 2**-11)
+    assert usage["vision"] == pytest.approx(expected, rel=1e-9)
+    assert usage["nlp"] == 0.0
