@@ -10,8 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import requests
+from hubfixtures import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from servicefixtures import REPO_ROOT, serving_in_process
+from servicefixtures import REPO_ROOT, free_port, running_service, serving_in_process
+from test_ops_monitoring import dashboard_queries
 
 from broker.core.model import EndReason, PreemptReason, SliceKind
 from broker.service.metrics import PASS_PHASES, BrokerMetrics
@@ -134,3 +137,91 @@ def test_the_monitoring_page_lists_every_rule():
     for line in rules.splitlines():
         if "- alert:" in line:
             assert f"`{line.split(':', 1)[1].strip()}`" in page
+
+
+# ---- a real Prometheus scraping a real broker ------------------------------------------------
+
+PROMETHEUS = shutil.which("prometheus")
+#: What Grafana puts in for the dashboard's variables.
+GRAFANA_VARIABLES = {"$project": ".*", "$__rate_interval": "1m", "$__interval": "15s"}
+
+
+class Prometheus:
+    """A Prometheus server scraping ``target`` every second, with the shipped rules loaded."""
+
+    def __init__(self, directory: Path, target: str):
+        self.port = free_port()
+        config = directory / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"rule_files: [{MONITORING / 'slicebroker-alerts.yml'}]\n"
+            "scrape_configs:\n"
+            "  - job_name: slicebroker\n"
+            "    metrics_path: /api/v1/metrics\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+        self.log = open(directory / "prometheus.log", "wb")  # noqa: SIM115 - the child holds it
+        self.process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={directory / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def query(self, expr: str) -> list[dict]:
+        answer = requests.get(
+            f"http://127.0.0.1:{self.port}/api/v1/query", params={"query": expr}, timeout=10
+        ).json()
+        assert answer["status"] == "success", (expr, answer)
+        return answer["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 30.0) -> list[dict]:
+        """The first non-empty answer to ``expr`` (polled)."""
+
+        def answer() -> list[dict] | None:
+            try:
+                return self.query(expr)
+            except requests.RequestException:  # not listening, or not ready, yet
+                return None
+
+        return wait_until(answer, timeout, what=f"Prometheus to answer {expr}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+        self.log.close()
+
+
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus is not installed (Debian: apt-get install prometheus)"
+)
+
+
+@needs_prometheus
+def test_a_real_prometheus_sees_a_first_grant_and_answers_every_dashboard_query(tmp_path):
+    args = ["--no-authenticate-metrics"]
+    with running_service(tmp_path / "broker", pass_interval=1, extra_args=args) as service:
+        prometheus = Prometheus(tmp_path, f"127.0.0.1:{service.port}")
+        try:
+            # vision's grant series is scraped at zero before its first grant ...
+            zero = 'slicebroker_queue_wait_seconds_count{project="vision", kind="batch"} == 0'
+            prometheus.wait_for(f"count_over_time(({zero})[1m:1s]) >= 2")
+            body = {"project": "vision", "gpus": 1, "kind": "batch", "min_runtime": "1h"}
+            alice = service.token("alice")
+            made = service.post("/slices", token=alice, json=body).json()
+            assert made["state"] == "granted", made
+            # ... so the grant shows in increase(), as the dashboard's "Grants" panel asks
+            grants = 'increase(slicebroker_queue_wait_seconds_count{project="vision"}[1m]) > 0'
+            assert prometheus.wait_for(grants)[0]["metric"]["kind"] == "batch"
+            for expr in dashboard_queries():
+                for variable, value in GRAFANA_VARIABLES.items():
+                    expr = expr.replace(variable, value)
+                prometheus.query(expr)  # every panel's query is valid PromQL on real data
+            assert prometheus.query(
+                "sum by (project) (max by (project, kind) (slicebroker_queue_length_slices)) >= 0"
+            )
+            rules = requests.get(
+                f"http://127.0.0.1:{prometheus.port}/api/v1/rules", timeout=10
+            ).json()["data"]["groups"][0]["rules"]
+            assert len(rules) == 9 and {rule["health"] for rule in rules} <= {"ok", "unknown"}
+        finally:
+            prometheus.stop()
