@@ -505,12 +505,12 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    data = dict(pairs)
-    if len(data) < len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"the key {bounded(twice, 100)!r} appears twice in one object")
-    return data
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {bounded(key, 100)!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _reject_constant(name: str) -> Any:
