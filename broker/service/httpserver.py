@@ -66,4 +66,6 @@ class JSONErrorServer(HTTPServer):
     """tornado's HTTP server, each connection's stream wrapped in :class:`JSONErrorStream`."""
 
     def handle_stream(self, stream: iostream.IOStream, address: tuple) -> None:
+        # The wrapper is no SSLIOStream, so tornado would take a TLS connection for plain
+        # HTTP: the broker serves plain HTTP only (TLS ends at the proxy in front of it).
         super().handle_stream(JSONErrorStream(stream), address)  # type: ignore[arg-type]
