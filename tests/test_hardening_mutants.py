@@ -43,6 +43,20 @@ def test_a_request_that_fits_the_free_gpus_exactly_is_granted_behind_its_blocked
     assert granted_ids(decisions) == set()
 
 
+def test_a_gang_remainder_no_node_fits_is_spread_over_the_nodes_with_most_free():
+    # Found by the mutation sample (docs/testing.md): `if not remaining: break` -> `if
+    # remaining: break` in placement's _fit_gang went unnoticed, as no test reached the
+    # spread of a remainder. 10 GPUs on three nodes of 8: n0 whole, then 1 on each of n1
+    # and n2 (7 of each held), as no single node has the remainder of 2 free.
+    held = [running("b", "n1", tuple(range(7))), running("b", "n2", tuple(range(7)))]
+    wide = pending("a", 10)
+    decisions = schedule(snapshot(nodes(3), flat_tree("a", "b"), [*held, wide]))
+    (grant,) = decisions.grants
+    assert grant.slice_id == wide.id
+    placed = {p.node: p.gpu_indices for p in grant.placements}
+    assert placed == {"n0": tuple(range(8)), "n1": (7,), "n2": (7,)}
+
+
 # ---- the half-life's horizon, on the store ----------------------------------------------------
 
 
