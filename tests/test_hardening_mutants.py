@@ -57,6 +57,26 @@ def test_a_gang_remainder_no_node_fits_is_spread_over_the_nodes_with_most_free()
     assert placed == {"n0": tuple(range(8)), "n1": (7,), "n2": (7,)}
 
 
+def test_a_pass_plans_exactly_max_reservations_for_the_blocked():
+    # Survivors of the mutation sample: `planned = 0` -> `1` and `planned <
+    # max_reservations` -> `<=` in the scheduler's allocate. Three nodes held in their
+    # protected hours, three blocked requests that could each be given a reservation:
+    # exactly max_reservations of them are, the first in queue order.
+    held = [
+        running("h", f"n{i}", tuple(range(8)), granted_ago=600, min_runtime=8 * HOUR,
+                max_runtime=9 * HOUR)
+        for i in range(3)
+    ]  # fmt: skip
+    blocked = [pending(project, 8) for project in ("x", "y", "z")]
+    accounts = flat_tree("h", "x", "y", "z")
+    for limit in (1, 2, 3):
+        policy = Policy(max_reservations=limit)
+        decisions = schedule(snapshot(nodes(3), accounts, held + blocked, policy=policy))
+        planned = [r.slice_id for r in decisions.reservations if not r.promised]
+        assert planned == [s.id for s in blocked[:limit]], limit
+        assert decisions.grants == () and decisions.preemptions == ()
+
+
 # ---- the half-life's horizon, on the store ----------------------------------------------------
 
 
@@ -79,3 +99,18 @@ def test_use_ten_half_lives_old_still_counts_with_a_half_life(db_url, clock):
     expected = 2 * HOUR / math.log(2) * (2**-10 - 2**-11)
     assert usage["vision"] == pytest.approx(expected, rel=1e-9)
     assert usage["nlp"] == 0.0
+
+
+def test_a_nodes_held_gpus_count_exactly_what_its_slices_hold(db_url, clock):
+    # A survivor of the mutation sample: `held.get(node, 0)` -> `held.get(node, 1)` in the
+    # store's nodes() (GPUs held one too many on every node that holds any).
+    broker = Broker(db_url, parse_config(cluster()), clock=clock)
+    try:
+        first = ask(broker, gpus=2, gpu_type="h100")
+        second = ask(broker, gpus=1, gpu_type="h100", user="bob", project="nlp")
+        broker.run_pass()
+        assert {broker.get_slice(s["id"])["state"] for s in (first, second)} == {"granted"}
+        held = {node["name"]: node["gpus_held"] for node in broker.nodes()}
+    finally:
+        broker.close()
+    assert held == {"h0": 3, "b0": 0}
