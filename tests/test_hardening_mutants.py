@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 from builders import HOUR, NOW, flat_tree, nodes, pending, running, snapshot
-from test_store import ask, cluster
+from test_store import Script, ask, cluster
 
 from broker.config import parse_config
-from broker.core.model import Policy
+from broker.core.model import Decisions, Grant, Placement, Policy, Preemption, PreemptReason
 from broker.core.scheduler import schedule
 from broker.store import Broker
 
@@ -114,3 +114,22 @@ def test_a_nodes_held_gpus_count_exactly_what_its_slices_hold(db_url, clock):
     finally:
         broker.close()
     assert held == {"h0": 3, "b0": 0}
+
+
+def test_a_pass_decision_about_a_slice_not_in_its_state_is_ignored(db_url, clock):
+    # A survivor of the mutation sample: `row is None or row.state not in ...` -> `and` in
+    # the store's _live. A preemption of a pending slice and a grant of a slice that does
+    # not exist are ignored; the pass's other decisions are applied.
+    decisions = Decisions(
+        grants=(Grant(99, (Placement("h0", (0,)),)), Grant(2, (Placement("h0", (1,)),))),
+        preemptions=(Preemption(1, PreemptReason.FAIR_SHARE, clock.now + 60),),
+    )
+    broker = Broker(db_url, parse_config(cluster()), clock=clock, schedule=Script(decisions))
+    try:
+        waiting = ask(broker, gpu_type="h100")
+        granted = ask(broker, gpu_type="h100", user="bob", project="nlp")
+        broker.run_pass()
+        states = {s["id"]: s["state"] for s in broker.list_slices()}
+    finally:
+        broker.close()
+    assert states == {waiting["id"]: "pending", granted["id"]: "granted"}
