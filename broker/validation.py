@@ -32,7 +32,8 @@ NAME_MAX_LENGTH = 255
 REASON_MAX_LENGTH = 1000
 #: Text without control characters (C0, DEL, C1), as a JSON schema pattern.
 TEXT_PATTERN = r"^[^\u0000-\u001f\u007f-\u009f]*$"
-_CONTROL = re.compile("[\u0000-\u001f\u007f-\u009f]")
+#: The control characters themselves.
+CONTROL_CHARACTERS = re.compile("[\u0000-\u001f\u007f-\u009f]")
 
 
 def check_text(value: object, what: str, max_length: int) -> str:
@@ -41,7 +42,7 @@ def check_text(value: object, what: str, max_length: int) -> str:
         raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}")
     if len(value) > max_length:
         raise InvalidRequest(f"{what} is longer than {max_length} characters")
-    control = _CONTROL.search(value)
+    control = CONTROL_CHARACTERS.search(value)
     if control is not None:
         raise InvalidRequest(
             f"{what} holds a control character ({ord(control.group()):#04x} at {control.start()})"

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 from servicefixtures import serving_in_process
+from test_store import cluster
 
+from broker.config import parse_config
 from broker.errors import InvalidRequest
+from broker.store import Broker
 from broker.validation import REASON_MAX_LENGTH, check_text
 
 
@@ -32,3 +35,22 @@ async def test_a_nul_in_a_nodes_reason_is_a_400_on_every_database(db_url):
             api.broker.set_node_state("n0", "down", "a\x00b")  # the store holds the rule too
         nodes = (await api.call("GET", "/nodes", token=admin)).json["nodes"]
         assert nodes[0]["state"] == "ready"
+
+
+@pytest.mark.parametrize(
+    ("users", "problem"),
+    [
+        (["x" * 256], "1 to 255 characters"),
+        (["carol\x85"], "control characters"),  # C1: refused as C0 and DEL are
+        (["carol\x00"], "control characters"),
+    ],
+)
+def test_the_store_holds_member_names_to_the_same_rule(db_url, clock, users, problem):
+    broker = Broker(db_url, parse_config(cluster()), clock=clock)
+    try:
+        with pytest.raises(InvalidRequest, match=problem):
+            broker.put_project("nlp", share=1.0, parent="org", users=users, who="root")
+        kept = broker.put_project("nlp", share=1.0, parent="org", users=["x" * 255], who="root")
+    finally:
+        broker.close()
+    assert kept["users"] == ["x" * 255]
