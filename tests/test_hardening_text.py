@@ -54,3 +54,16 @@ def test_the_store_holds_member_names_to_the_same_rule(db_url, clock, users, pro
     finally:
         broker.close()
     assert kept["users"] == ["x" * 255]
+
+
+def test_the_store_refuses_a_tree_with_a_blank_or_over_long_account_name(db_url, clock):
+    # A survivor of the mutation sample: the account name check's `or`s -> `and`.
+    broker = Broker(db_url, parse_config(cluster()), clock=clock)
+    try:
+        for name in ("", "   ", "x" * 256, 7):
+            with pytest.raises(InvalidRequest, match="needs a name"):
+                broker.apply_tree([{"name": name, "share": 1.0}], who="root")
+        names = {project["name"] for project in broker.projects()}
+    finally:
+        broker.close()
+    assert names == {"org", "vision", "nlp"}
