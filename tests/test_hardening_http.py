@@ -5,6 +5,7 @@ and the pages' XSRF token belongs to one login.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from servicefixtures import BrokerService, running_service
+from servicefixtures import BrokerService, running_service, serving_in_process
 from test_edge_http import MiB, assert_json_error, parse_answer, raw_exchange
 
 
@@ -27,6 +28,7 @@ def log_in(
 ) -> tuple[requests.Session, requests.Response]:
     """A browser's login through the form: its session and the login's answer."""
     session = requests.Session()
+    session.headers["Connection"] = "close"  # no idle connection for the service to wait on
     form = session.get(service.url + "login", timeout=10)
     assert form.status_code == 200, form.text[:300]
     answer = session.post(
@@ -190,6 +192,7 @@ def test_one_logins_session_with_another_logins_xsrf_token_is_refused(service):
     release = f"{service.url}ui/slices/{held['id']}/release"
     # bob's session cookie, alice's _xsrf cookie and her page's token: a forged release
     forged = requests.Session()
+    forged.headers["Connection"] = "close"
     forged.cookies.set("slicebroker-token", bob_session.cookies["slicebroker-token"])
     forged.cookies.set("_xsrf", alice_session.cookies["_xsrf"])
     refused = forged.post(
@@ -203,3 +206,24 @@ def test_one_logins_session_with_another_logins_xsrf_token_is_refused(service):
     )
     assert own.status_code == 200, own.text
     assert service.get(f"/slices/{held['id']}", token=bob_token).json()["state"] == "ended"
+
+
+@pytest.mark.parametrize("path", ["/api/v1/slices", "/ui/slices/1/release"])
+async def test_a_request_the_http_layer_cuts_off_is_not_left_in_flight(tmp_path, path):
+    # Else a stopping service waits for it the whole stop timeout (5 s).
+    async with serving_in_process(f"sqlite:///{tmp_path}/b.sqlite") as api:
+        reader, writer = await asyncio.open_connection("127.0.0.1", api.port)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: token {api.admin_token}\r\n"
+            "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode()
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        try:
+            await asyncio.wait_for(api.in_flight.idle(), 10)
+        except TimeoutError:
+            stuck = api.in_flight.count
+            for _ in range(stuck):  # so that the fixture's stop does not wait for ever
+                api.in_flight.leave()
+            pytest.fail(f"{stuck} request(s) still in flight after the connection closed")

@@ -379,15 +379,24 @@ class APIHandler(web.RequestHandler):
         log_failure(self.request, typ, value, tb)
 
     def on_finish(self) -> None:
-        if self._counted:
-            self._counted = False
-            self.settings["in_flight"].leave()
+        leave_in_flight(self)
 
     def on_connection_close(self) -> None:
         super().on_connection_close()  # fails a body still being streamed in
         waiting = getattr(self, "_waiting", None)
         if waiting is not None and not waiting.done():
             waiting.cancel()
+        leave_in_flight(self)
+
+
+def leave_in_flight(handler: Any) -> None:
+    """Count ``handler``'s request out of those in flight once, when it finishes or its
+    connection closes first: a request the HTTP layer cuts off after its headers (a
+    malformed body, say) never finishes, and would hold a stopping service for its
+    whole stop timeout."""
+    if handler._counted:
+        handler._counted = False
+        handler.settings["in_flight"].leave()
 
 
 class NotFoundHandler(APIHandler):

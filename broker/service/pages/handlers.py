@@ -34,6 +34,7 @@ from ..apihandlers.base import (
     MESSAGE_LIMIT,
     bounded,
     describe_error,
+    leave_in_flight,
     log_failure,
     parse_json_body,
 )
@@ -187,9 +188,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             self.check_xsrf_cookie()
 
     def on_finish(self) -> None:
-        if self._counted:
-            self._counted = False
-            self.settings["in_flight"].leave()
+        leave_in_flight(self)
 
     def require_admin(self, what: str) -> None:
         if not self.identity.admin:
