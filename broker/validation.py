@@ -9,6 +9,7 @@ rather than left waiting forever. The first mistake found is reported.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 from .config import format_duration
@@ -18,6 +19,39 @@ from .errors import InvalidRequest
 
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
+
+# ---- free text -----------------------------------------------------------------------
+# One rule for every free-text field (names of users, groups, projects and GPU types;
+# a node's reason), held by the API's schemas and by the store alike, so that what one
+# database keeps the other does not refuse with an error of its own: PostgreSQL refuses
+# NUL in text, and the other controls hide in logs, terminals and CSV files.
+
+#: The longest name, in characters.
+NAME_MAX_LENGTH = 255
+#: The longest reason (a node's state reason), in characters.
+REASON_MAX_LENGTH = 1000
+#: Text without control characters (C0, DEL, C1), as a JSON schema pattern.
+TEXT_PATTERN = r"^[^\u0000-\u001f\u007f-\u009f]*$"
+#: The control characters themselves.
+CONTROL_CHARACTERS = re.compile("[\u0000-\u001f\u007f-\u009f]")
+
+
+def check_text(value: object, what: str, max_length: int) -> str:
+    """``value`` if it is free text under the rule above, else :class:`InvalidRequest`."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}")
+    if len(value) > max_length:
+        raise InvalidRequest(f"{what} is longer than {max_length} characters")
+    control = CONTROL_CHARACTERS.search(value)
+    if control is not None:
+        raise InvalidRequest(
+            f"{what} holds a control character ({ord(control.group()):#04x} at {control.start()})"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} is not valid Unicode text") from None
+    return value
 
 
 def validate_slice_request(

@@ -55,6 +55,7 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
 from broker.config import parse_config
+from broker.service.apihandlers.base import InFlight
 from broker.service.app import make_app
 from broker.service.auth import TokenAuthenticator, TokenStore, create_token
 from broker.service.runner import BrokerRunner
@@ -379,6 +380,7 @@ class InProcessBroker:
     db_url: str
     port: int
     max_wait: float
+    in_flight: InFlight
     admin_token: str = ""
 
     @property
@@ -409,6 +411,7 @@ class InProcessBroker:
             headers["Authorization"] = f"token {token}"
         if json is not None:
             body = jsonlib.dumps(json)
+        if body:  # a raw body too is sent as JSON, as every client must (docs/api.md)
             headers["Content-Type"] = "application/json"
         if body is None and method in ("POST", "PUT", "PATCH"):
             body = b""
@@ -457,7 +460,8 @@ async def serving_in_process(
     server = HTTPServer(app)
     server.add_sockets(sockets)
     runner.start()
-    api = InProcessBroker(runner, store, db_url, sockets[0].getsockname()[1], max_wait)
+    port = sockets[0].getsockname()[1]
+    api = InProcessBroker(runner, store, db_url, port, max_wait, app.settings["in_flight"])
     api.admin_token = api.token(admin_user, admin=True)
     try:
         await runner.started()

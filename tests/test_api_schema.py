@@ -296,7 +296,7 @@ REQUEST = {"project": "vision", "gpus": 1, "kind": "batch"}
          "body.min_runtime has an invalid format: '15 pc'"),
         ("SliceRequest", {**REQUEST, "max_runtime": -5}, "body.max_runtime must be >= 0, got -5"),
         ("SliceRequest", {**REQUEST, "groups": ["a", "b\n"]},
-         "body.groups[1] has an invalid format: 'b\\n'"),
+         "body.groups[1] holds a control character: 'b\\n'"),
         ("SliceRequest", {**REQUEST, "project": "a\ud800"},
          "body.project is not valid Unicode text"),
         ("ProjectUpdate", {"share": 1, "users": None}, "body.users must not be null"),

@@ -33,7 +33,6 @@ from jupyterhub.traitlets import EntryPointType
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tornado import web
-from tornado.httpserver import HTTPServer
 from traitlets import Bool, Float, Integer, TraitError, Unicode, default, observe, validate
 from traitlets.config import Application
 
@@ -54,6 +53,7 @@ from ..store import Broker
 from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
+from .httpserver import JSONErrorServer
 from .leader import AppSwitch, Leadership, leader_lock, standby_app
 from .openapi import path_regex
 from .pages import page_routes, page_settings
@@ -119,9 +119,9 @@ def make_app(
 
 def make_server(
     app: web.Application | AppSwitch, *, idle_timeout: float = 60.0, body_timeout: float = 60.0
-) -> HTTPServer:
-    """The HTTP server of ``app``, with the limits that keep slow or large requests
-    from holding sockets and memory.
+) -> JSONErrorServer:
+    """The HTTP server of ``app`` (its own refusals as JSON too), with the limits that
+    keep slow or large requests from holding sockets and memory.
 
     ``idle_timeout``: seconds a connection may take to send a request's headers,
     counted from the end of the previous answer (an idle keep-alive connection is
@@ -131,7 +131,7 @@ def make_server(
     answers 413 itself; headers it reads up to ``max_header_read_bytes``.
     """
     limits: Limits = app.settings["limits"]
-    return HTTPServer(
+    return JSONErrorServer(
         app,
         idle_connection_timeout=idle_timeout,
         body_timeout=body_timeout,

@@ -5,6 +5,13 @@ Counters and histograms are fed by the scheduling loop as passes happen;
 gauges describing the present (queues, GPUs, usage) are set from the database
 when the endpoint is scraped, so every replica of the service reports the same.
 Each :class:`BrokerMetrics` has its own registry.
+
+Every labelled counter and histogram has each label set it can take from the
+start, at zero, as the Prometheus client guidelines ask: a series that appears
+only at its first event shows that event in neither ``rate()`` nor
+``increase()``. Reasons and phases are known in advance; projects are added
+(:meth:`BrokerMetrics.know_projects`) before the first pass and whenever the
+project tree changes.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ..core.model import Decisions, NodeState, SliceKind
+from ..core.model import Decisions, EndReason, NodeState, PreemptReason, SliceKind
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -23,6 +30,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400, 604800)
 #: A pass takes milliseconds on small clusters, up to seconds on very large queues.
 PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+#: The phases a pass times (``Decisions.phase_seconds``), in their order.
+PASS_PHASES = ("end", "drain", "snapshot", "promises", "allocate", "backfill")
 
 
 class BrokerMetrics:
@@ -112,6 +121,20 @@ class BrokerMetrics:
             "Scheduling passes that failed (the database was unavailable, say).",
             registry=r,
         )
+
+        for reason in PreemptReason:
+            self.preemptions.labels(reason=reason.value)
+        for ending in EndReason:
+            self.endings.labels(reason=ending.value)
+        for phase in PASS_PHASES:
+            self.pass_phase.labels(phase=phase)
+
+    def know_projects(self, projects: Iterable[str]) -> None:
+        """Create the per-project series of ``projects`` at zero (those already there are
+        kept as they are; a project's that left the tree stay until the process ends)."""
+        for project in projects:
+            for kind in SliceKind:
+                self.queue_wait.labels(project=project, kind=kind.value)
 
     # ---- fed by the scheduling loop -------------------------------------------------
 

@@ -467,8 +467,20 @@ class BrokerRunner:
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
         self.broker.close()
 
+    async def know_projects(self) -> None:
+        """Give the metrics the tree's projects, so that their series exist before their
+        first event: at start, and after every change of the tree."""
+        try:
+            projects = await self.read(self.broker.projects)
+        except (OperationalError, DatabaseTimeout) as err:
+            # The pass that follows fails too, and says so; the next change tries again.
+            log.warning("metrics: the projects are not known yet (%s)", str(err).splitlines()[0])
+            return
+        self.metrics.know_projects(p["name"] for p in projects if p["is_project"])
+
     async def run_forever(self) -> None:
         loop = asyncio.get_running_loop()
+        await self.know_projects()  # before the first pass, which may grant
         while True:
             self._wanted.clear()
             started = loop.time()

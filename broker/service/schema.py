@@ -31,7 +31,13 @@ from pydantic_core import ErrorDetails, core_schema
 from ..core.model import EndReason, NodeState, PreemptReason, SliceKind, SliceState
 from ..errors import InvalidRequest
 from ..orm import DRAIN_ORIGINS
-from ..validation import PRIORITY_MAX, PRIORITY_MIN
+from ..validation import (
+    NAME_MAX_LENGTH,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    REASON_MAX_LENGTH,
+    TEXT_PATTERN,
+)
 
 REF_PREFIX = "#/components/schemas/"
 
@@ -41,9 +47,6 @@ DURATION_PATTERN = (
 )
 #: The broker's account names (as ``broker.config`` accepts them in the file).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-#: Text without control characters: a name with one matches no login (its user would
-#: silently lose access) and PostgreSQL refuses NUL in text.
-TEXT_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
 #: Shares an admin may set through the API.
 MIN_SHARE = 1e-6
 MAX_SHARE = 1e6
@@ -92,12 +95,19 @@ class OpenAPI30(GenerateJsonSchema):
 
 # ---- the types of values ---------------------------------------------------------------
 
-#: A user, group, project or GPU type name in a request.
-NameText = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=TEXT_PATTERN)]
+#: A user, group, project or GPU type name in a request (the free-text rule of
+#: broker.validation: a name with a control character matches no login).
+NameText = Annotated[
+    str, StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH, pattern=TEXT_PATTERN)
+]
+#: A reason shown on a node, under the same rule.
+ReasonText = Annotated[str, StringConstraints(max_length=REASON_MAX_LENGTH, pattern=TEXT_PATTERN)]
 #: Its schema, for the parameters that take one.
 NAME_TEXT = TypeAdapter(NameText, config=STRICT).json_schema(schema_generator=OpenAPI30)
 #: An account's name where one is made: as the configuration file allows them.
-NewName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=NAME_PATTERN)]
+NewName = Annotated[
+    str, StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
+]
 Share = Annotated[float, Field(ge=MIN_SHARE, le=MAX_SHARE)]
 #: Names in an answer.
 Names = list[Annotated[str, StringConstraints(min_length=1, max_length=255)]]
@@ -440,7 +450,9 @@ class NodeList(ApiObject):
 
 
 class NodeChange(ApiObject):
-    reason: Annotated[str, Field(max_length=1000)] = Field(None, description="shown on the node")
+    reason: ReasonText = Field(
+        None, description="shown on the node; one line, no control characters"
+    )
 
 
 #: Every component of the document, in the order the reference lists them.
@@ -573,6 +585,8 @@ def _message(error: ErrorDetails, where: str, schema: Mapping[str, Any]) -> str:
         return f"{place} must be {_EXPECTED[kind]}, got {_describe(value)}"
     if kind == "string_too_short":
         return f"{place} must not be empty" if value == "" else f"{place} is too short"
+    if kind == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == TEXT_PATTERN:
+        return f"{place} holds a control character: {_describe(value)}"
     sentence = _SENTENCES.get(kind, "{place}: {message}")
     message = error["msg"][0].lower() + error["msg"][1:]
     return sentence.format(

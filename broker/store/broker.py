@@ -51,6 +51,7 @@ from ..orm import (
     SliceEventRow,
     SliceRow,
 )
+from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Caller, _check_member, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, _LiveSlice
@@ -462,8 +463,10 @@ class Broker(Journal):
         Draining an already drained node keeps it drained. A drain or a ``down``
         holds until an admin sets the node ``ready``, whatever a live inventory
         says, except its ``down``. A node that left the configuration cannot be
-        changed (:class:`Conflict`).
+        changed (:class:`Conflict`). ``reason`` is free text (:func:`check_text`):
+        refused here, on every database alike, rather than by one of them.
         """
+        check_text(reason, "reason", REASON_MAX_LENGTH)
         try:
             target = NodeState(state)
         except ValueError:

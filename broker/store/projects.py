@@ -3,7 +3,6 @@ compared, and a tree written with a project event for each change."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,12 +13,10 @@ from ..core.fairshare import ProjectTree
 from ..core.model import Account
 from ..errors import InvalidConfig, InvalidRequest
 from ..orm import AccountRow, MemberRow, ProjectEventRow
+from ..validation import CONTROL_CHARACTERS, NAME_MAX_LENGTH
 
-#: The longest user or group name a project's members may have.
-MAX_MEMBER_NAME = 255
-
-#: Characters no user or group name has: C0 controls and DEL.
-CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f]")
+#: The longest user or group name a project's members may have (the free-text rule's).
+MAX_MEMBER_NAME = NAME_MAX_LENGTH
 
 
 def _wanted_states(accounts: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -27,7 +24,7 @@ def _wanted_states(accounts: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
     states: dict[str, dict[str, Any]] = {}
     for given in accounts:
         name = given.get("name")
-        if not isinstance(name, str) or not name.strip() or len(name) > 255:
+        if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_LENGTH:
             raise InvalidRequest(f"an account needs a name, got {name!r:.80}")
         if name in states:
             raise InvalidRequest(f"account {name!r} is listed twice")

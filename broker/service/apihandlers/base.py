@@ -42,10 +42,17 @@ ID_PATTERN = re.compile(rf"[0-9]{{1,{len(str(MAX_ID))}}}", re.ASCII)
 ECHO_LIMIT = 200
 #: The longest error message answered or logged, in characters.
 MESSAGE_LIMIT = 1000
+#: The one media type of request bodies.
+JSON_MEDIA_TYPE = "application/json"
 
 
 class MalformedJSON(InvalidRequest):
     code = "invalid_json"
+
+
+class UnsupportedMediaType(BrokerError):
+    status = 415
+    code = "unsupported_media_type"
 
 
 class MethodNotAllowed(BrokerError):
@@ -292,10 +299,7 @@ class APIHandler(web.RequestHandler):
             if operation.body_required:
                 raise InvalidRequest("a JSON body is required")
             return {}
-        try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise MalformedJSON(f"the body is not valid JSON: {_short(err)}") from None
+        data = parse_json_body(raw, self.request.headers.get("Content-Type"))
         validate(data, ref(operation.body), "body")
         return data
 
@@ -375,15 +379,24 @@ class APIHandler(web.RequestHandler):
         log_failure(self.request, typ, value, tb)
 
     def on_finish(self) -> None:
-        if self._counted:
-            self._counted = False
-            self.settings["in_flight"].leave()
+        leave_in_flight(self)
 
     def on_connection_close(self) -> None:
         super().on_connection_close()  # fails a body still being streamed in
         waiting = getattr(self, "_waiting", None)
         if waiting is not None and not waiting.done():
             waiting.cancel()
+        leave_in_flight(self)
+
+
+def leave_in_flight(handler: Any) -> None:
+    """Count ``handler``'s request out of those in flight once, when it finishes or its
+    connection closes first: a request the HTTP layer cuts off after its headers (a
+    malformed body, say) never finishes, and would hold a stopping service for its
+    whole stop timeout."""
+    if handler._counted:
+        handler._counted = False
+        handler.settings["in_flight"].leave()
 
 
 class NotFoundHandler(APIHandler):
@@ -475,6 +488,38 @@ def bounded(text: str, limit: int = ECHO_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def parse_json_body(raw: bytes, content_type: str | None) -> Any:
+    """A request's JSON body, parsed strictly (docs/api.md, "Request bodies").
+
+    The body must be sent as ``application/json`` (:class:`UnsupportedMediaType`
+    otherwise: a form or ``text/plain`` post can come from any site's page) and be
+    UTF-8 JSON with no key twice in an object (:class:`MalformedJSON`: parsers
+    disagree on which of two keys wins, so a proxy or a log could read another
+    request than the broker does).
+    """
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        sent = f"Content-Type {bounded(content_type, 100)!r}" if content_type else "no Content-Type"
+        raise UnsupportedMediaType(
+            f"a request body must be JSON sent as Content-Type: {JSON_MEDIA_TYPE}; got {sent}"
+        )
+    try:
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise MalformedJSON(f"the body is not valid JSON: {_short(err)}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"the key {bounded(key, 100)!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _reject_constant(name: str) -> Any:

@@ -53,7 +53,9 @@ class ProjectListHandler(APIHandler):
         if dry_run:
             self.write_json(await self.runner.read(apply))
         else:
-            self.write_json(await self.runner.change(apply))
+            changed = await self.runner.change(apply)
+            await self.runner.know_projects()
+            self.write_json(changed)
 
 
 class ProjectEventsHandler(APIHandler):
@@ -114,7 +116,7 @@ class ProjectHandler(APIHandler):
 async def put_project(runner: Any, name: str, body: dict[str, Any], who: str) -> dict[str, Any]:
     """Create or change account ``name`` as a checked ``ProjectUpdate`` body says, as
     ``who``: ``PUT /projects/{name}`` and the pages' project form."""
-    return await runner.change(
+    project = await runner.change(
         runner.broker.put_project,
         name,
         share=body["share"],
@@ -123,6 +125,8 @@ async def put_project(runner: Any, name: str, body: dict[str, Any], who: str) ->
         groups=body.get("groups"),
         who=who,
     )
+    await runner.know_projects()
+    return project
 
 
 TIME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 64}

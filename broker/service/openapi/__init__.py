@@ -41,7 +41,34 @@ its options are listed [at the end](#service-options).
 
 Every error, whatever the route or status (4xx or 5xx, unknown paths and
 methods included), is `{{"error": {{"code": "...", "message": "..."}}}}`; clients
-match on `code`, never on `message`.
+match on `code`, never on `message`. So are the HTTP server's own refusals: a
+request that is not valid HTTP/1.1 (both `Content-Length` and
+`Transfer-Encoding`, a NUL or a line without a colon in the headers, a bad chunk
+size) is `400 bad_request`, and the connection is closed after it. One request
+gets no answer at all: headers over 1 MiB make the server close the connection
+while the client is still sending (headers over 64 KiB, up to that, are `431
+headers_too_large`).
+
+## Request bodies
+
+A body is JSON, parsed strictly, under the same rules on every route and on every
+database:
+
+- It is sent as `Content-Type: application/json` (a charset parameter may
+  follow); any other type, or none, is `415 unsupported_media_type`. A form or a
+  `text/plain` post can come from another site's page; this cannot.
+- It is UTF-8 JSON with no key twice in one object: `{{"project": "a", "project":
+  "b"}}` is `400 invalid_json` (parsers disagree on which key wins, so a proxy or
+  a log could read another request than the broker). `NaN` and `Infinity` are no
+  JSON numbers.
+- Objects hold exactly their schema's keys, each of exactly its type (`"2"` is no
+  number, `1.0` no whole number, `true` neither).
+- Free text (names of users, groups, projects and GPU types, at most 255
+  characters; a node's `reason`, at most 1000) holds no control character (U+0000
+  to U+001F, U+007F to U+009F) and no lone surrogate: `400 invalid_request`,
+  naming the field.
+- At most 1 MiB (`413 payload_too_large`); headers at most 64 KiB (`431
+  headers_too_large`).
 
 ## Authentication
 
@@ -133,12 +160,13 @@ SECURITY_SCHEME = {
 }
 
 ERROR_DESCRIPTIONS = {
-    400: "the request is invalid (malformed JSON, wrong types, unknown keys, a request "
-    "that can never be granted)",
+    400: "the request is invalid (malformed JSON, a key twice, wrong types, unknown keys, "
+    "control characters in text, a request that can never be granted)",
     401: "no token, or a token nobody issued",
     403: "the token may not do this",
     404: "no such resource (or another user's slice)",
     409: "the change conflicts with the current state",
+    415: "a body not sent as `Content-Type: application/json`",
 }
 #: Who may call an operation, by its ``auth`` (the ``x-token`` extension of each operation).
 TOKEN_NEEDED = {
@@ -213,6 +241,8 @@ def _operation(operation: Operation, operation_id: str, tag: str) -> dict[str, A
         str(operation.ok): {"description": operation.ok_description, "content": content}
     }
     statuses = set(operation.errors)
+    if operation.body is not None:
+        statuses |= {400, 415}
     if operation.auth != "none":
         statuses |= {401, 403}
     for status in sorted(statuses):

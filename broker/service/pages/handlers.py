@@ -4,8 +4,9 @@ Who is calling is decided as for the API, by the service's authenticator, from
 a token the browser holds in a cookie: JupyterHub's OAuth token in hub mode
 (the hub's login, :class:`jupyterhub.services.auth.HubOAuth`), or a broker
 token pasted into :class:`LoginHandler`'s form standalone. Every POST carries an
-XSRF token (tornado's ``_xsrf`` cookie and the ``X-XSRFToken`` header), and
-actions check roles themselves: a non-admin gets 403, button or not.
+XSRF token bound to the login (the ``X-XSRFToken`` header: the hub's scheme, or
+standalone a MAC of the login's token; the login form itself uses tornado's
+``_xsrf`` cookie), and actions check roles themselves: a non-admin gets 403, button or not.
 
 Pages are rendered whole on the server (the first paint has the data); each
 then polls ``ui/fragment/<page>`` every few seconds, and tornado's ETag lets an
@@ -14,6 +15,8 @@ unchanged fragment cost a 304 without a body.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from typing import Any
@@ -21,17 +24,27 @@ from urllib.parse import urlencode
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
+from tornado.httputil import HTTPServerRequest
 
 from ... import __version__
 from ...core.accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
-from ..apihandlers.base import MAX_ID, MESSAGE_LIMIT, bounded, describe_error, log_failure
+from ..apihandlers.base import (
+    MAX_ID,
+    MESSAGE_LIMIT,
+    bounded,
+    describe_error,
+    leave_in_flight,
+    log_failure,
+    parse_json_body,
+)
 from ..apihandlers.common import is_member, owner_filter
 from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
-from ..auth import Identity, parse_authorization
+from ..auth import Identity, parse_authorization, token_key
 from ..schema import ref, validate
 from . import views
+from .redirects import is_local_target
 from .views import Cluster
 
 #: The cookie holding a standalone login's broker token (signed, HTTP only).
@@ -53,6 +66,12 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
+def login_xsrf_token(secret: bytes, token: str) -> str:
+    """A standalone login's XSRF token: a MAC of its broker token under the cookie secret,
+    so that it proves the page was this login's (and changes with every restart)."""
+    return hmac.new(secret, b"xsrf:" + token_key(token).encode(), hashlib.sha256).hexdigest()
+
+
 class XsrfRefused(BrokerError):
     """A POST without the page's XSRF token: it may come from another site."""
 
@@ -65,6 +84,8 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
 
     identity: Identity
     _counted = False
+    #: Standalone: the token of the caller's login, once it is known to be valid.
+    _login_token: str | None = None
 
     @property
     def hub_auth(self) -> Any:
@@ -103,21 +124,39 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
 
     @property
     def xsrf_token(self) -> bytes:
-        # The hub's XSRF scheme (bound to the login) in hub mode, tornado's standalone.
+        """The page's XSRF token, bound to the login: the hub's scheme in hub mode; standalone,
+        a MAC of the login's token (:func:`login_xsrf_token`). Before a login (the login
+        form), tornado's, from the ``_xsrf`` cookie."""
         if self.hub_auth is not None:
             return HubOAuthenticated.xsrf_token.fget(self)
+        if self._login_token is not None:
+            return login_xsrf_token(self.settings["cookie_secret"], self._login_token).encode()
         return web.RequestHandler.xsrf_token.fget(self)
 
     def check_xsrf_cookie(self) -> None:
         try:
             if self.hub_auth is not None:
                 self.hub_auth.check_xsrf_cookie(self)
+            elif self._login_token is not None:
+                self._check_login_xsrf()
             else:
                 web.RequestHandler.check_xsrf_cookie(self)
         except web.HTTPError as err:
             raise XsrfRefused(
                 f"{err.log_message}: send the page's XSRF token (X-XSRFToken header)"
             ) from None
+
+    def _check_login_xsrf(self) -> None:
+        # Another login's token (with its _xsrf cookie, say) is no proof of this one's page.
+        sent = (
+            self.get_argument("_xsrf", None)
+            or self.request.headers.get("X-Xsrftoken")
+            or self.request.headers.get("X-Csrftoken")
+        )
+        if not sent:
+            raise web.HTTPError(403, "'_xsrf' argument missing from POST")
+        if not hmac.compare_digest(sent.encode(), self.xsrf_token):
+            raise web.HTTPError(403, "XSRF token of another login, or none")
 
     def get_login_url(self) -> str:
         if self.hub_auth is not None:
@@ -144,13 +183,12 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
                 return
             raise web.HTTPError(401, "log in first")
         self.identity = identity
+        self._login_token = token
         if self.request.method not in ("GET", "HEAD"):
             self.check_xsrf_cookie()
 
     def on_finish(self) -> None:
-        if self._counted:
-            self._counted = False
-            self.settings["in_flight"].leave()
+        leave_in_flight(self)
 
     def require_admin(self, what: str) -> None:
         if not self.identity.admin:
@@ -405,7 +443,7 @@ class NodeActionHandler(PageHandler):
 
     async def post(self, name: str, action: str) -> None:
         self.require_admin(f"{action} nodes")
-        body = _json_body(self.request.body)
+        body = _json_body(self.request)
         validate(body, ref("NodeChange"), "body")
         node = await self.runner.change(
             self.broker.set_node_state, name, NODE_ACTIONS[action].value, body.get("reason") or ""
@@ -418,7 +456,7 @@ class ProjectActionHandler(PageHandler):
 
     async def post(self, name: str) -> None:
         self.require_admin("change projects")
-        body = _json_body(self.request.body)
+        body = _json_body(self.request)
         validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
         validate(body, ref("ProjectUpdate"), "body")
         project = await put_project(self.runner, name, body, self.identity.name)
@@ -459,11 +497,9 @@ class LoginHandler(PageHandler):
         )
 
     def _next(self) -> str:
-        target = self.get_argument("next", "")
-        # Only pages of this service: never an open redirect.
-        if not target.startswith(self.base) or target.startswith("//"):
-            target = f"{self.base}gpus"
-        return target
+        # Exactly as sent (not stripped): only pages of this service, never an open redirect.
+        target = self.get_argument("next", "", strip=False)
+        return target if is_local_target(target, self.base) else f"{self.base}gpus"
 
     async def post(self) -> None:
         token = self.get_body_argument("token", "").strip()
@@ -505,11 +541,11 @@ class OAuthCallbackHandler(HubOAuthCallbackHandler):
         return self.settings["hub_oauth"]
 
 
-def _json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise InvalidRequest("the body is not valid JSON") from None
+def _json_body(request: HTTPServerRequest) -> dict[str, Any]:
+    """A page action's body, under the API's rules (an empty one is an empty object)."""
+    if not request.body.strip():
+        return {}
+    body = parse_json_body(request.body, request.headers.get("Content-Type"))
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     return body
