@@ -286,6 +286,16 @@ def broker():
     return FakeBroker()
 
 
+@pytest.fixture(autouse=True)
+def watcher_never_fails(caplog):
+    """A slice watcher that raises logs it, pauses and tries again, so a test would still
+    pass, only slower: a fake missing a call the mixin makes must fail instead."""
+    yield
+    messages = [record.getMessage() for record in caplog.get_records("call")]
+    failed = [message for message in messages if message.startswith("Watching")]
+    assert not failed, failed
+
+
 @pytest.fixture
 def make(broker, monkeypatch):
     monkeypatch.setattr(mixin_module, "END_WAIT_S", 0.05)
