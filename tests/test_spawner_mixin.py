@@ -142,6 +142,17 @@ class FakeBroker:
     async def nodes(self):
         return as_documented("GET", "/nodes", {"nodes": NODES})["nodes"]
 
+    async def list_slices(self, *, state=None, project=None, user=None):
+        # What a waiting session reads for its page (the queue and the nodes).
+        wanted = {"project": project, "user": user}
+        listed = [
+            dict(s)
+            for s in self.slices.values()
+            if state in (None, s["state"]) or (state == "live" and s["state"] != "ended")
+            if all(value is None or s[key] == value for key, value in wanted.items())
+        ]
+        return as_documented("GET", "/slices", {"slices": listed})["slices"]
+
     async def submit(self, project, gpus, kind, **terms):
         self.calls.append(("submit", (project, gpus, kind, terms)))
         if self.submit_gate is not None:
@@ -292,6 +303,16 @@ def user(name="alice", groups=()):
 @pytest.fixture
 def broker():
     return FakeBroker()
+
+
+@pytest.fixture(autouse=True)
+def watcher_never_fails(caplog):
+    """A slice watcher that raises logs it, pauses and tries again, so a test would still
+    pass, only slower: a fake missing a call the mixin makes must fail instead."""
+    yield
+    messages = [record.getMessage() for record in caplog.get_records("call")]
+    failed = [message for message in messages if message.startswith("Watching")]
+    assert not failed, failed
 
 
 @pytest.fixture
