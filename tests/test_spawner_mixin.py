@@ -189,10 +189,6 @@ class FakeBroker:
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
-    async def list_slices(self, state=None):
-        rows = [dict(s) for s in self.slices.values() if state in (None, s["state"])]
-        return as_documented("GET", "/slices", {"slices": rows})["slices"]
-
     async def heartbeat(self, slice_id):
         self.calls.append(("heartbeat", slice_id))
         return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
