@@ -45,7 +45,8 @@ async def _run(nodes: int, directory: str) -> dict[str, Any]:
 
     from broker.config import parse_config
     from broker.kube.drain import DrainReporter
-    from broker.kube.inventory import Backoff, InventoryWatcher
+    from broker.kube.inventory import InventoryWatcher
+    from broker.rounds import Backoff
     from broker.store import Broker
 
     kubefake = _fake()

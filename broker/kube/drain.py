@@ -16,14 +16,13 @@ nodes per round), so it keeps no state and a restart repeats nothing.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from .inventory import Backoff, kube_node_name
+from ..rounds import Backoff, Rounds
+from .inventory import kube_node_name
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class DrainReporter:
+class DrainReporter(Rounds):
     """Labels drained Kubernetes nodes for repair automation.
 
     ``api`` is a ``kubernetes_asyncio`` ``CoreV1Api`` (with ``list`` and
@@ -78,16 +77,11 @@ class DrainReporter:
         self.broker_nodes = broker_nodes
         self.label = label
         self.annotation = annotation
-        self.interval = interval
         self.request_timeout = request_timeout
-        self.backoff = backoff or Backoff()
         self.rounds = 0
-        self.errors = 0
-        self._wake = asyncio.Event()
+        super().__init__(interval, backoff or Backoff(), log)
 
-    def wake(self) -> None:
-        """Start the next round now (e.g. after a node changed state)."""
-        self._wake.set()
+    failure = "Drain report failed"
 
     async def report_once(self) -> list[str]:
         """One round: mark newly drained nodes, unmark nodes back in service; returns
@@ -123,22 +117,8 @@ class DrainReporter:
         self.rounds += 1
         return patched
 
-    async def run(self) -> None:
-        """Rounds every :attr:`interval` seconds (or on :meth:`wake`) until cancelled."""
-        while True:
-            try:
-                await self.report_once()
-                self.backoff.reset()
-                pause = self.interval
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.errors += 1
-                pause = self.backoff.next()
-                log.warning("Drain report failed (%s); retrying in %.1fs", err, pause)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), pause)
+    async def round_once(self) -> list[str]:
+        return await self.report_once()
 
 
 __all__ = ["DRAINED_AT_ANNOTATION", "DRAINED_LABEL", "DrainReporter", "drained_nodes"]

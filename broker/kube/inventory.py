@@ -43,6 +43,7 @@ from traitlets import Bool, Float, TraitError, Unicode, validate
 
 from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
+from broker.rounds import Backoff
 
 if TYPE_CHECKING:
     from .service import KubernetesTasks
@@ -159,25 +160,6 @@ def gpu_resource(broker_node: str) -> str:
 # ---- the watch ----------------------------------------------------------------------
 
 Sink = Callable[[list[Node]], Awaitable[None] | None]
-
-
-@dataclass
-class Backoff:
-    """Exponential backoff between failed attempts (seconds)."""
-
-    initial: float = 0.5
-    factor: float = 2.0
-    maximum: float = 30.0
-    current: float = 0.0
-
-    def next(self) -> float:
-        self.current = (
-            self.initial if not self.current else min(self.current * self.factor, self.maximum)
-        )
-        return self.current
-
-    def reset(self) -> None:
-        self.current = 0.0
 
 
 class InventoryWatcher:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from .inventory import Backoff
+from ..rounds import Backoff
 
 log = logging.getLogger(__name__)
 

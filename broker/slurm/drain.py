@@ -17,14 +17,12 @@ reasons in Slurm say which drains are the broker's, so a restart repeats nothing
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from broker.kube.inventory import Backoff
+from broker.rounds import Backoff, Rounds
 
 from .commands import SlurmCommands
 from .inventory import BROKER_REASON_PREFIX, slurm_node_name
@@ -79,7 +77,7 @@ def drain_updates(
 BrokerNodes = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
-class DrainWriter:
+class DrainWriter(Rounds):
     """Applies :func:`drain_updates` every ``interval`` seconds (or on :meth:`wake`);
     ``changed()`` is called after an update (the inventory reads Slurm again)."""
 
@@ -94,15 +92,11 @@ class DrainWriter:
     ):
         self.slurm = slurm
         self.broker_nodes = broker_nodes
-        self.interval = interval
         self.changed = changed
-        self.backoff = backoff or Backoff(maximum=max(interval, 5.0))
         self.rounds = 0
-        self.errors = 0
-        self._wake = asyncio.Event()
+        super().__init__(interval, backoff or Backoff(maximum=max(interval, 5.0)), log)
 
-    def wake(self) -> None:
-        self._wake.set()
+    failure = "Writing drains into Slurm failed"
 
     async def write_once(self) -> list[DrainUpdate]:
         updates = drain_updates(await self.broker_nodes(), await self.slurm.nodes())
@@ -117,21 +111,8 @@ class DrainWriter:
         self.rounds += 1
         return updates
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.write_once()
-                self.backoff.reset()
-                pause = self.interval
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.errors += 1
-                pause = self.backoff.next()
-                log.warning("Writing drains into Slurm failed (%s); retrying in %.1fs", err, pause)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), pause)
+    async def round_once(self) -> list[DrainUpdate]:
+        return await self.write_once()
 
 
 __all__ = ["DRAINED_REASON", "DrainUpdate", "DrainWriter", "drain_updates"]

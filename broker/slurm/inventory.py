@@ -30,8 +30,6 @@ into Slurm, and the executor of slices as Slurm jobs (:mod:`broker.slurm.jobs`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
 import logging
 import re
@@ -43,7 +41,7 @@ from traitlets import Bool, Dict, Enum, Float, List, TraitError, Unicode, valida
 
 from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
-from broker.kube.inventory import Backoff
+from broker.rounds import Backoff, Rounds
 
 from .commands import SlurmCommands, SlurmError
 
@@ -162,7 +160,7 @@ def gres_request(broker_node: str, gpus: int) -> str:
 Sink = Callable[[list[Node]], Awaitable[None] | None]
 
 
-class InventoryPoller:
+class InventoryPoller(Rounds):
     """Reads Slurm's nodes every ``interval`` seconds and pushes the broker nodes of
     ``partition`` into ``sink`` when they changed (and after the first read)."""
 
@@ -180,16 +178,11 @@ class InventoryPoller:
         self.sink = sink
         self.rules = rules or InventoryRules()
         self.partition = partition
-        self.interval = interval
-        self.backoff = backoff or Backoff(maximum=max(interval, 5.0))
         self.pushed: list[Node] | None = None
         self.reads = 0
-        self.errors = 0
-        self._wake = asyncio.Event()
+        super().__init__(interval, backoff or Backoff(maximum=max(interval, 5.0)), log)
 
-    def wake(self) -> None:
-        """Read again now (after the broker changed a node in Slurm)."""
-        self._wake.set()
+    failure = "Node inventory from Slurm failed"
 
     async def poll_once(self) -> list[Node]:
         """Read the nodes and push them if they changed; :class:`SlurmError` if Slurm
@@ -203,21 +196,8 @@ class InventoryPoller:
             self.pushed = nodes
         return nodes
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-                self.backoff.reset()
-                pause = self.interval
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.errors += 1
-                pause = self.backoff.next()
-                log.warning("Node inventory from Slurm failed (%s); retrying in %.1fs", err, pause)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), pause)
+    async def round_once(self) -> object:
+        return await self.poll_once()
 
 
 # ---- the service's inventory backend --------------------------------------------------

@@ -30,7 +30,6 @@ restart may send it again).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -38,7 +37,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.kube.inventory import Backoff
+from broker.rounds import Backoff, Rounds
 
 from .commands import SlurmCommands
 from .inventory import slurm_node_name
@@ -222,7 +221,7 @@ LiveSlices = Callable[[], Awaitable[list[dict[str, Any]]]]
 EndSliceFn = Callable[[int, str], Awaitable[None]]
 
 
-class JobExecutor:
+class JobExecutor(Rounds):
     """Carries out :func:`plan` on Slurm every ``interval`` seconds.
 
     ``live_slices`` returns the broker's live slices; ``end_slice(id, why)`` ends
@@ -255,14 +254,14 @@ class JobExecutor:
         self.submit_users = tuple(submit_users)
         self.cancel_strays = cancel_strays
         self.end_wait = end_wait
-        self.interval = interval
         self.clock = clock or time.time
-        self.backoff = backoff or Backoff(maximum=max(interval, 5.0))
         #: Jobs given the preemption signal (job id -> slice id), for tests and logs.
         self.signalled: dict[int, int] = {}
         self.cancelled: set[int] = set()
         self.rounds = 0
-        self.errors = 0
+        super().__init__(interval, backoff or Backoff(maximum=max(interval, 5.0)), log)
+
+    failure = "Slurm jobs round failed"
 
     async def run_once(self) -> Plan:
         """One round; :class:`~broker.slurm.commands.SlurmError` if Slurm does not answer."""
@@ -304,19 +303,8 @@ class JobExecutor:
         self.rounds += 1
         return todo
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.run_once()
-                self.backoff.reset()
-                pause = self.interval
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.errors += 1
-                pause = self.backoff.next()
-                log.warning("Slurm jobs round failed (%s); retrying in %.1fs", err, pause)
-            await asyncio.sleep(pause)
+    async def round_once(self) -> object:
+        return await self.run_once()
 
 
 __all__ = [
