@@ -88,8 +88,8 @@ class _Pass:
         )
         self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
-        self.leaving: set[int] = set()  # preempted in this pass
-        self.leaving_at: dict[int, float] = {}  # their grace deadlines
+        # Slices preempted in this pass -> their grace deadline (when their GPUs are free)
+        self.leaving: dict[int, float] = {}
         self.deferred: list[int] = []  # requests that wait for releases instead
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
@@ -223,8 +223,7 @@ class _Pass:
         """Preempt ``slice_`` with ``grace`` seconds to checkpoint; its deadline."""
         deadline = self.now + grace
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
-        self.leaving.add(slice_.id)
-        self.leaving_at[slice_.id] = deadline
+        self.leaving[slice_.id] = deadline
         self._releases.clear()  # a leaving slice frees its GPUs sooner
         return deadline
 
@@ -318,7 +317,7 @@ class _Pass:
             (p.node, i): s for s in self.holding for p in s.placements for i in p.gpu_indices
         }
         leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
-        leaving |= self.leaving
+        leaving |= self.leaving.keys()
         for slice_ in promised:
             nodes_ok = all(p.node in self.free.nodes for p in slice_.promised)
             gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
@@ -677,7 +676,7 @@ class _Pass:
         once its protection is over (judged on the standings of now)."""
         known = holder.ends_at()
         if holder.id in self.leaving:
-            return self.leaving_at[holder.id]
+            return self.leaving[holder.id]
         protected_until = holder.protected_until
         if protected_until is None:
             protected_until = self.now

@@ -94,9 +94,8 @@ def _variants(
     if request.gpus > 1:
         for gpus in sorted({request.gpus // 2, 1}, reverse=True):
             yield "gpus", replace(request, gpus=gpus)
-    types = sorted({node.gpu_type for node in snapshot.nodes} - {request.gpu_type})
-    for gpu_type in types:
-        if request.gpu_type is not None:
+    if request.gpu_type is not None:  # a request of any type has no other to try
+        for gpu_type in sorted({node.gpu_type for node in snapshot.nodes} - {request.gpu_type}):
             yield "gpu_type", replace(request, gpu_type=gpu_type)
     policy = snapshot.policy
     protected = request.contract.min_runtime
