@@ -38,3 +38,8 @@ def gpu_hours(gpu_seconds: float | None, *, unit: bool = True) -> str:
     if text.lstrip("-").strip("0.,") == "" and text.startswith("-"):
         text = text[1:]  # no "-0.00"
     return f"{text} {UNIT}" if unit else text
+
+
+def count(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural unless it is one: ``1 node``, ``0 nodes``, ``2 nodes``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 
+from ...units import count
 from .handlers import page_routes
 
 HERE = Path(__file__).resolve().parent
@@ -31,11 +32,11 @@ def page_settings(base_url: str, hub_oauth: Any = None) -> dict[str, Any]:
     cookie secret is new at every start: a restart logs everyone out (in hub
     mode the next page view logs them in again without a question).
     """
+    templates = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_PATH), autoescape=True)
+    templates.filters["count"] = count
     return {
         "pages_base": base_url,
-        "pages_templates": jinja2.Environment(
-            loader=jinja2.FileSystemLoader(TEMPLATE_PATH), autoescape=True
-        ),
+        "pages_templates": templates,
         "hub_oauth": hub_oauth,
         "cookie_secret": secrets.token_bytes(32),
         "xsrf_cookie_kwargs": {"path": base_url, "httponly": False, "samesite": "Strict"},
