@@ -188,7 +188,12 @@ def test_a_session_without_a_slice_gets_a_404_in_the_api_shape(broker, tmp_path)
 
 
 def terminal_output(server: JupyterServer, line: str, until: str, timeout: float = 30.0) -> str:
-    """What a Lab terminal of ``server`` shows after ``line`` is typed, once ``until`` shows."""
+    """What a Lab terminal of ``server`` shows once ``until`` shows, after ``line`` is typed.
+
+    ``until`` must be text the command prints but its typed line does not contain (make
+    the shell compute it): the terminal echoes the line, wrapped wherever the prompt and
+    the terminal's width put the edge, so the echo cannot be found and cut off reliably.
+    """
     import websocket  # websocket-client, as Jupyter's own tests use
 
     made = requests.post(f"{server.url}/api/terminals", params=server._auth, timeout=30)
@@ -200,12 +205,12 @@ def terminal_output(server: JupyterServer, line: str, until: str, timeout: float
         ws.send(json.dumps(["stdin", line + "\r"]))
         shown = ""
         deadline = time.monotonic() + timeout
-        while until not in shown.split(line, 1)[-1]:
+        while until not in shown:
             assert time.monotonic() < deadline, f"the terminal showed: {shown!r}"
             kind, *content = json.loads(ws.recv())
             if kind == "stdout":
                 shown += content[0]
-        return shown.split(line, 1)[-1]
+        return shown
     finally:
         ws.close()
 
@@ -215,10 +220,10 @@ def test_a_lab_terminal_finds_slicebroker_although_its_login_shell_resets_path(b
     env.update(SHELL="/bin/bash", HOME=str(tmp_path))  # /etc/profile sets PATH anew
     server = JupyterServer(tmp_path, env)
     try:
-        # DONE after the answer: the typed line's own echo ends in a newline too
-        line = "command -v slicebroker || echo NOT-FOUND; echo DONE"
-        shown = terminal_output(server, line, "DONE")
-        assert "NOT-FOUND" not in shown
+        # The shell computes both markers, so the echo of the typed line holds neither.
+        line = 'command -v slicebroker || echo "NOT-$((40 + 2))-FOUND"; echo "END-$((40 + 2))"'
+        shown = terminal_output(server, line, "END-42")
+        assert "NOT-42-FOUND" not in shown
         assert os.path.join(os.path.dirname(sys.executable), "slicebroker") in shown
     finally:
         server.stop()
