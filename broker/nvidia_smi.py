@@ -52,8 +52,14 @@ class LocalNode:
     indices: tuple[int, ...]
 
 
-def query_gpus(run: Callable[..., Any] = subprocess.run, *, program: str = QUERY[0]) -> str | None:
-    """``nvidia-smi``'s answer, or ``None`` when it is missing or fails (no GPU, no driver).
+def run_query(
+    arguments: Sequence[str],
+    run: Callable[..., Any] = subprocess.run,
+    *,
+    program: str = QUERY[0],
+) -> str | None:
+    """``nvidia-smi``'s answer to ``arguments``, or ``None`` when it is missing or fails
+    (no GPU, no driver).
 
     ``program``: the ``nvidia-smi`` to run (a name looked up on ``PATH``, or a path).
     """
@@ -61,7 +67,7 @@ def query_gpus(run: Callable[..., Any] = subprocess.run, *, program: str = QUERY
         return None
     try:
         done = run(
-            [program, *QUERY[1:]],
+            [program, *arguments],
             capture_output=True,
             text=True,
             timeout=QUERY_TIMEOUT_S,
@@ -72,6 +78,11 @@ def query_gpus(run: Callable[..., Any] = subprocess.run, *, program: str = QUERY
     if done.returncode != 0:
         return None
     return done.stdout
+
+
+def query_gpus(run: Callable[..., Any] = subprocess.run, *, program: str = QUERY[0]) -> str | None:
+    """The GPU list's answer (:data:`QUERY`), or ``None`` (see :func:`run_query`)."""
+    return run_query(QUERY[1:], run, program=program)
 
 
 def parse_gpus(text: str) -> list[Gpu]:

@@ -1,4 +1,6 @@
-"""``GET <base_url>slicebroker/session``: the session's GPU slice, for the Lab extension.
+"""The server extension's routes: the session's GPU slice, and what the session last did.
+
+``GET <base_url>slicebroker/session``: the session's GPU slice, for the Lab extension.
 
 The handler reads the slice from the broker with the session's own token (so it
 sees exactly what its owner may see) and answers one JSON object::
@@ -15,7 +17,14 @@ session, idle, is close to a limit of the hub's idle rule (see
 :func:`cull_warning`). Errors have the broker API's shape,
 ``{"error": {"code": ..., "message": ...}}``: 404 ``no_slice`` when the
 session has no slice (not started by the broker's spawner), 502
-``broker_unavailable`` when the broker does not answer or refuses.
+``broker_unavailable`` when the broker does not answer or refuses. ``activity``
+is the answer of the next route.
+
+``GET <base_url>slicebroker/activity``: what the session last did
+(:mod:`slicebroker_lab.activity`): its idle seconds, kernels busy, and its GPUs'
+utilisation and memory. The hub's spawner reads it for the idle rule, with the
+server's own token. ``POST`` with ``{"keep": true}`` is Lab's "Keep my
+session": it counts as activity now, and the server logs it.
 """
 
 from __future__ import annotations
@@ -29,13 +38,15 @@ from typing import Any
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
-from traitlets import Float
+from tornado.ioloop import IOLoop, PeriodicCallback
+from traitlets import Bool, Float, Unicode
 from traitlets.config import Configurable
 
 from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from broker.units import gpu_hours
 
 from . import CULL_ENV
+from .activity import SessionActivity
 
 SLICE_ENV = "SLICEBROKER_SLICE_ID"
 GPU_TYPE_ENV = "SLICEBROKER_GPU_TYPE"
@@ -58,6 +69,33 @@ class SliceBrokerLab(Configurable):
         10.0,
         help="Seconds one read of the slice from the broker may take before Lab is told "
         "the broker is unavailable.",
+    ).tag(config=True)
+
+    gpu_sample_interval = Float(
+        10.0,
+        help="""Seconds between two readings of the session's GPUs (0: never read them, and
+        GPU work does not count as activity). Each reading runs NVML or ``nvidia-smi``
+        once, in a thread; the driver's utilisation covers its own last 1/6 s to 1 s, so a
+        shorter interval catches more of a bursty GPU load, at that cost.""",
+    ).tag(config=True)
+
+    gpu_busy_percent = Float(
+        1.0,
+        help="""Utilisation (percent) at or above which one of the session's GPUs counts
+        as busy, and so the session as active. Memory held with nothing running is not
+        work. A higher value treats light GPU use (a dashboard, a small model served
+        now and then) as idle.""",
+    ).tag(config=True)
+
+    use_nvml = Bool(
+        True,
+        help="""Read the GPUs through NVML (``nvidia-ml-py``) where the driver's library
+        loads; else, and when off, through ``nvidia-smi``.""",
+    ).tag(config=True)
+
+    nvidia_smi = Unicode(
+        "nvidia-smi",
+        help="The ``nvidia-smi`` to run where NVML does not load (a name on PATH or a path).",
     ).tag(config=True)
 
 
@@ -123,6 +161,7 @@ def session_view(
     now: float,
     warning: dict[str, Any] | None,
     env: Mapping[str, str],
+    activity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The answer of ``GET slicebroker/session`` for the broker's ``slice_``.
 
@@ -149,19 +188,51 @@ def session_view(
         "now": now,
         "cull_warning": warning,
         "broker_pages": url_path_join(env.get("JUPYTERHUB_BASE_URL") or "/", PAGES_PATH),
+        "activity": activity,
     }
 
 
-class SessionHandler(APIHandler):
-    """``GET slicebroker/session``: the session's slice (see the module docstring)."""
+class _Handler(APIHandler):
+    """A route of this extension: errors in the broker API's shape."""
 
-    # Lab polls this route; the polls are not the user's activity (else a session with
-    # Lab open in a background tab would never look idle to the server).
+    # Lab and the hub poll these routes; the polls are not the user's activity (else a
+    # session with Lab open in a background tab would never look idle to the server).
     _track_activity = False
+
+    @property
+    def activity(self) -> SessionActivity:
+        return self.settings["slicebroker_activity"]
 
     def error(self, status: int, code: str, message: str) -> None:
         self.set_status(status)
         self.finish(json.dumps({"error": {"code": code, "message": message}}))
+
+
+class ActivityHandler(_Handler):
+    """``GET``/``POST slicebroker/activity`` (see the module docstring)."""
+
+    @web.authenticated
+    def get(self) -> None:
+        self.finish(json.dumps(self.activity.view(time.time())))
+
+    @web.authenticated
+    def post(self) -> None:
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("keep") is not True:
+            self.error(400, "bad_request", 'Send {"keep": true} to keep the session.')
+            return
+        now = time.time()
+        idle = self.activity.view(now)["idle_seconds"]
+        self.activity.keep(now)
+        self.log.info("slicebroker: the user kept the session after %.0f s idle", idle)
+        self.finish(json.dumps(self.activity.view(now)))
+
+
+class SessionHandler(_Handler):
+    """``GET slicebroker/session``: the session's slice (see the module docstring)."""
 
     @web.authenticated
     async def get(self) -> None:
@@ -189,15 +260,38 @@ class SessionHandler(APIHandler):
         finally:
             client.close()
         now = time.time()
-        # The server's last activity (kernels, terminals, API calls): what it reports to the hub.
-        idle = max(now - self.application.last_activity().timestamp(), 0.0)
-        warning = cull_warning(slice_, now, idle, cull_limits(env), config.cull_warning)
-        self.finish(json.dumps(session_view(slice_, now, warning, env)))
+        # Kernels, terminals and the GPU, not the API calls (Lab's polls): the hub's idleness.
+        activity = self.activity.view(now)
+        warning = cull_warning(
+            slice_, now, activity["idle_seconds"], cull_limits(env), config.cull_warning
+        )
+        self.finish(json.dumps(session_view(slice_, now, warning, env, activity)))
 
 
 def setup_handlers(serverapp: Any) -> None:
-    """Register the route on ``serverapp``'s web application, with its settings."""
+    """Register the routes on ``serverapp``'s web application, with their settings, and
+    start reading the session's GPUs (a session of the broker's only)."""
     web_app = serverapp.web_app
-    web_app.settings["slicebroker_lab"] = SliceBrokerLab(parent=serverapp)
-    route = url_path_join(web_app.settings["base_url"], "slicebroker", "session")
-    web_app.add_handlers(".*$", [(route, SessionHandler)])
+    config = web_app.settings["slicebroker_lab"] = SliceBrokerLab(parent=serverapp)
+    activity = SessionActivity.for_server(web_app.settings, config)
+    web_app.settings["slicebroker_activity"] = activity
+    base = web_app.settings["base_url"]
+    web_app.add_handlers(
+        ".*$",
+        [
+            (url_path_join(base, "slicebroker", "session"), SessionHandler),
+            (url_path_join(base, "slicebroker", "activity"), ActivityHandler),
+        ],
+    )
+    if config.gpu_sample_interval > 0 and os.environ.get(SLICE_ENV, "").isdigit():
+        told = False
+
+        async def sample() -> None:
+            nonlocal told
+            reading = await activity.sample_gpus(time.time())
+            if reading.problem and not told:
+                told = True  # once: a session without a driver says so, not at every reading
+                serverapp.log.info("slicebroker: GPUs not read: %s", reading.problem)
+
+        PeriodicCallback(sample, config.gpu_sample_interval * 1000).start()
+        IOLoop.current().add_callback(sample)

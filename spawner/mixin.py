@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,7 +52,19 @@ from typing import Any
 
 from jupyterhub.spawner import Spawner, SpawnException
 from tornado import web
-from traitlets import Dict, Float, Int, List, TraitType, Unicode, Union, default, validate
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+from traitlets import (
+    Bool,
+    Dict,
+    Float,
+    Int,
+    List,
+    TraitType,
+    Unicode,
+    Union,
+    default,
+    validate,
+)
 from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
@@ -305,8 +318,17 @@ class SliceBrokerMixin(Configurable):
         default_value="1h",
         help="""Stop a session past its protected period (or free) after this long idle
         when no waiting request could use its GPUs (seconds or a duration; 0: never).
-        Idle is the hub's ``last_activity`` of the server (no kernel, terminal or
-        browser activity).""",
+        Idle is what the session reports (see ``session_activity``).""",
+    ).tag(config=True)
+
+    session_activity = Bool(
+        True,
+        help="""Read a session's idleness from the session itself (the Lab extension's
+        ``slicebroker/activity`` route, with the server's own token): a kernel executing,
+        a kernel's or terminal's output, typing in a terminal, or one of its GPUs busy is
+        activity; an open browser tab is not. Where the route does not answer (a session
+        without the extension, the hub's internal SSL) and when off, idle is the hub's
+        ``last_activity`` of the server, which counts the browser's requests too.""",
     ).tag(config=True)
 
     cull_idle_busy = Union(
@@ -1009,6 +1031,21 @@ class SliceBrokerMixin(Configurable):
         if task is not None and task is not asyncio.current_task() and not task.done():
             task.cancel()
 
+    async def session_idle_seconds(self, now: float) -> tuple[float | None, str]:
+        """The session's idle seconds and where they were read: ``the session`` (its own
+        activity route) or ``the hub`` (``last_activity``, see ``session_activity``)."""
+        server = self.server
+        if self.session_activity and server is not None and not self.internal_ssl:
+            url = server.url.rstrip("/") + "/slicebroker/activity"
+            try:
+                answer = await AsyncHTTPClient().fetch(
+                    url, headers={"Authorization": f"token {self.api_token}"}, request_timeout=10
+                )
+                return max(float(json.loads(answer.body)["idle_seconds"]), 0.0), "the session"
+            except (HTTPClientError, OSError, ValueError, KeyError, TypeError) as err:
+                self.log.debug("Activity of %s not read from the session: %s", self._log_name, err)
+        return self.idle_seconds(now), "the hub"
+
     def idle_seconds(self, now: float) -> float | None:
         """Seconds since the server's last activity as the hub saw it (``None``: unknown)."""
         orm = self.orm_spawner
@@ -1042,15 +1079,16 @@ class SliceBrokerMixin(Configurable):
         _HELD_SEEN[self.broker_url] = held
         return pending, nodes
 
-    async def idle_verdict(self) -> tuple[Verdict, float | None]:
-        """What the idle rule (:mod:`spawner.culler`) says of this session now, and its
-        idle seconds."""
+    async def idle_verdict(self) -> tuple[Verdict, float | None, str]:
+        """What the idle rule (:mod:`spawner.culler`) says of this session now, its idle
+        seconds, and where they were read (:meth:`session_idle_seconds`)."""
         pending, nodes = await self._queue_view()
         now = time.time()
         session = self.slice or {}
         freeing = _FREEING.get(self._queue_key(), {})
         waiter = waiter_for(session, pending, nodes, freeing)
-        return verdict(session, now, self.cull_limits(), waiter), self.idle_seconds(now)
+        idle, source = await self.session_idle_seconds(now)
+        return verdict(session, now, self.cull_limits(), waiter), idle, source
 
     def _queue_key(self) -> str:
         return f"{id(asyncio.get_running_loop())}:{self.broker_url}"
@@ -1073,7 +1111,7 @@ class SliceBrokerMixin(Configurable):
             ):
                 continue
             try:
-                rule, idle = await self.idle_verdict()
+                rule, idle, source = await self.idle_verdict()
             except BrokerAPIError as err:
                 self.log.warning("Idle check of %s: %s", self._log_name, err.message)
                 continue
@@ -1083,11 +1121,12 @@ class SliceBrokerMixin(Configurable):
                 else "no waiting request could use its GPUs"
             )
             self.log.debug(
-                "Idle check of %s: idle %s s, limit %s s, %s",
+                "Idle check of %s: idle %s s, limit %s s, %s (idleness from %s)",
                 self._log_name,
                 None if idle is None else round(idle),
                 rule.limit,
                 waiting,
+                source,
             )
             if idle is None or not rule.due(idle) or self.slice_id != slice_id:
                 continue

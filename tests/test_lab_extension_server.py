@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import requests
+from gpustandin import StandinGpus
 from hubfixtures import wait_until
 from servicefixtures import TEST_CONFIG, BrokerService, free_port, running_service
 
@@ -33,7 +35,7 @@ def broker(tmp_path: Path) -> Iterator[BrokerService]:
 class JupyterServer:
     """``jupyter server`` with the session's environment, on a free port."""
 
-    def __init__(self, workdir: Path, env: dict[str, str]):
+    def __init__(self, workdir: Path, env: dict[str, str], args: tuple[str, ...] = ()):
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,6 +52,7 @@ class JupyterServer:
                     f"--ServerApp.root_dir={workdir}",
                     "--no-browser",
                     "--allow-root",
+                    *args,
                 ],
                 env=env,
                 stdout=log,
@@ -69,6 +72,12 @@ class JupyterServer:
     @property
     def _auth(self) -> dict[str, str]:
         return {"token": self.token}
+
+    def activity(self, **kwargs: object) -> requests.Response:
+        method = "POST" if "json" in kwargs else "GET"
+        headers = {"Authorization": f"token {self.token}"}
+        url = f"{self.url}/slicebroker/activity"
+        return requests.request(method, url, headers=headers, timeout=30, **kwargs)
 
     def session(self, token: str | None = None) -> requests.Response:
         params = {} if token == "" else {"token": token or self.token}
@@ -242,6 +251,115 @@ def test_a_session_without_its_broker_token_is_told_which_variable_is_missing(br
         assert "SLICEBROKER_URL" not in error["message"]
     finally:
         server.stop()
+
+
+# ---- what the session last did: kernels, terminals, GPUs -------------------------------
+
+
+@pytest.fixture
+def gpu_session(tmp_path: Path) -> Iterator[tuple[JupyterServer, StandinGpus]]:
+    """A session of the broker's (slice 7, GPUs 2 and 3) whose GPUs a stand-in reports,
+    read every 0.2 s; no broker: the activity route needs none."""
+    gpus = StandinGpus(tmp_path / "gpus", count=4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "SLICEBROKER"))}
+    env.update(session_env(env))
+    env.update(SLICEBROKER_SLICE_ID="7", CUDA_VISIBLE_DEVICES="2,3", HOME=str(tmp_path))
+    args = (
+        f"--SliceBrokerLab.nvidia_smi={gpus.program}",
+        "--SliceBrokerLab.gpu_sample_interval=0.2",
+        "--SliceBrokerLab.use_nvml=False",
+    )
+    server = JupyterServer(tmp_path, env, args)
+    try:
+        yield server, gpus
+    finally:
+        server.stop()
+
+
+def test_a_busy_gpu_is_activity_and_an_open_tab_is_not(gpu_session):
+    server, gpus = gpu_session
+    gpus.set(0, memory_used=40_000)  # a model loaded, nothing running
+
+    def idle_while_a_tab_polls() -> dict | None:
+        # What an open Lab tab does: list the files and kernels, read the session.
+        requests.get(f"{server.url}/api/contents", params=server._auth, timeout=10)
+        requests.get(f"{server.url}/api/kernels", params=server._auth, timeout=10)
+        view = server.activity().json()
+        return view if view["idle_seconds"] >= 1.5 and view["gpu_sampled_at"] else None
+
+    idle = wait_until(idle_while_a_tab_polls, 30, "the session to idle under an open tab")
+    assert idle["gpu_busy"] is False and idle["kernels_busy"] == 0
+    assert [g["index"] for g in idle["gpu"]["gpus"]] == [2, 3]
+    assert idle["gpu"]["gpus"][0]["memory_used_mib"] == 40_000
+    # The server itself counts the tab's requests: it would report the session active.
+    status = requests.get(f"{server.url}/api/status", params=server._auth, timeout=10).json()
+    server_idle = idle["now"] - datetime.fromisoformat(status["last_activity"]).timestamp()
+    assert server_idle < idle["idle_seconds"]
+
+    gpus.set(85)
+    busy = wait_until(
+        lambda: (v := server.activity().json())["gpu_busy"] and v, 30, "the busy GPUs to show"
+    )
+    assert busy["idle_seconds"] < 1.5
+    assert {g["utilization_percent"] for g in busy["gpu"]["gpus"]} == {85}
+    assert busy["gpu"]["source"] == "nvidia-smi"
+
+    gpus.set(0)
+    wait_until(
+        lambda: server.activity().json()["idle_seconds"] >= 1.0, 30, "idleness to grow again"
+    )
+
+
+def test_keep_my_session_is_activity_now_and_logged(gpu_session):
+    server, _ = gpu_session
+    wait_until(lambda: server.activity().json()["idle_seconds"] >= 1.0, 30, "some idleness")
+    kept = server.activity(json={"keep": True})
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["idle_seconds"] < 1.0 and kept.json()["kept_at"]
+    assert "the user kept the session after" in server.log_path.read_text()
+
+    refused = server.activity(json={"keep": "yes"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "bad_request"
+
+
+def execute(server: JupyterServer, kernel_id: str, code: str) -> None:
+    """Send ``code`` to the kernel to execute, without waiting for it."""
+    import websocket  # websocket-client, as Jupyter's own tests use
+
+    ws_url = f"ws://127.0.0.1:{server.port}/api/kernels/{kernel_id}/channels?token={server.token}"
+    ws = websocket.create_connection(ws_url, timeout=30)
+    header = {
+        "msg_id": secrets.token_hex(8),
+        "session": secrets.token_hex(8),
+        "username": "test",
+        "msg_type": "execute_request",
+        "version": "5.3",
+    }
+    content = {"code": code, "silent": False, "store_history": False, "allow_stdin": False}
+    message = {"header": header, "parent_header": {}, "metadata": {}, "content": content}
+    ws.send(json.dumps({**message, "channel": "shell", "buffers": []}))
+    ws.close()
+
+
+def test_a_kernel_executing_in_silence_keeps_the_session_active(gpu_session):
+    server, _ = gpu_session
+    made = requests.post(f"{server.url}/api/kernels", params=server._auth, timeout=60)
+    assert made.status_code == 201, made.text
+    kernel_id = made.json()["id"]
+    execute(server, kernel_id, "import time; time.sleep(30)")  # a loop that prints nothing
+    busy = wait_until(
+        lambda: (v := server.activity().json())["kernels_busy"] == 1 and v, 60, "a busy kernel"
+    )
+    assert busy["idle_seconds"] == 0.0
+    time_of_busy = busy["now"]
+    later = wait_until(
+        lambda: (v := server.activity().json())["now"] >= time_of_busy + 1.5 and v, 30, "time"
+    )
+    assert later["kernels_busy"] == 1 and later["idle_seconds"] == 0.0
+    requests.post(
+        f"{server.url}/api/kernels/{kernel_id}/interrupt", params=server._auth, timeout=30
+    )
 
 
 # ---- the idle warning -------------------------------------------------------------------
