@@ -4,7 +4,10 @@ The server extension (:mod:`slicebroker_lab.handlers`) answers
 ``GET <base_url>slicebroker/session`` on the single-user server with the
 session's slice as the broker sees it, read with the session's own
 environment (``SLICEBROKER_URL``, ``SLICEBROKER_TOKEN``,
-``SLICEBROKER_SLICE_ID``, which the spawner sets). The Lab extension (built
+``SLICEBROKER_SLICE_ID``, which the spawner sets), and
+``GET``/``POST <base_url>slicebroker/activity`` with what the session last did,
+its GPUs' load included (:mod:`slicebroker_lab.activity`), which the hub's idle
+rule reads. The Lab extension (built
 from ``js/`` into ``labextension/`` by ``build.sh``) polls it and shows the
 status-bar item, the countdown dialog and the details panel.
 

@@ -151,8 +151,9 @@ def cull_warning(
         "limit_seconds": limit,
         "protected": protected,
         "message": f"This session has been idle for {idle_for}. It may be stopped "
-        f"{condition} once it has been idle for {round(limit / 60)} min. Any activity "
-        "(running a cell, typing in a terminal) keeps it. Save your work.",
+        f"{condition} once it has been idle for {round(limit / 60)} min. Running a cell, "
+        "typing in a terminal or work on its GPUs keeps it, and so does Keep my session. "
+        "Save your work.",
     }
 
 

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 from browsers import hub_login
-from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available
+from gpustandin import StandinGpus
+from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available, wait_until
 from playwright.sync_api import expect
 
 pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
@@ -85,8 +86,19 @@ def test_the_status_bar_shows_the_slice_and_a_drain_brings_the_countdown(hub, br
 
 def test_an_idle_warning_comes_with_the_hub_s_limit_and_a_countdown(tmp_path, browser, screenshots):
     # The hub's default limits (15 min idle while someone waits, past protection); a
-    # warning lead longer than that, so that the warning is due at once.
-    config = LAB_SESSIONS + 'c.Spawner.args.append("--SliceBrokerLab.cull_warning=3600")\n'
+    # warning lead longer than that, so that the warning is due at once. The session's
+    # GPUs, a stand-in's, hold memory and do nothing.
+    gpus = StandinGpus(tmp_path / "gpus", count=2)
+    gpus.set(0, memory_used=20_000)
+    config = LAB_SESSIONS + "".join(
+        f'c.Spawner.args.append("--SliceBrokerLab.{option}")\n'
+        for option in (
+            "cull_warning=3600",
+            f"nvidia_smi={gpus.program}",
+            "gpu_sample_interval=0.5",
+            "use_nvml=False",
+        )
+    )
     hub = HubProcess(tmp_path / "hub", cluster=CLUSTER, extra_config=config)
     try:
         hub.start()
@@ -105,9 +117,17 @@ def test_an_idle_warning_comes_with_the_hub_s_limit_and_a_countdown(tmp_path, br
         expect(page.locator(".sb-status")).to_have_text(
             re.compile(r"^GPU ×1 · vision · not protected · \d+\.\d\d GPU-h$")
         )
+        expect(page.locator(".sb-gpu-use")).to_have_text("GPU 0%")
         page.screenshot(path=str(screenshots / "lab-idle-warning.png"))
-        dialog.get_by_role("button", name="Dismiss").click()
+        dialog.get_by_role("button", name="Keep my session").click()
         expect(dialog).to_have_count(0)
+        wait_until(
+            lambda: "the user kept the session after" in hub.log_text(), 30, "the keep's log line"
+        )
+
+        # Work on the GPUs shows in the status bar, and is activity.
+        gpus.set(70, memory_used=20_000)
+        expect(page.locator(".sb-gpu-use")).to_have_text("GPU 70%", timeout=30_000)
     finally:
         hub.shutdown()
 

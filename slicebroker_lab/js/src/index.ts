@@ -2,9 +2,11 @@
  * The GPU slice of this JupyterLab session, from the server extension's
  * `GET <base>/slicebroker/session`:
  *
- * - a status-bar item: "GPU ×2 · vision · protected 42 min · 1.30 GPU-h";
+ * - a status-bar item: "GPU ×2 · vision · protected 42 min · 1.30 GPU-h", and one
+ *   with the utilisation of the session's GPUs: "GPU 85%";
  * - a dialog with a live countdown when the slice is preempted (its grace period)
- *   or when the session may soon be stopped as idle, with a "Save all" button;
+ *   or when the session may soon be stopped as idle, with a "Save all" button, and
+ *   for the idle warning "Keep my session" (activity now, which the server logs);
  * - the command "GPU session details" (palette, and a click on the status item):
  *   the slice's details and links to the broker's pages;
  * - when the session ends after a preemption, a notice of why.
@@ -45,9 +47,28 @@ interface ISession {
     message: string;
   } | null;
   broker_pages: string;
+  activity: IActivity | null;
+}
+
+/** What the session last did (``slicebroker/activity``): kernels, terminals, GPUs. */
+interface IActivity {
+  idle_seconds: number;
+  kernels_busy: number;
+  gpu_busy: boolean;
+  gpu: {
+    source: string;
+    gpus: Array<{
+      index: number;
+      utilization_percent: number | null;
+      memory_used_mib: number | null;
+      memory_total_mib: number | null;
+    }>;
+    problem: string | null;
+  } | null;
 }
 
 const DETAILS_COMMAND = 'slicebroker:details';
+const KEEP_COMMAND = 'slicebroker:keep';
 const SAVE_ALL_COMMAND = 'docmanager:save-all';
 /** Seconds between reads of the slice; shorter while a countdown runs. */
 const POLL_S = 15;
@@ -119,6 +140,14 @@ class SessionModel {
     });
   }
 
+  /** "Keep my session": activity now, as the hub's idle rule counts it. */
+  async keep(): Promise<void> {
+    const url = URLExt.join(this.settings.baseUrl, 'slicebroker', 'activity');
+    const init = { method: 'POST', body: JSON.stringify({ keep: true }) };
+    await ServerConnection.makeRequest(url, init, this.settings);
+    await this.refresh();
+  }
+
   async refresh(): Promise<void> {
     window.clearTimeout(this.timer);
     if (this.ended) {
@@ -167,6 +196,50 @@ export function statusText(session: ISession, now: number): string {
   }
   parts.push(session.cost);
   return parts.join(' · ');
+}
+
+/** The status bar's GPU use: "GPU 85%" (the mean over the session's GPUs), or null
+ * when the GPUs could not be read. */
+export function gpuUseText(activity: IActivity | null): string | null {
+  const read = (activity?.gpu?.gpus ?? []).filter(g => g.utilization_percent !== null);
+  if (read.length === 0) {
+    return null;
+  }
+  const total = read.reduce((sum, g) => sum + (g.utilization_percent ?? 0), 0);
+  return `GPU ${Math.round(total / read.length)}%`;
+}
+
+/** One line per GPU for the details: "GPU 2: 85%, 30.0 of 79.6 GiB". */
+function gpuUseRows(activity: IActivity | null): string {
+  const gpus = activity?.gpu?.gpus ?? [];
+  if (gpus.length === 0) {
+    return activity?.gpu?.problem ?? 'not read';
+  }
+  const gib = (mib: number | null) => (mib === null ? '?' : (mib / 1024).toFixed(1));
+  return gpus
+    .map(
+      g =>
+        `GPU ${g.index}: ${g.utilization_percent ?? '?'}%, ` +
+        `${gib(g.memory_used_mib)} of ${gib(g.memory_total_mib)} GiB`
+    )
+    .join('; ');
+}
+
+/** The status bar's GPU use item (resource-usage's GPU indicator, for this session). */
+class GpuUseItem extends Widget {
+  constructor(private model: SessionModel) {
+    super();
+    this.addClass('sb-gpu-use');
+    this.node.title =
+      'Utilisation of this session\'s GPUs: busy GPUs keep it from being stopped as idle';
+    model.onChange(() => this.render());
+  }
+
+  render(): void {
+    const text = gpuUseText(this.model.session?.activity ?? null);
+    this.setHidden(text === null);
+    this.node.textContent = text ?? '';
+  }
 }
 
 class StatusItem extends Widget {
@@ -280,8 +353,17 @@ function detailsBody(model: SessionModel): Widget {
   if (session.end_reason) {
     rows.push(['Ended', session.end_reason]);
   }
+  if (session.activity) {
+    rows.push(['GPU use', gpuUseRows(session.activity)]);
+    rows.push([
+      'Idle',
+      session.activity.kernels_busy > 0 || session.activity.gpu_busy
+        ? 'no: working'
+        : minutes(session.activity.idle_seconds)
+    ]);
+  }
   if (session.cull_warning) {
-    rows.push(['Idle', session.cull_warning.message]);
+    rows.push(['Idle warning', session.cull_warning.message]);
   }
   const table = document.createElement('table');
   for (const [name, value] of rows) {
@@ -344,7 +426,8 @@ class Warnings {
       void this.countdown(
         'Your GPU session may stop as idle',
         session.cull_warning.message,
-        () => this.model.session?.cull_warning?.deadline ?? null
+        () => this.model.session?.cull_warning?.deadline ?? null,
+        true
       );
     } else if (!session.cull_warning) {
       this.shownCull = false; // activity came back: a later idle spell warns again
@@ -388,17 +471,20 @@ class Warnings {
   private async countdown(
     title: string,
     message: string,
-    deadline: () => number | null
+    deadline: () => number | null,
+    keepable = false
   ): Promise<void> {
     const body = new CountdownBody(this.model, deadline, message);
+    const keep = Dialog.createButton({ label: 'Keep my session', actions: ['keep'] });
     const dialog = new Dialog({
       title,
       body,
       buttons: [
         Dialog.cancelButton({ label: 'Dismiss' }),
+        ...(keepable ? [keep] : []),
         Dialog.okButton({ label: 'Save all' })
       ],
-      defaultButton: 1
+      defaultButton: keepable ? 2 : 1
     });
     this.open = dialog;
     const result = await dialog.launch();
@@ -406,7 +492,9 @@ class Warnings {
       this.open = null;
     }
     body.dispose();
-    if (result.button.accept) {
+    if (result.button.actions.includes('keep')) {
+      await this.app.commands.execute(KEEP_COMMAND);
+    } else if (result.button.accept) {
       await this.app.commands.execute(SAVE_ALL_COMMAND);
     }
   }
@@ -435,7 +523,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
         });
       }
     });
+    app.commands.addCommand(KEEP_COMMAND, {
+      label: 'Keep my GPU session',
+      caption: 'Count as activity now, so that the session is not stopped as idle',
+      execute: () => model.keep()
+    });
     palette?.addItem({ command: DETAILS_COMMAND, category: 'GPU session' });
+    palette?.addItem({ command: KEEP_COMMAND, category: 'GPU session' });
     if (statusBar) {
       const item = new StatusItem(model, () => {
         void app.commands.execute(DETAILS_COMMAND);
@@ -445,6 +539,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
         align: 'left',
         rank: 100,
         isActive: () => model.session !== null
+      });
+      statusBar.registerStatusItem('slicebroker-lab:gpu-use', {
+        item: new GpuUseItem(model),
+        align: 'left',
+        rank: 101,
+        isActive: () => gpuUseText(model.session?.activity ?? null) !== null
       });
     }
     new Warnings(app, model);
