@@ -304,6 +304,11 @@ class BrokerClient:
             if slice_["state"] != known_state or left <= 0 or deadline - time.monotonic() < 0.05:
                 return slice_
 
+    async def checkpoint(self, slice_id: int) -> dict[str, Any]:
+        """Report that the slice's work is saved now (``POST /slices/{id}/checkpoint``);
+        the slice."""
+        return await self.request("POST", f"/slices/{int(slice_id)}/checkpoint", {})
+
     async def heartbeat(self, slice_id: int) -> dict[str, Any]:
         """Extend the slice's lease (``POST /slices/{id}/heartbeat``); the slice."""
         return await self.request("POST", f"/slices/{int(slice_id)}/heartbeat", {})

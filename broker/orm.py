@@ -210,6 +210,8 @@ class SliceRow(Base):
     #: Times preempted so far, and when it last went back to the queue (design.md §5.7).
     preemptions: Mapped[int] = mapped_column(default=0, server_default="0")
     queued_at: Mapped[float | None]
+    #: The holder's last reported checkpoint: work before it is not lost to a preemption.
+    checkpointed_at: Mapped[float | None]
     ended_at: Mapped[float | None]
     end_reason: Mapped[str | None] = mapped_column(String(32))
     charged_gpu_seconds: Mapped[float] = mapped_column(default=0.0)

@@ -248,6 +248,7 @@ async def test_another_users_slice_looks_like_no_slice(api, alice, bob):
         ("GET", ""),
         ("DELETE", ""),
         ("POST", "/heartbeat"),
+        ("POST", "/checkpoint"),
         ("GET", "/events"),
     ]:
         reply = await api.call(method, f"/slices/{theirs['id']}{path}", token=alice)
@@ -259,6 +260,21 @@ async def test_a_heartbeat_extends_the_lease(api, alice):
     before = (await granted(api, alice, made["id"]))["lease_expires_at"]
     beat = ok(await api.call("POST", f"/slices/{made['id']}/heartbeat", token=alice))
     assert beat["lease_expires_at"] > before
+
+
+async def test_a_checkpoint_is_recorded_for_a_held_slice_only(api, alice):
+    made = await submit(api, alice)
+    held = await granted(api, alice, made["id"])
+    assert held["checkpointed_at"] is None
+    saved = ok(await api.call("POST", f"/slices/{made['id']}/checkpoint", token=alice))
+    assert saved["checkpointed_at"] >= held["granted_at"]
+    shown = ok(await api.call("GET", f"/slices/{made['id']}", token=alice))
+    assert shown["checkpointed_at"] == saved["checkpointed_at"]
+    ok(await api.call("DELETE", f"/slices/{made['id']}", token=alice))
+    ended = await api.call("POST", f"/slices/{made['id']}/checkpoint", token=alice)
+    assert error_code(ended, 409) == "conflict"
+    after = ok(await api.call("GET", f"/slices/{made['id']}", token=alice))
+    assert after["checkpointed_at"] == saved["checkpointed_at"]  # the refusal wrote nothing
 
 
 async def test_deleting_cancels_a_pending_slice_and_releases_a_held_one(api, alice):

@@ -360,9 +360,18 @@ def test_slices_filters_by_state_and_user(service, capsys):
     assert rows[str(ended["id"])][5] == "ended" and rows[str(ended["id"])][-1] == "released"
 
 
-def test_release_ends_a_slice_and_reports_its_charge(service, capsys):
+def test_checkpoint_and_release_a_slice_and_the_release_reports_its_charge(
+    service, capsys, monkeypatch
+):
     alice = service.token("alice")
     held = wait_state(service, submit(service, alice, "vision", 4)["id"], "pending")
+    # A job reports its checkpoint with the slice 'slicebroker run' names in its environment.
+    monkeypatch.setenv("SLICEBROKER_SLICE_ID", str(held["id"]))
+    status, out, _ = run_cli(capsys, "checkpoint")
+    assert status == 0 and out.startswith(f"slice {held['id']}: checkpoint recorded at ")
+    saved = service.get(f"/slices/{held['id']}", token=alice).json()["checkpointed_at"]
+    assert saved is not None and saved >= held["granted_at"]
+
     status, out, _ = run_cli(capsys, "release", str(held["id"]))
     assert status == 0
     slice_ = service.get(f"/slices/{held['id']}", token=alice).json()
@@ -445,6 +454,7 @@ def test_parse_time_reads_dates_durations_and_epochs():
     ("argv", "expected"),
     [
         (["release", "not-a-number"], "argument ID: expected a whole number >= 1"),
+        (["checkpoint"], "no slice: give its ID or set SLICEBROKER_SLICE_ID"),
         (["project", "set", "x", "--parent", ""], "pass --top-level to move the account"),
         (["project", "set", "x", "--parent", "a", "--top-level"], "not allowed with argument"),
         (["project", "set", "x", "--users", "a", "--add-user", "b"], "--users replaces the list"),
@@ -458,6 +468,7 @@ def test_parse_time_reads_dates_durations_and_epochs():
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(argv, expected, capsys, monkeypatch):
+    monkeypatch.delenv("SLICEBROKER_SLICE_ID", raising=False)
     monkeypatch.setenv("SLICEBROKER_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("SLICEBROKER_TOKEN", "x")
     status, _, err = run_cli(capsys, *argv)

@@ -205,3 +205,21 @@ def test_the_debug_lane_takes_no_batch_gpus_once_it_is_full():
     roomy = Policy(debug_lane_fraction=0.25)
     d = schedule(snapshot(nodes(1), accounts, [held, batch, session], policy=roomy))
     assert [(p.slice_id, p.reason) for p in d.preemptions] == [(batch.id, PreemptReason.DEBUG_LANE)]
+
+
+def test_a_victim_that_just_checkpointed_is_taken_before_one_with_hours_of_unsaved_work():
+    # Two 4-GPU hog jobs past protection: the one granted later has less work since its
+    # grant, unless the other reported a checkpoint since (design.md §5.3, victim_key 4)
+    older = running("hog", "n0", (0, 1, 2, 3), min_runtime=HOUR, granted_ago=5 * HOUR)
+    newer = running("hog", "n0", (4, 5, 6, 7), min_runtime=HOUR, granted_ago=3 * HOUR)
+    request = pending("starving", 4)
+    d = decide([older, newer, request])
+    assert [p.slice_id for p in d.preemptions] == [newer.id]
+
+    saved = replace(older, checkpointed_at=NOW - MIN)
+    d = decide([saved, newer, request])
+    assert [p.slice_id for p in d.preemptions] == [older.id]
+    # a checkpoint before the grant (an earlier run's) saves nothing of this run
+    stale = replace(older, checkpointed_at=NOW - 6 * HOUR)
+    d = decide([stale, newer, request])
+    assert [p.slice_id for p in d.preemptions] == [newer.id]

@@ -3,8 +3,8 @@
 Each example runs a stretch of time on a small, contended cluster: projects
 start with usage (and often one of them fills the cluster first), slices arrive
 with mostly protected contracts, caps, leases, priorities and debug sessions;
-time moves (often exactly to the next deadline), holders release and heartbeat,
-nodes drain, go down and come back, and the broker "crashes": its live slices
+time moves (often exactly to the next deadline), holders release, heartbeat and
+report checkpoints, nodes drain, go down and come back, and the broker "crashes": its live slices
 go through the SQLite store's rows and the next pass runs on what was read
 back. After every pass it checks:
 
@@ -125,7 +125,7 @@ STEP = one_of_these(
     *["submit"] * 6,
     *["advance"] * 2,
     *["to_deadline"] * 3,
-    *["release", "heartbeat", "drain", "down", "restore", "crash"],
+    *["release", "heartbeat", "checkpoint", "drain", "down", "restore", "crash"],
 )
 
 
@@ -337,6 +337,11 @@ class World:
                 self.live[slice_id], lease_expires_at=self.now + self.lease
             )
 
+    def checkpoint(self, slice_id: int) -> None:
+        """The holder saved its work: victims are chosen by the work since (§5.3)."""
+        if self.live[slice_id].state in (SliceState.GRANTED, SliceState.PREEMPTING):
+            self.live[slice_id] = replace(self.live[slice_id], checkpointed_at=self.now)
+
     def set_node(self, name: str, state: NodeState) -> None:
         self.nodes[name] = replace(self.nodes[name], state=state)
 
@@ -420,12 +425,14 @@ def test_the_contract_holds_after_every_pass(scenario: Scenario, store: Store) -
         elif step == "to_deadline":
             due = world.next_deadline()
             world.advance(arg if due is None else due - world.now)
-        elif step in ("release", "heartbeat") and world.live:
+        elif step in ("release", "heartbeat", "checkpoint") and world.live:
             slice_id = sorted(world.live)[arg % len(world.live)]
             if step == "release":
                 world.release(slice_id)
-            else:
+            elif step == "heartbeat":
                 world.heartbeat(slice_id)
+            else:
+                world.checkpoint(slice_id)
         elif step in ("drain", "down", "restore"):
             name = node_names[arg % len(node_names)]
             state = {"drain": NodeState.DRAINING, "down": NodeState.DOWN}.get(step, NodeState.READY)

@@ -128,6 +128,13 @@ class Slice:
     lease_expires_at: float | None = None
     preemptions: int = 0  # times preempted so far (design.md §5.7: its budget)
     queued_at: float | None = None  # when it last entered the queue; None: at submission
+    checkpointed_at: float | None = None  # its holder's last reported checkpoint (§5.3)
+
+    @property
+    def work_at_risk_since(self) -> float:
+        """Since when a preemption would lose this slice's work: its grant, or a later
+        checkpoint its holder reported."""
+        return max(self.granted_at or 0.0, self.checkpointed_at or 0.0)
 
     @property
     def waiting_since(self) -> float:

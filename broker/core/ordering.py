@@ -59,14 +59,15 @@ def victim_key(slice_: Slice, project_value: float) -> tuple:
     1. unallocated slices (they were free and knew it),
     2. the project furthest above its fair share now (highest standing, design.md §4),
     3. the fewest GPUs,
-    4. the least work lost (most recently granted),
+    4. the least work lost: the latest grant or reported checkpoint
+       (``Slice.work_at_risk_since``),
     5. slice id.
     """
     return (
         0 if not slice_.allocated else 1,
         -project_value,
         slice_.gpus,
-        -(slice_.granted_at or 0.0),
+        -slice_.work_at_risk_since,
         slice_.id,
     )
 

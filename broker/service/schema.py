@@ -271,6 +271,11 @@ class Slice(ApiObject):
         description="times preempted so far; past the policy's preemption_budget only a "
         "drain or a node going down ends it early",
     )
+    checkpointed_at: Epoch | None = Field(
+        description="the last checkpoint its holder reported (POST /slices/{id}/checkpoint): "
+        "among otherwise equal victims, the one with the least work since its grant or "
+        "this checkpoint is preempted first"
+    )
 
 
 class SliceList(ApiObject):

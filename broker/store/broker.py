@@ -347,6 +347,27 @@ class Broker(Journal):
                 row.lease_expires_at = now + self.lease
             return _slice_dict(row, now, self._read_catalog(session).costs)
 
+    def checkpoint(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+        """Record that the holder of a slice that holds GPUs checkpointed now: among
+        otherwise equal victims, the one with the least work since its grant or its last
+        checkpoint is preempted first (design.md §5.3). Returns the slice.
+
+        :class:`Conflict` for a slice that holds no GPUs (waiting or ended): it has no
+        work to lose. ``caller`` as for :meth:`release`.
+        """
+        # Not durable, as a heartbeat: a checkpoint lost to a power failure only makes
+        # the slice look to have more work at risk than it has.
+        with self._write(durable=False) as session:
+            row = _owned_row(session, slice_id, caller)
+            if row.state not in HELD_STATES:
+                raise Conflict(
+                    f"slice {slice_id} is {row.state}: only a slice that holds GPUs has work "
+                    "to checkpoint"
+                )
+            now = self._clock()
+            row.checkpointed_at = now
+            return _slice_dict(row, now, self._read_catalog(session).costs)
+
     def get_slice(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """The slice, as design.md §8 shows it; :class:`Forbidden` if ``caller`` may not see it."""
         with self._read() as session:

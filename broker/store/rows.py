@@ -43,6 +43,7 @@ def _write_state(row: SliceRow, slice_: Slice) -> None:
         lease_expires_at=slice_.lease_expires_at,
         preemptions=slice_.preemptions,
         queued_at=slice_.queued_at,
+        checkpointed_at=slice_.checkpointed_at,
     )
 
 
@@ -79,6 +80,7 @@ def _to_slice(row: SliceRow) -> Slice:
         lease_expires_at=row.lease_expires_at,
         preemptions=row.preemptions,
         queued_at=row.queued_at,
+        checkpointed_at=row.checkpointed_at,
     )
 
 

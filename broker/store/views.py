@@ -51,6 +51,7 @@ def _row_view(row: SliceRow) -> dict[str, Any]:
         "estimated_start": row.estimated_start,
         "charged_gpu_seconds": row.charged_gpu_seconds,
         "preemptions": row.preemptions,
+        "checkpointed_at": row.checkpointed_at,
     }
 
 

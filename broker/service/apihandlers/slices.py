@@ -161,16 +161,17 @@ class _OwnedSliceHandler(APIHandler):
     """A handler of one slice: the caller's own, unless an agent or admin."""
 
     async def owned(
-        self, method, slice_id: int, *, change: bool = False, heartbeat: bool = False
+        self, method, slice_id: int, *, change: bool = False, not_durable: bool = False
     ) -> Any:
         """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
-        the schedule (then a pass follows) or is a ``heartbeat`` (a write the Broker
-        makes without a flush to disk, so it joins the group commit of such writes)."""
+        the schedule (then a pass follows) or is a ``not_durable`` write (one the Broker
+        makes without a flush to disk, as a heartbeat: it joins the group commit of such
+        writes)."""
         owner = owner_filter(self.identity)
         try:
             if change:
                 return await self.runner.change(method, slice_id, **owner)
-            if heartbeat:
+            if not_durable:
                 return await self.runner.write(method, slice_id, durable=False, **owner)
             return await self.runner.read(method, slice_id, **owner)
         except Forbidden:
@@ -292,7 +293,26 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), heartbeat=True)
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), not_durable=True)
+        self.write_json(slice_)
+
+
+class SliceCheckpointHandler(_OwnedSliceHandler):
+    operations = {
+        "post": Operation(
+            "Report a checkpoint",
+            "Records that the slice's holder saved its work now (`checkpointed_at`). Among "
+            "otherwise equal victims, the broker preempts the one with the least work since "
+            "its grant or its last checkpoint first. Only a slice that holds GPUs "
+            "(`granted` or `preempting`) has work to checkpoint: any other answers 409.",
+            parameters=(ID_PARAM,),
+            content={"application/json": "Slice"},
+            errors=(404, 409),
+        )
+    }
+
+    async def post(self, id: str) -> None:
+        slice_ = await self.owned(self.broker.checkpoint, self.slice_id(id), not_durable=True)
         self.write_json(slice_)
 
 
@@ -346,6 +366,7 @@ default_handlers = [
     ("/slices", SliceListHandler),
     ("/slices/{id}", SliceHandler),
     ("/slices/{id}/heartbeat", SliceHeartbeatHandler),
+    ("/slices/{id}/checkpoint", SliceCheckpointHandler),
     ("/slices/{id}/events", SliceEventsHandler),
     ("/slices/{id}/alternatives", SliceAlternativesHandler),
 ]
