@@ -145,6 +145,20 @@ CASES = [
             ("admin", "an admin", 200),
         ]
     ],
+    # a checkpoint: those allowed reach the slice, which holds no GPUs yet (409)
+    *[
+        Case(f"{who_says} a checkpoint of a waiting slice", who, "POST", path, status)
+        for path in ["/slices/{slice}/checkpoint"]
+        for who, who_says, status in [
+            ("anonymous", "an anonymous caller never reports", 401),
+            ("forged", "a forged token never reports", 401),
+            ("alice", "its owner is told it has no work to save in", 409),
+            ("bob", "another user gets 404 for", 404),
+            ("dave", "a non-member gets 404 for", 404),
+            ("agent", "an agent is told it has no work to save in", 409),
+            ("admin", "an admin is told it has no work to save in", 409),
+        ]
+    ],
     # projects
     Case("anonymous callers cannot see projects", "anonymous", "GET", "/projects", 401),
     Case("a user sees the project tree", "dave", "GET", "/projects", 200),

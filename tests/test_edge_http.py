@@ -109,7 +109,13 @@ def parse_answer(raw: bytes) -> tuple[int, dict]:
 )
 def test_a_path_id_that_is_not_ascii_digits_in_range_is_a_json_404(service, slice_one, text):
     alice = slice_one
-    for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/heartbeat"), ("GET", "/events")):
+    for method, suffix in (
+        ("GET", ""),
+        ("DELETE", ""),
+        ("POST", "/heartbeat"),
+        ("POST", "/checkpoint"),
+        ("GET", "/events"),
+    ):
         response = service.request(method, f"/slices/{text}{suffix}", token=alice)
         error = assert_json_error(response, 404, "not_found")
         assert len(error["message"]) < 400
