@@ -304,6 +304,14 @@ class BrokerClient:
             if slice_["state"] != known_state or left <= 0 or deadline - time.monotonic() < 0.05:
                 return slice_
 
+    async def extend_protection(self, slice_id: int, by: float | str) -> dict[str, Any]:
+        """Protect the slice ``by`` longer (seconds or a duration such as ``"30m"``;
+        ``POST /slices/{id}/protection``); the slice."""
+        body = {"extend_by": by}
+        return await self.request(
+            "POST", f"/slices/{int(slice_id)}/protection", body, idempotent=False
+        )
+
     async def checkpoint(self, slice_id: int) -> dict[str, Any]:
         """Report that the slice's work is saved now (``POST /slices/{id}/checkpoint``);
         the slice."""

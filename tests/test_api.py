@@ -277,6 +277,27 @@ async def test_a_checkpoint_is_recorded_for_a_held_slice_only(api, alice):
     assert after["checkpointed_at"] == saved["checkpointed_at"]  # the refusal wrote nothing
 
 
+async def test_a_granted_slice_s_protection_is_extended_within_the_cap(api, alice, bob):
+    made = await submit(api, alice, min_runtime="1h")
+    held = await granted(api, alice, made["id"])
+    path = f"/slices/{made['id']}/protection"
+    longer = ok(await api.call("POST", path, token=alice, json={"extend_by": "30m"}))
+    assert longer["protected_until"] == held["protected_until"] + 1800
+    assert longer["min_runtime"] == 5400 and longer["charged_gpu_seconds"] >= 0
+    events = ok(await api.call("GET", f"/slices/{made['id']}/events", token=alice))["events"]
+    assert events[-1]["reason"] == "protection extended by 30m"
+
+    # past the 8 h cap: a 409 that says the room left, and nothing written
+    refused = await api.call("POST", path, token=alice, json={"extend_by": "7h"})
+    assert error_code(refused, 409) == "conflict"
+    assert "at most 6h30m more" in refused.json["error"]["message"]
+    for body in ({"extend_by": "1x"}, {"extend_by": 60, "why": "x"}, {}):
+        assert error_code(await api.call("POST", path, token=alice, json=body), 400)
+    assert error_code(await api.call("POST", path, token=bob, json={"extend_by": 60}), 404)
+    after = ok(await api.call("GET", f"/slices/{made['id']}", token=alice))
+    assert after["protected_until"] == longer["protected_until"]
+
+
 async def test_deleting_cancels_a_pending_slice_and_releases_a_held_one(api, alice):
     made = await submit(api, alice)
     await granted(api, alice, made["id"])

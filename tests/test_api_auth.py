@@ -145,18 +145,21 @@ CASES = [
             ("admin", "an admin", 200),
         ]
     ],
-    # a checkpoint: those allowed reach the slice, which holds no GPUs yet (409)
+    # a checkpoint, an extension: those allowed reach the slice, which holds no GPUs yet
     *[
-        Case(f"{who_says} a checkpoint of a waiting slice", who, "POST", path, status)
-        for path in ["/slices/{slice}/checkpoint"]
+        Case(f"{who_says} {what} a waiting slice", who, "POST", path, status, json=body)
+        for what, path, body in [
+            ("a checkpoint of", "/slices/{slice}/checkpoint", None),
+            ("more protection for", "/slices/{slice}/protection", {"extend_by": "30m"}),
+        ]
         for who, who_says, status in [
-            ("anonymous", "an anonymous caller never reports", 401),
-            ("forged", "a forged token never reports", 401),
-            ("alice", "its owner is told it has no work to save in", 409),
+            ("anonymous", "an anonymous caller never asks", 401),
+            ("forged", "a forged token never asks", 401),
+            ("alice", "its owner is refused (409)", 409),
             ("bob", "another user gets 404 for", 404),
             ("dave", "a non-member gets 404 for", 404),
-            ("agent", "an agent is told it has no work to save in", 409),
-            ("admin", "an admin is told it has no work to save in", 409),
+            ("agent", "an agent is refused (409)", 409),
+            ("admin", "an admin is refused (409)", 409),
         ]
     ],
     # projects

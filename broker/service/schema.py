@@ -454,6 +454,15 @@ class NodeList(ApiObject):
     nodes: list[Node]
 
 
+class ProtectionExtension(ApiObject):
+    extend_by: Duration = Field(
+        description="how much longer the slice is protected, from the later of the end "
+        "of its protection and now. Seconds (a number) or a duration string such as "
+        "'30m'. Bounded as a new contract is: max_min_runtime from the grant (a debug "
+        "session's debug_max_min_runtime), and the slice's max_runtime."
+    )
+
+
 class NodeChange(ApiObject):
     reason: ReasonText = Field(
         None, description="shown on the node; one line, no control characters"
@@ -492,6 +501,7 @@ MODELS: dict[str, type[ApiObject]] = {
         Node,
         NodeList,
         NodeChange,
+        ProtectionExtension,
     )
 }
 

@@ -19,8 +19,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from ..config import ClusterConfig
+from ..config import ClusterConfig, format_duration
 from ..core import accounting, transitions, whatif
+from ..core.extension import ExtensionRefused, extended_contract
 from ..core.fairshare import ProjectTree
 from ..core.incremental import PassState
 from ..core.model import (
@@ -345,6 +346,24 @@ class Broker(Journal):
             now = self._clock()
             if row.state in LIVE_STATES:
                 row.lease_expires_at = now + self.lease
+            return _slice_dict(row, now, self._read_catalog(session).costs)
+
+    def extend_protection(self, slice_id: int, by: float, *, caller: Caller | None = None) -> dict:
+        """Extend a granted slice's protection by ``by`` seconds from the later of its
+        end and now, within the contract's caps (:mod:`broker.core.extension`); returns
+        the slice. :class:`Conflict` says why when the extension is refused.
+        ``caller`` as for :meth:`release`.
+        """
+        with self._write() as session:
+            row = _owned_row(session, slice_id, caller)
+            now = self._clock()
+            try:
+                contract = extended_contract(_to_slice(row), by, now, self.config.policy)
+            except ExtensionRefused as err:
+                raise Conflict(str(err)) from None
+            row.min_runtime = contract.min_runtime
+            reason = f"protection extended by {format_duration(round(by))}"
+            _event(session, row, SliceState(row.state), reason, now)
             return _slice_dict(row, now, self._read_catalog(session).costs)
 
     def checkpoint(self, slice_id: int, *, caller: Caller | None = None) -> dict:

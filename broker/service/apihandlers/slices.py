@@ -297,6 +297,35 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
         self.write_json(slice_)
 
 
+class SliceProtectionHandler(_OwnedSliceHandler):
+    operations = {
+        "post": Operation(
+            "Extend a slice's protection",
+            "Protects a granted slice under contract for `extend_by` longer, from the later "
+            "of the end of its protection and now (`protected_until` moves; `min_runtime` "
+            "grows). The slice is charged as before, from its grant to its end; nobody "
+            "preempts it for longer. Bounded as a new contract is: the policy's "
+            "`max_min_runtime` counted from the grant (a debug session's "
+            "`debug_max_min_runtime`) and the slice's `max_runtime`; past a bound, or for a "
+            "slice that is not granted or is free, it answers 409 with the room left.",
+            parameters=(ID_PARAM,),
+            body="ProtectionExtension",
+            content={"application/json": "Slice"},
+            errors=(400, 404, 409),
+        )
+    }
+
+    async def post(self, id: str) -> None:
+        slice_id = self.slice_id(id)
+        by = _duration(self.body(), "extend_by")
+        owner = owner_filter(self.identity)
+        try:
+            slice_ = await self.runner.change(self.broker.extend_protection, slice_id, by, **owner)
+        except Forbidden:
+            raise NotFound(f"no slice {slice_id}") from None
+        self.write_json(slice_)
+
+
 class SliceCheckpointHandler(_OwnedSliceHandler):
     operations = {
         "post": Operation(
@@ -367,6 +396,7 @@ default_handlers = [
     ("/slices/{id}", SliceHandler),
     ("/slices/{id}/heartbeat", SliceHeartbeatHandler),
     ("/slices/{id}/checkpoint", SliceCheckpointHandler),
+    ("/slices/{id}/protection", SliceProtectionHandler),
     ("/slices/{id}/events", SliceEventsHandler),
     ("/slices/{id}/alternatives", SliceAlternativesHandler),
 ]
