@@ -18,13 +18,19 @@ session, idle, is close to a limit of the hub's idle rule (see
 ``{"error": {"code": ..., "message": ...}}``: 404 ``no_slice`` when the
 session has no slice (not started by the broker's spawner), 502
 ``broker_unavailable`` when the broker does not answer or refuses. ``activity``
-is the answer of the next route.
+is the answer of the next route; ``extend_protection_by`` the seconds of
+protection ``POST slicebroker/protection`` adds (0: not offered).
 
 ``GET <base_url>slicebroker/activity``: what the session last did
 (:mod:`slicebroker_lab.activity`): its idle seconds, kernels busy, and its GPUs'
 utilisation and memory. The hub's spawner reads it for the idle rule, with the
 server's own token. ``POST`` with ``{"keep": true}`` is Lab's "Keep my
 session": it counts as activity now, and the server logs it.
+
+``POST <base_url>slicebroker/protection``: Lab's "Extend protection": asks the
+broker, with the session's token, to protect the slice ``extend_protection_by``
+longer (``POST /slices/{id}/protection``); a refusal (past the contract's cap)
+comes back as the broker's 409 and its message.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ class SliceBrokerLab(Configurable):
         10.0,
         help="Seconds one read of the slice from the broker may take before Lab is told "
         "the broker is unavailable.",
+    ).tag(config=True)
+
+    extend_protection_by = Float(
+        1800.0,
+        help="""Seconds of protection Lab's idle warning offers to add ("Extend protection
+        by 30 min"; 0: not offered). The broker bounds it as a new contract (its
+        max_min_runtime from the grant) and says so when it refuses. The session stays
+        charged from its grant to its end either way.""",
     ).tag(config=True)
 
     gpu_sample_interval = Float(
@@ -232,6 +246,37 @@ class ActivityHandler(_Handler):
         self.finish(json.dumps(self.activity.view(now)))
 
 
+class ProtectionHandler(_Handler):
+    """``POST slicebroker/protection``: extend the session's protection by
+    ``extend_protection_by`` (Lab's idle warning); the session's view, or the broker's
+    refusal (409, with the room left) in the API's error shape."""
+
+    @web.authenticated
+    async def post(self) -> None:
+        config: SliceBrokerLab = self.settings["slicebroker_lab"]
+        slice_id = os.environ.get(SLICE_ENV, "")
+        if config.extend_protection_by <= 0 or not slice_id.isdigit():
+            self.error(404, "no_slice", "This session has no protection to extend.")
+            return
+        client = BrokerClient(timeout=config.broker_timeout, retries=1)
+        try:
+            slice_ = await client.extend_protection(int(slice_id), config.extend_protection_by)
+        except BrokerAPIError as err:
+            status = err.status if 400 <= err.status < 500 else 502
+            code = err.code or "broker_unavailable"
+            self.error(status, code, f"The GPU broker did not extend it: {err.message}")
+            return
+        finally:
+            client.close()
+        self.log.info(
+            "slicebroker: protection of slice %s extended to %s",
+            slice_id,
+            slice_.get("protected_until"),
+        )
+        now = time.time()
+        self.finish(json.dumps(session_view(slice_, now, None, os.environ, None)))
+
+
 class SessionHandler(_Handler):
     """``GET slicebroker/session``: the session's slice (see the module docstring)."""
 
@@ -266,7 +311,10 @@ class SessionHandler(_Handler):
         warning = cull_warning(
             slice_, now, activity["idle_seconds"], cull_limits(env), config.cull_warning
         )
-        self.finish(json.dumps(session_view(slice_, now, warning, env, activity)))
+        view = session_view(slice_, now, warning, env, activity)
+        extendable = slice_.get("state") == "granted" and bool(slice_.get("min_runtime"))
+        view["extend_protection_by"] = config.extend_protection_by if extendable else 0.0
+        self.finish(json.dumps(view))
 
 
 def setup_handlers(serverapp: Any) -> None:
@@ -282,6 +330,7 @@ def setup_handlers(serverapp: Any) -> None:
         [
             (url_path_join(base, "slicebroker", "session"), SessionHandler),
             (url_path_join(base, "slicebroker", "activity"), ActivityHandler),
+            (url_path_join(base, "slicebroker", "protection"), ProtectionHandler),
         ],
     )
     if config.gpu_sample_interval > 0 and os.environ.get(SLICE_ENV, "").isdigit():

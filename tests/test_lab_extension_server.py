@@ -186,6 +186,29 @@ def test_a_preempting_slice_has_its_deadline_and_reason(broker, tmp_path):
         server.stop()
 
 
+def test_extend_protection_asks_the_broker_and_passes_its_refusal_on(broker, granted, tmp_path):
+    # alice's session is a debug session (2 GPUs, 10 min): at most 15 min of protection
+    token, slice_ = granted
+    env = session_environment(broker, token, slice_["id"])
+    server = JupyterServer(tmp_path, env, ("--SliceBrokerLab.extend_protection_by=300",))
+    try:
+        assert server.session().json()["extend_protection_by"] == 300
+        url = f"{server.url}/slicebroker/protection"
+        headers = {"Authorization": f"token {server.token}"}
+        extended = requests.post(url, headers=headers, timeout=30)
+        assert extended.status_code == 200, extended.text
+        assert extended.json()["protected_until"] == slice_["protected_until"] + 300
+        assert broker.get(f"/slices/{slice_['id']}", token=token).json()["min_runtime"] == 900
+
+        refused = requests.post(url, headers=headers, timeout=30)
+        assert refused.status_code == 409, refused.text
+        message = refused.json()["error"]["message"]
+        assert "debug_max_min_runtime (15m); at most 0s more" in message
+        assert broker.get(f"/slices/{slice_['id']}", token=token).json()["min_runtime"] == 900
+    finally:
+        server.stop()
+
+
 def test_a_session_without_a_slice_gets_a_404_in_the_api_shape(broker, tmp_path):
     server = JupyterServer(tmp_path, session_environment(broker, broker.token("alice"), None))
     try:

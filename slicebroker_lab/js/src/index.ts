@@ -48,6 +48,8 @@ interface ISession {
   } | null;
   broker_pages: string;
   activity: IActivity | null;
+  /** Seconds "Extend protection" adds (0: not offered). */
+  extend_protection_by: number;
 }
 
 /** What the session last did (``slicebroker/activity``): kernels, terminals, GPUs. */
@@ -146,6 +148,19 @@ class SessionModel {
     const init = { method: 'POST', body: JSON.stringify({ keep: true }) };
     await ServerConnection.makeRequest(url, init, this.settings);
     await this.refresh();
+  }
+
+  /** "Extend protection": null when done, else the broker's reason for refusing. */
+  async extendProtection(): Promise<string | null> {
+    const url = URLExt.join(this.settings.baseUrl, 'slicebroker', 'protection');
+    const reply = await ServerConnection.makeRequest(
+      url,
+      { method: 'POST' },
+      this.settings
+    );
+    const body = await reply.json();
+    await this.refresh();
+    return reply.ok ? null : (body?.error?.message ?? `HTTP ${reply.status}`);
   }
 
   async refresh(): Promise<void> {
@@ -475,16 +490,29 @@ class Warnings {
     keepable = false
   ): Promise<void> {
     const body = new CountdownBody(this.model, deadline, message);
-    const keep = Dialog.createButton({ label: 'Keep my session', actions: ['keep'] });
+    const extendBy = this.model.session?.extend_protection_by ?? 0;
+    const extra = keepable
+      ? [
+          Dialog.createButton({ label: 'Keep my session', actions: ['keep'] }),
+          ...(extendBy > 0
+            ? [
+                Dialog.createButton({
+                  label: `Extend protection by ${minutes(extendBy)}`,
+                  actions: ['extend']
+                })
+              ]
+            : [])
+        ]
+      : [];
     const dialog = new Dialog({
       title,
       body,
       buttons: [
         Dialog.cancelButton({ label: 'Dismiss' }),
-        ...(keepable ? [keep] : []),
+        ...extra,
         Dialog.okButton({ label: 'Save all' })
       ],
-      defaultButton: keepable ? 2 : 1
+      defaultButton: extra.length + 1
     });
     this.open = dialog;
     const result = await dialog.launch();
@@ -494,6 +522,22 @@ class Warnings {
     body.dispose();
     if (result.button.actions.includes('keep')) {
       await this.app.commands.execute(KEEP_COMMAND);
+    } else if (result.button.actions.includes('extend')) {
+      const refused = await this.model.extendProtection();
+      const session = this.model.session;
+      await showDialog({
+        title: refused ? 'Protection not extended' : 'Protection extended',
+        body:
+          refused ??
+          `Your session is protected until ${
+            session?.protected_until
+              ? new Date(
+                  (session.protected_until - this.model.now()) * 1000 + Date.now()
+                ).toLocaleTimeString()
+              : '—'
+          }. It is charged as before, from its start to its end.`,
+        buttons: [Dialog.okButton({ label: 'Close' })]
+      });
     } else if (result.button.accept) {
       await this.app.commands.execute(SAVE_ALL_COMMAND);
     }
