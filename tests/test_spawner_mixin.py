@@ -186,6 +186,7 @@ class FakeBroker:
             "estimated_start": None,
             "charged_gpu_seconds": 0.0,
             "preemptions": 0,
+            "checkpointed_at": None,
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
