@@ -72,6 +72,7 @@ from broker.config import format_duration, parse_duration
 from slicebroker_lab import CULL_ENV, session_env
 
 from . import notices
+from .brokerview import BrokerView
 from .culler import CullLimits, Verdict, verdict, waiter_for
 from .lifecycle import Lifecycle, Phase
 from .options import (
@@ -103,20 +104,6 @@ SOONER_AFTER_S = 60.0
 QUEUE_START_TIMEOUT_S = 3600
 
 _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
-
-#: The queue and the nodes as last read for the idle rule, per broker URL: one read per
-#: ``cull_interval / 2`` serves every session of the hub.
-_QUEUE_VIEWS: dict[str, tuple[float, asyncio.Future]] = {}
-#: The broker's nodes as last read, per broker URL: what the pending page and the notices
-#: say about draining and down nodes.
-_NODES_SEEN: dict[str, list[dict[str, Any]]] = {}
-#: GPUs of sessions this hub is stopping as idle since the queue view was last read, per
-#: view: node -> GPUs on their way back. The next session's idle check counts them as
-#: free, so that one waiting request does not cost every idle session that could serve it.
-_FREEING: dict[str, dict[str, int]] = {}
-#: The broker's granted slices as last read, per broker URL: when the GPUs a pending
-#: request waits for come out of their protection (the pending page's reason).
-_HELD_SEEN: dict[str, list[dict[str, Any]]] = {}
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -426,6 +413,11 @@ class SliceBrokerMixin(Configurable):
             )
         return self._broker
 
+    @property
+    def broker_view(self) -> BrokerView:
+        """What the hub's sessions read of this spawner's broker, shared."""
+        return BrokerView.of(self.broker_url)
+
     def choices(self) -> Choices:
         """What the admin offers, as :mod:`spawner.options` reads it."""
         protected = tuple(dict.fromkeys(parse_duration(v) for v in self.protected_choices))
@@ -466,7 +458,7 @@ class SliceBrokerMixin(Configurable):
             rows, nodes = await asyncio.gather(self.broker.projects(), self.broker.nodes())
         except BrokerAPIError as err:
             raise broker_error(err) from None
-        _NODES_SEEN[self.broker_url] = nodes
+        self.broker_view.nodes_seen = nodes
         projects = project_views(rows, self.user.name, self._user_groups())
         queue = sum(int(r.get("pending") or 0) for r in rows if r.get("is_project"))
         return projects, gpu_type_views(nodes), queue, nodes
@@ -746,7 +738,7 @@ class SliceBrokerMixin(Configurable):
         except BrokerAPIError as err:
             self.log.warning("Cannot read the nodes of %s's grant: %s", self._log_name, err.message)
             return None
-        _NODES_SEEN[self.broker_url] = nodes
+        self.broker_view.nodes_seen = nodes
         names = {p["node"] for p in granted.get("placements") or ()}
         types = sorted({n["gpu_type"] for n in nodes if n["name"] in names})
         return ",".join(types) or None
@@ -848,13 +840,13 @@ class SliceBrokerMixin(Configurable):
         previous = (self.slice or {}).get("state")
         self.slice = slice_
         state = slice_.get("state")
-        nodes = _NODES_SEEN.get(self.broker_url)
+        nodes = self.broker_view.nodes_seen
         starting = self.lifecycle.starting
         if state == "pending" and starting:
             capacity = capacity_note(nodes or [], slice_.get("gpus") or 0, slice_.get("gpu_type"))
             queue_url = notices.pages_url(self.broker_url)
             now = time.time()
-            held = _HELD_SEEN.get(self.broker_url) or []
+            held = self.broker_view.held_seen
             reason = notices.wait_reason(slice_, nodes or [], held, now)
             event = notices.queue_event(slice_, now, capacity, queue_url, reason, self._sooner)
             self._add_progress(event)
@@ -935,7 +927,7 @@ class SliceBrokerMixin(Configurable):
         if state == "pending":
             wait = min(wait, self.queue_refresh_interval)
             # Fresh nodes for the page: is the cluster draining or down?
-            await self._queue_view()
+            await self.broker_view.queue(self._read_queue, self.cull_interval / 2)
             await self._look_for_sooner(slice_id, s)
         elif state == "preempting":
             until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
@@ -1056,49 +1048,24 @@ class SliceBrokerMixin(Configurable):
             last = last.replace(tzinfo=UTC)
         return max(now - last.timestamp(), 0.0)
 
-    async def _queue_view(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The broker's pending slices and nodes, shared by the hub's sessions for
-        ``cull_interval / 2``."""
-        key = self._queue_key()
-        clock = time.monotonic()
-        cached = _QUEUE_VIEWS.get(key)
-        stale = cached is None or clock - cached[0] >= self.cull_interval / 2
-        if not stale and cached[1].done() and cached[1].exception() is not None:
-            stale = True
-        if stale:
-            read = asyncio.gather(
-                self.broker.list_slices(state="pending"),
-                self.broker.nodes(),
-                self.broker.list_slices(state="granted"),
-            )
-            read.add_done_callback(lambda f: f.cancelled() or f.exception())
-            cached = _QUEUE_VIEWS[key] = (clock, read)
-            _FREEING[key] = {}  # the fresh view shows what the stopped sessions gave back
-        pending, nodes, held = await asyncio.shield(cached[1])
-        _NODES_SEEN[self.broker_url] = nodes
-        _HELD_SEEN[self.broker_url] = held
-        return pending, nodes
-
     async def idle_verdict(self) -> tuple[Verdict, float | None, str]:
         """What the idle rule (:mod:`spawner.culler`) says of this session now, its idle
         seconds, and where they were read (:meth:`session_idle_seconds`)."""
-        pending, nodes = await self._queue_view()
+        view = self.broker_view
+        pending, nodes = await view.queue(self._read_queue, self.cull_interval / 2)
         now = time.time()
         session = self.slice or {}
-        freeing = _FREEING.get(self._queue_key(), {})
-        waiter = waiter_for(session, pending, nodes, freeing)
+        waiter = waiter_for(session, pending, nodes, view.freeing)
         idle, source = await self.session_idle_seconds(now)
         return verdict(session, now, self.cull_limits(), waiter), idle, source
 
-    def _queue_key(self) -> str:
-        return f"{id(asyncio.get_running_loop())}:{self.broker_url}"
-
-    def _count_as_freeing(self, slice_: Mapping[str, Any]) -> None:
-        """The GPUs of a session being stopped as idle: free for the next idle checks."""
-        freeing = _FREEING.setdefault(self._queue_key(), {})
-        for placement in slice_.get("placements") or ():
-            node = placement["node"]
-            freeing[node] = freeing.get(node, 0) + len(placement.get("gpu_indices") or ())
+    async def _read_queue(self) -> tuple[list, list, list]:
+        """The broker's pending slices, nodes and granted slices (the idle rule's view)."""
+        return await asyncio.gather(
+            self.broker.list_slices(state="pending"),
+            self.broker.nodes(),
+            self.broker.list_slices(state="granted"),
+        )
 
     async def _idle_watch(self, slice_id: int) -> None:
         """Every ``cull_interval``: stop the session when the idle rule says so, with a
@@ -1141,7 +1108,7 @@ class SliceBrokerMixin(Configurable):
             self.notice = notices.cull_notice(self.slice or {}, time.time(), idle, rule)
             if self.orm_spawner is not None:
                 self.orm_spawner.state = self.get_state()
-            self._count_as_freeing(self.slice or {})
+            self.broker_view.count_as_freeing(self.slice or {})
             await self._end_session(slice_id, why=f"idle for {idle:.0f} s")
             return
 
