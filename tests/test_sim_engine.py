@@ -179,6 +179,34 @@ def test_a_single_preemption_costs_exactly_the_restart_and_the_work_since_the_ch
     assert s["preempted_jobs"] == 1 and s["preemptions_per_job_max"] == 1
 
 
+def test_reported_checkpoints_make_the_victim_the_job_with_the_least_unsaved_work():
+    # b's two free 4-GPU training jobs, granted at 0 and 600; at 4000 a's protected
+    # job takes one. Unreported, the later grant is taken; reported, the later checkpoint.
+    first = Job(0, 0.0, "ub", "b", 4, 20_000.0, SliceKind.BATCH, 0.0, resumable=True)
+    second = Job(1, 600.0, "ub", "b", 4, 20_000.0, SliceKind.BATCH, 0.0, resumable=True)
+    protected = Job(2, 4000.0, "ua", "a", 4, 1000.0, SliceKind.BATCH, 1000.0)
+    workload = _one_node([first, second, protected])
+
+    def last_checkpoint(job: Job) -> float:
+        phase = checkpoint_phase(1, job.id, CHECKPOINTS)
+        return job.submit + phase + (4000.0 - job.submit - phase) // CHECKPOINTS * CHECKPOINTS
+
+    saved_last = max((first, second), key=last_checkpoint)
+    assert saved_last is first  # the phases of seed 1: the earlier job saved more recently
+
+    def victim_and_loss(report: bool) -> tuple[int, float]:
+        result = simulate(workload, FairShare(ACCOUNTS), _costly(report_checkpoints=report))
+        (victim,) = _history(result, "preempted (unallocated)")
+        return victim, result.summary["lost_gpu_hours"]
+
+    unreported, lost_unreported = victim_and_loss(False)
+    reported, lost_reported = victim_and_loss(True)
+    assert (unreported, reported) == (second.id, first.id)
+    # it works on through its 60 s grace, then loses what it did since its checkpoint
+    assert lost_reported == pytest.approx(4 * (4060.0 - last_checkpoint(first)) / HOUR)
+    assert lost_reported < lost_unreported
+
+
 def test_without_a_cost_model_the_preempted_job_keeps_all_its_work():
     config = SimConfig(tick=0, check=True, history=True)
     result = simulate(_one_node([FREE_TRAINING, PROTECTED]), FairShare(ACCOUNTS), config)

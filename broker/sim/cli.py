@@ -162,6 +162,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "job; a preempted job loses its work since the last one (default 1800; 0: nothing lost)",
     )
     sim.add_argument(
+        "--report-checkpoints",
+        action="store_true",
+        help="resumable jobs report each checkpoint to the broker (slicebroker checkpoint), "
+        "which then takes, among otherwise equal victims, the one with the least work since",
+    )
+    sim.add_argument(
         "--drain-deadline",
         type=float,
         default=12.0,
@@ -279,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         drain_deadline=args.drain_deadline * HOUR,
         restart_cost=args.restart_cost,
         checkpoint_interval=args.checkpoint_interval,
+        report_checkpoints=args.report_checkpoints,
         seed=args.seed,
         check=args.check,
     )

@@ -92,7 +92,9 @@ class SimConfig:
     ``[0, interval)`` drawn per job from ``seed``; it loses its work since the
     last checkpoint (0: it checkpoints continuously and loses nothing).
     ``restart_cost`` is the seconds it then spends restarting (loading,
-    warm-up) on its GPUs before it works again. The defaults here charge
+    warm-up) on its GPUs before it works again. ``report_checkpoints``: each
+    resumable job tells the broker of every checkpoint (``checkpointed_at``),
+    so that victims are chosen by their work since it (design.md §5.3). The defaults here charge
     nothing (the tests' hand-computed cases); the command line charges
     5 min and 30 min.
     ``resubmit``: users start preempted non-resumable work again.
@@ -108,6 +110,7 @@ class SimConfig:
     drain_deadline: float = 12 * HOUR
     checkpoint_interval: float = 0.0
     restart_cost: float = 0.0
+    report_checkpoints: bool = False
     seed: int = 1
     resubmit: bool = True
     check: bool = False
@@ -186,6 +189,8 @@ class Simulation:
         self.recorder.set_capacity(0.0, self._capacity())
         self.debug_gpus: dict[str, int] = {}  # debug GPUs each user has in flight
         self._phases: dict[int, float] = {}  # job id -> checkpoint phase
+        # (next checkpoint, slice id, its grant): what report_checkpoints tells the broker
+        self._checkpoints: list[tuple[float, int, float]] = []
         self.drains: dict[str, Drain] = {}  # open drains by node
         self.repair_after: dict[str, float] = {}
         self.now = 0.0
@@ -362,15 +367,32 @@ class Simulation:
         self.recorder.waste(start, restarted, run.job.gpus, run.overhead_cause, RESTART)
         return t - restarted
 
+    def _phase(self, job: Job) -> float:
+        """Seconds of work before ``job``'s first checkpoint after each (re)start."""
+        phase = self._phases.get(job.id)
+        if phase is None:
+            interval = self.config.checkpoint_interval
+            phase = self._phases[job.id] = checkpoint_phase(self.config.seed, job.id, interval)
+        return phase
+
     def _since_checkpoint(self, job: Job, worked: float) -> float:
         """Seconds of the last ``worked`` that a job loses: those since its last checkpoint."""
         interval = self.config.checkpoint_interval
         if interval <= 0:
             return 0.0
-        phase = self._phases.get(job.id)
-        if phase is None:
-            phase = self._phases[job.id] = checkpoint_phase(self.config.seed, job.id, interval)
+        phase = self._phase(job)
         return worked if worked < phase else (worked - phase) % interval
+
+    def _report_checkpoints(self, now: float) -> None:
+        """The checkpoints made by ``now``, as their jobs report them to the broker."""
+        due = self._checkpoints
+        while due and due[0][0] <= now:
+            at, slice_id, granted_at = heapq.heappop(due)
+            slice_ = self.slices.get(slice_id)
+            if slice_ is None or slice_.granted_at != granted_at or not slice_.holds_gpus:
+                continue  # ended or requeued since: its next grant has checkpoints of its own
+            self.slices[slice_id] = replace(slice_, checkpointed_at=at)
+            heapq.heappush(due, (at + self.config.checkpoint_interval, slice_id, granted_at))
 
     # ---- the cluster ----------------------------------------------------------------
 
@@ -444,6 +466,8 @@ class Simulation:
     # ---- the policy -----------------------------------------------------------------------
 
     def _pass(self, now: float) -> None:
+        if self._checkpoints:
+            self._report_checkpoints(now)
         if self._nodes_tuple is None:
             self._nodes_tuple = tuple(self.nodes.values())
         snapshot = Snapshot(
@@ -538,6 +562,11 @@ class Simulation:
             rate = held_rate(slice_.placements, self.node_types, self.weights)
             self.usage.open(slice_.project, rate, now)
         self._push(now + run.overhead + run.remaining, _FINISH, slice_.id, now)
+        config = self.config
+        reports = config.report_checkpoints and config.checkpoint_interval > 0
+        if reports and slice_.contract.resumable:
+            first = now + run.overhead + self._phase(job)
+            heapq.heappush(self._checkpoints, (first, slice_.id, now))
         if slice_.contract.min_runtime > 0:
             self._push(now + slice_.contract.min_runtime, _CHECK)
         if slice_.contract.max_runtime is not None:
