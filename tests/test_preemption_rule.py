@@ -187,7 +187,21 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
     if found is None:
         return
     event(f"victims={len(found.victims)}")
-    for victim, reason in found.victims:
+    for taken, (victim, reason) in enumerate(found.victims):
+        # The rule itself, asked with nothing moved yet: it gives the first victim's
+        # reason exactly, and allows every later one (it only gets harder as GPUs move).
+        allowed = preempt_reason(
+            requester,
+            victim,
+            now=NOW,
+            policy=preemptor.policy,
+            standings=preemptor.standings,
+            lane=preemptor.lane,
+            weight=1.0,
+        )
+        assert allowed is not None
+        if taken == 0:
+            assert allowed is reason
         assert not (victim.allocated and victim.is_protected(NOW))
         assert not past_budget(victim, preemptor.policy)
         if reason is PreemptReason.UNALLOCATED:
