@@ -154,6 +154,33 @@ def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
         "/projects/events", token=service.admin_token, params={"project": "vision"}
     ).json()["events"]
     assert (events[-1]["action"], events[-1]["who"]) == ("set", "root")  # the page's admin
+
+    # Parent left blank keeps the account where it is; the top level is asked for by name.
+    def parent_of(name: str) -> str | None:
+        rows = service.get("/projects", token=service.admin_token).json()["projects"]
+        return next(p["parent"] for p in rows if p["name"] == name)
+
+    def share_of_vision(share: float) -> bool:
+        rows = service.get("/projects", token=service.admin_token).json()["projects"]
+        return next(p["share"] for p in rows if p["name"] == "vision") == share
+
+    page.get_by_label("Parent").fill("")
+    page.get_by_label("Share").fill("4")
+    page.get_by_role("button", name="Save").click()
+    wait_until(lambda: share_of_vision(4), 30, "the second save")
+    assert parent_of("vision") == "lab"
+    both = page_post(page, "ui/projects/vision", {"share": 4, "parent": "lab", "top_level": True})
+    assert both["status"] == 400 and "not both" in both["json"]["error"]["message"], both
+    page.get_by_label("Move to the top level").check()
+    page.get_by_label("Share").fill("5")
+    page.get_by_role("button", name="Save").click()
+    wait_until(lambda: share_of_vision(5), 30, "the move to the top")
+    assert parent_of("vision") is None
+    page.get_by_label("Move to the top level").uncheck()
+    page.get_by_label("Parent").fill("lab")
+    page.get_by_label("Share").fill("3")
+    page.get_by_role("button", name="Save").click()
+    wait_until(lambda: share_of_vision(3) and parent_of("vision") == "lab", 30, "vision back")
     expect(page.locator("svg.chart").first).to_be_visible()
     page.screenshot(path=screenshots / "web-projects.png", full_page=True)
 

@@ -452,13 +452,27 @@ class NodeActionHandler(PageHandler):
 
 
 class ProjectActionHandler(PageHandler):
-    """An admin's change to an account: share, parent, members, as ``PUT /projects/{name}``."""
+    """An admin's change to an account: share, parent, members, as ``PUT /projects/{name}``.
+
+    Unlike the API's ``PUT`` (which replaces the account: no parent is the top level),
+    the form leaves an existing account's parent as it is when Parent is blank, as it
+    does users and groups; ``"top_level": true`` moves it to the top, said out loud.
+    """
 
     async def post(self, name: str) -> None:
         self.require_admin("change projects")
         body = _json_body(self.request)
         validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
+        top_level = body.pop("top_level", False)
+        validate(top_level, {"type": "boolean"}, "top_level")
         validate(body, ref("ProjectUpdate"), "body")
+        if top_level and body.get("parent"):
+            raise InvalidRequest("choose a parent or the top level, not both")
+        if not top_level and "parent" not in body:
+            rows = await self.runner.read(self.broker.projects)
+            current = next((row for row in rows if row["name"] == name), None)
+            if current is not None:
+                body["parent"] = current["parent"]
         project = await put_project(self.runner, name, body, self.identity.name)
         self.finish({"message": f"Project {project['name']} saved."})
 

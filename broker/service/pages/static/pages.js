@@ -93,6 +93,7 @@
       } else {
         const data = { share: Number(f.get("share")) };
         if (f.get("parent")) data.parent = f.get("parent");
+        if (f.get("top_level")) data.top_level = true;
         if (f.get("users")) data.users = list(f.get("users"));
         if (f.get("groups")) data.groups = list(f.get("groups"));
         post(`ui/projects/${encodeURIComponent(f.get("name"))}`, data);
