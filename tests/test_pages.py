@@ -86,6 +86,8 @@ def test_a_researcher_sees_only_their_own_slices_live_and_may_release_them(
     page.goto(service.url + "queue")
     queue = page.locator("#queue")
     expect(queue).to_contain_text("alice")
+    expect(queue.locator("th", has_text="Estimated start")).to_have_count(1)
+    expect(queue.locator("tr.mine td").last).to_have_text(re.compile(r"^(\d|no estimate yet)"))
     expect(page.locator("#head-why")).to_contain_text("Why the head of the queue waits")
     assert "carol" not in page.locator("main").inner_text()
     page.screenshot(path=screenshots / "web-queue.png", full_page=True)

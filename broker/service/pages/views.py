@@ -142,7 +142,6 @@ def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[s
     """A slice as My GPUs shows it."""
     state = slice_["state"]
     protected = slice_.get("protected_until")
-    estimated = slice_.get("estimated_start")
     row = {
         "id": slice_["id"],
         "state": state,
@@ -155,13 +154,7 @@ def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[s
         "protected_text": clock(protected) if protected else "—",
         "cost": gpu_hours(slice_.get("charged_gpu_seconds") or 0.0),
         "queue_position": slice_.get("queue_position") if state == "pending" else None,
-        "estimated_start": (
-            f"{clock(estimated)} (in {span(estimated - now)})"
-            if state == "pending" and estimated is not None
-            else "no estimate yet"
-            if state == "pending"
-            else "—"
-        ),
+        "estimated_start": estimated_start_text(slice_, now) if state == "pending" else "—",
         "why": why_waiting(slice_, cluster) if state == "pending" else "",
         "end_reason": slice_.get("end_reason") or "",
         "ended": clock(slice_.get("ended_at")) if state == "ended" else "",
@@ -186,10 +179,19 @@ def my_slices(
     return live, [slice_row(s, cluster, now) for s in ended[:RECENT_MAX]]
 
 
+def estimated_start_text(slice_: Mapping[str, Any], now: float) -> str:
+    """When a waiting slice should start, as My GPUs and the Queue page say it."""
+    estimated = slice_.get("estimated_start")
+    if estimated is None:
+        return "no estimate yet"
+    return f"{clock(estimated)} (in {span(estimated - now)})"
+
+
 def queue_rows(cluster: Cluster, viewer: Identity) -> list[dict[str, Any]]:
     """The queue in pass order; others' requests show no user or id unless the viewer
     is an admin."""
     rows = []
+    now = time.time()
     for slice_ in cluster.pending:
         visible = viewer.admin or slice_["user"] == viewer.name
         project = cluster.projects.get(slice_["project"], {})
@@ -204,7 +206,8 @@ def queue_rows(cluster: Cluster, viewer: Identity) -> list[dict[str, Any]]:
                 "gpu_type": slice_.get("gpu_type") or "any",
                 "kind": slice_["kind"],
                 "fairshare": gpu_hours(project.get("fairshare_value")),
-                "waited": span(time.time() - slice_["submitted_at"]),
+                "waited": span(now - slice_["submitted_at"]),
+                "estimated_start": estimated_start_text(slice_, now),
             }
         )
     return rows
