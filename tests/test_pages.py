@@ -131,12 +131,25 @@ def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
 
     page.get_by_label("Node").fill("n1")
     page.get_by_label("Reason").fill("disk replacement")
-    page.get_by_role("button", name="Drain", exact=True).click()
+    form = page.locator("#node-form")
+    form.get_by_role("button", name="Drain", exact=True).click()
     expect(page.locator("#flash")).to_contain_text("Node n1 is")
     expect(page.locator("#nodes")).to_contain_text("drained")  # nothing ran there
     page.screenshot(path=screenshots / "web-cluster.png", full_page=True)
-    page.get_by_role("button", name="Undrain").click()
+    form.get_by_role("button", name="Undrain").click()
     expect(page.locator("#flash")).to_contain_text("Node n1 is ready")
+
+    # Each node has its own buttons, each asking first (the test's page accepts).
+    row = page.locator("#nodes tbody tr").filter(has=page.locator("th", has_text="n1"))
+    row.get_by_role("button", name="Drain").click()
+    expect(row).to_contain_text("drained")
+    row.get_by_role("button", name="Undrain").click()
+    expect(row.get_by_role("button", name="Drain")).to_be_visible()
+    states = {
+        n["name"]: n["state"]
+        for n in service.get("/nodes", token=service.admin_token).json()["nodes"]
+    }
+    assert states["n1"] == "ready"
 
     # The same validation as the API: a share of 0 is refused, with the API's words.
     page.goto(service.url + "projects")

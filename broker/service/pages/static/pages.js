@@ -89,6 +89,7 @@
       const f = new FormData(form);
       if (form.dataset.kind === "node") {
         const action = event.submitter ? event.submitter.value : "drain";
+        if (action === "down" && !window.confirm(`Mark ${f.get("node")} down? Every slice on it ends now.`)) return;
         post(`ui/nodes/${encodeURIComponent(f.get("node"))}/${action}`, { reason: f.get("reason") || "" });
       } else {
         const data = { share: Number(f.get("share")) };
