@@ -520,6 +520,12 @@ def test_projects_show_the_tree_with_entitlement_usage_and_rank(broker, clock):
     assert rows["org"]["usage"] == pytest.approx(100) and not rows["org"]["is_project"]
     assert (rows["vision"]["users"], rows["vision"]["groups"]) == (["alice"], ["cv"])
     assert rows["vision"]["gpus_held"] == 1
+    # a parent counts what its projects hold and wait for, as it sums their usage
+    assert (rows["org"]["gpus_held"], rows["org"]["pending"]) == (1, 0)
+    ask(broker, gpus=4, gpu_type="h100")  # one of the 4 is held: it waits
+    rows = {row["name"]: row for row in broker.projects()}
+    assert (rows["org"]["gpus_held"], rows["org"]["pending"]) == (1, rows["vision"]["pending"])
+    assert rows["vision"]["pending"] == 1
 
 
 def test_put_project_adds_and_changes_accounts_and_members(broker):

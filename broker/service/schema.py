@@ -334,8 +334,8 @@ class Project(ApiObject):
     rank: Annotated[int, Field(ge=1)] | None
     users: Names
     groups: Names
-    pending: int = Field(description="slices waiting")
-    gpus_held: int
+    pending: int = Field(description="slices waiting (a parent: in its whole subtree)")
+    gpus_held: int = Field(description="GPUs held (a parent: in its whole subtree)")
 
 
 class ProjectList(ApiObject):

@@ -676,7 +676,8 @@ class Broker(Journal):
         GPU-seconds in the window, or decayed, summed over the subtree),
         ``fairshare_value`` (usage / entitlement), ``rank`` (1-based among
         projects, lowest first; ``None`` for parents), ``users``, ``groups``,
-        ``pending`` (slices waiting) and ``gpus_held``.
+        ``pending`` (slices waiting) and ``gpus_held``, both also summed over the
+        subtree, as usage is.
         """
         with self._read() as session:
             now = self._clock()
@@ -695,6 +696,9 @@ class Broker(Journal):
                     pending[slice_.project] = pending.get(slice_.project, 0) + 1
                 else:
                     held[slice_.project] = held.get(slice_.project, 0) + slice_.gpus
+        # A parent's counts are its projects' (it holds nothing itself), as its usage is.
+        pending_in = tree.subtree_usage(pending)
+        held_in = tree.subtree_usage(held)
         rows = []
         stack = sorted(tree.children.get(None, []), key=lambda n: (values[n], n), reverse=True)
         while stack:
@@ -713,8 +717,8 @@ class Broker(Journal):
                     "rank": rank.get(name),
                     "users": sorted(users),
                     "groups": sorted(groups),
-                    "pending": pending.get(name, 0),
-                    "gpus_held": held.get(name, 0),
+                    "pending": round(pending_in[name]),
+                    "gpus_held": round(held_in[name]),
                 }
             )
             kids = tree.children.get(name, [])
