@@ -569,7 +569,8 @@ def _describe_wait(slice_: Mapping[str, Any]) -> str:
     if slice_.get("queue_position") is not None:
         parts.append(f"position {slice_['queue_position']} in the queue")
     if slice_.get("fairshare_value") is not None:
-        parts.append(f"fair-share value {slice_['fairshare_value'] / 3600:.1f}")
+        # As the pages, the spawner and the CLI's table write it: 1.08 GPU-h, not 1.1.
+        parts.append(f"fair-share value {gpu_hours(slice_['fairshare_value'])}")
     start = slice_.get("estimated_start")
     parts.append(f"estimated start {_clock(start)[:5]}" if start else "no estimated start yet")
     return ", ".join(parts)

@@ -1,10 +1,13 @@
-"""The pages' words: counts agree with their nouns (rendered from the real templates)."""
+"""The pages' words: counts agree with their nouns (rendered from the real templates), and a
+slice names the GPU type it holds."""
 
 from __future__ import annotations
 
 import pytest
 
+from broker.core.model import Policy
 from broker.service.pages import page_settings
+from broker.service.pages.views import Cluster, slice_row
 from broker.units import count
 
 
@@ -18,3 +21,16 @@ def test_the_cluster_caption_counts_its_nodes():
     node = {"name": "n1", "gpu_type": "a100", "held": 0, "cells": [], "state": "ready"}
     html = templates.get_template("_cluster.html").render(data={"nodes": [node]})
     assert "<caption>1 node</caption>" in html
+
+
+def test_a_slice_of_any_type_shows_the_type_it_was_granted_as_lab_does():
+    nodes = [{"name": "n1", "gpu_type": "h100", "gpu_count": 8, "gpus_held": 1, "state": "ready"}]
+    cluster = Cluster(nodes, {}, [], Policy())
+    granted = {
+        "id": 7, "state": "granted", "project": "vision", "kind": "interactive", "gpus": 1,
+        "gpu_type": None, "placements": [{"node": "n1", "gpu_indices": [3]}],
+        "protected_until": None, "charged_gpu_seconds": 0.0,
+    }  # fmt: skip
+    assert slice_row(granted, cluster, 0.0)["gpu_type"] == "h100"
+    waiting = {**granted, "state": "pending", "placements": []}
+    assert slice_row(waiting, cluster, 0.0)["gpu_type"] == "any"

@@ -138,6 +138,13 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     )
 
 
+def held_type(slice_: Mapping[str, Any], cluster: Cluster) -> str | None:
+    """The GPU type a slice of any type was granted (its nodes'), as Lab names it."""
+    names = {p["node"] for p in slice_.get("placements") or ()}
+    types = sorted({n["gpu_type"] for n in cluster.nodes if n["name"] in names})
+    return ",".join(types) or None
+
+
 def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[str, Any]:
     """A slice as My GPUs shows it."""
     state = slice_["state"]
@@ -148,7 +155,7 @@ def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[s
         "project": slice_["project"],
         "kind": slice_["kind"],
         "gpus": slice_["gpus"],
-        "gpu_type": slice_.get("gpu_type") or "any",
+        "gpu_type": slice_.get("gpu_type") or held_type(slice_, cluster) or "any",
         "where": placement_text(slice_),
         "protected_until": protected if state in ("granted", "preempting") else None,
         "protected_text": clock(protected) if protected else "—",
