@@ -40,6 +40,17 @@ def gpu_hours(gpu_seconds: float | None, *, unit: bool = True) -> str:
     return f"{text} {UNIT}" if unit else text
 
 
+def duration_text(seconds: float) -> str:
+    """A length of time as people read a limit or a protection: ``8 h``, ``15 min``,
+    ``1 h 30 min``, ``1 min 30 s``, ``45 s`` (never rounded: a 90 s limit is not 2 min)."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{hours} h" if hours else "", f"{minutes} min" if minutes else ""]
+    parts.append(f"{secs} s" if secs or not (hours or minutes) else "")
+    return " ".join(part for part in parts if part)
+
+
 def count(number: int, noun: str) -> str:
     """``number`` and ``noun``, plural unless it is one: ``1 node``, ``0 nodes``, ``2 nodes``."""
     return f"{number} {noun}{'' if number == 1 else 's'}"

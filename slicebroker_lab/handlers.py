@@ -49,7 +49,7 @@ from traitlets import Bool, Float, Unicode
 from traitlets.config import Configurable
 
 from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
-from broker.units import gpu_hours
+from broker.units import duration_text, gpu_hours
 
 from . import CULL_ENV
 from .activity import SessionActivity
@@ -165,7 +165,7 @@ def cull_warning(
         "limit_seconds": limit,
         "protected": protected,
         "message": f"This session has been idle for {idle_for}. It may be stopped "
-        f"{condition} once it has been idle for {round(limit / 60)} min. Running a cell, "
+        f"{condition} once it has been idle for {duration_text(limit)}. Running a cell, "
         "typing in a terminal or work on its GPUs keeps it, and so does Keep my session. "
         "Save your work.",
     }

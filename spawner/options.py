@@ -31,7 +31,7 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, Template
 from markupsafe import Markup
 
 from broker.config import format_duration, parse_duration
-from broker.units import gpu_hours
+from broker.units import duration_text, gpu_hours
 
 #: The keys of ``user_options`` the spawner reads.
 OPTION_KEYS = ("project", "gpus", "gpu_type", "protected")
@@ -370,18 +370,10 @@ def protected_label(seconds: float, choices: Choices) -> str:
     """How the form names a protected length."""
     if seconds == 0:
         return "0 — free: not charged, but any charged request may preempt it at any time"
-    text = _human_duration(seconds)
+    text = duration_text(seconds)
     if seconds <= choices.debug_max:
         return f"{text} — debug: gets a GPU fastest"
     return text
-
-
-def _human_duration(seconds: float) -> str:
-    if seconds >= 3600 and seconds % 3600 == 0:
-        return f"{int(seconds // 3600)} h"
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{int(seconds // 60)} min"
-    return format_duration(seconds)
 
 
 def percent(fraction: float | None) -> str:
@@ -589,14 +581,14 @@ def idle_rule(choices: Choices) -> str:
     """What the form promises about idle sessions (see :mod:`spawner.culler`)."""
     if choices.idle_protected:
         protected = (
-            f"Even while protected, a session idle for {_human_duration(choices.idle_protected)} "
+            f"Even while protected, a session idle for {duration_text(choices.idle_protected)} "
             "is stopped if a waiting request could use its GPUs."
         )
     else:
         protected = "A protected session is never stopped for being idle."
     if choices.idle_busy:
         after = (
-            f" After its protection, {_human_duration(choices.idle_busy)} idle is enough while "
+            f" After its protection, {duration_text(choices.idle_busy)} idle is enough while "
             "a waiting request could use its GPUs."
         )
     else:

@@ -8,7 +8,7 @@ import pytest
 from broker.core.model import Policy
 from broker.service.pages import page_settings
 from broker.service.pages.views import Cluster, slice_row
-from broker.units import count
+from broker.units import count, duration_text
 
 
 @pytest.mark.parametrize(("number", "text"), [(0, "0 nodes"), (1, "1 node"), (2, "2 nodes")])
@@ -34,3 +34,11 @@ def test_a_slice_of_any_type_shows_the_type_it_was_granted_as_lab_does():
     assert slice_row(granted, cluster, 0.0)["gpu_type"] == "h100"
     waiting = {**granted, "state": "pending", "placements": []}
     assert slice_row(waiting, cluster, 0.0)["gpu_type"] == "any"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(45, "45 s"), (90, "1 min 30 s"), (900, "15 min"), (5400, "1 h 30 min"), (28800, "8 h")],
+)
+def test_a_limit_reads_as_it_is_never_rounded(seconds, text):
+    assert duration_text(seconds) == text
