@@ -206,7 +206,7 @@ def test_every_body_field_survives_unicode_and_oversized_values(service, data):
 @pytest.mark.parametrize("size", [1024 * 1024 + 1, 3 * 1024 * 1024])
 @pytest.mark.parametrize(("method", "template"), [(m, p) for m, p, _ in WITH_BODY])
 def test_every_body_over_the_limit_is_a_json_413(service, method, template, size):
-    path = fill_path(template, {"name": "vision"})
+    path = fill_path(template, {"name": "vision", "id": "1"})
     body = b'{"share": 1, "pad": "' + b"x" * size + b'"}'
     response = send(service, method, path, data=body)
     assert_survived(response)

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from builders import HOUR, MIN, NOW, pending, running
 
+from broker.config import format_duration
 from broker.core.extension import ExtensionRefused, extended_contract
 from broker.core.model import Policy, SliceKind, SliceState
 
@@ -31,8 +32,11 @@ def test_a_slice_past_its_protection_is_protected_again_from_now():
 def test_the_policy_s_cap_bounds_an_extension_and_the_refusal_says_the_room_left():
     slice_ = running("p", "n0", (0, 1, 2, 3), min_runtime=7 * HOUR)  # ends in 5 h, 1 h room
     assert extended_contract(slice_, HOUR, NOW, POLICY).min_runtime == 8 * HOUR
-    with pytest.raises(ExtensionRefused, match=r"max_min_runtime \(8h\); at most 1h more"):
+    with pytest.raises(ExtensionRefused) as refused:
         extended_contract(slice_, HOUR + 1, NOW, POLICY)
+    assert refused.value.describe(format_duration).endswith(
+        "above the policy's max_min_runtime (8h); at most 1h more"
+    )
 
 
 def test_a_debug_session_keeps_the_debug_lane_s_short_terms():
@@ -40,14 +44,18 @@ def test_a_debug_session_keeps_the_debug_lane_s_short_terms():
         "p", "n0", (0,), kind=SliceKind.INTERACTIVE, min_runtime=10 * MIN, granted_ago=MIN
     )
     assert extended_contract(session, 5 * MIN, NOW, POLICY).min_runtime == 15 * MIN
-    with pytest.raises(ExtensionRefused, match="debug_max_min_runtime"):
+    with pytest.raises(ExtensionRefused) as refused:
         extended_contract(session, 6 * MIN, NOW, POLICY)
+    assert refused.value.cap_name == "a debug session's debug_max_min_runtime"
 
 
 def test_the_slice_s_own_hard_end_bounds_it_too():
     slice_ = running("p", "n0", (0,), min_runtime=HOUR, max_runtime=3 * HOUR, granted_ago=MIN)
-    with pytest.raises(ExtensionRefused, match=r"max_runtime \(3h\); at most 2h more"):
+    with pytest.raises(ExtensionRefused) as refused:
         extended_contract(slice_, 2 * HOUR + 1, NOW, POLICY)
+    assert refused.value.describe(format_duration).endswith(
+        "above the slice's max_runtime (3h); at most 2h more"
+    )
 
 
 @pytest.mark.parametrize(

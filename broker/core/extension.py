@@ -17,13 +17,36 @@ has no protection to extend, and a preempting one is already on its way out.
 
 from __future__ import annotations
 
-from ..config import format_duration
+from collections.abc import Callable
+
 from .model import Contract, Policy, Slice, SliceState
 from .preemption import is_debug
 
 
 class ExtensionRefused(ValueError):
-    """Why a slice's protection cannot be extended, in words."""
+    """Why a slice's protection cannot be extended. Past a cap: which (``cap_name``), the
+    protection asked for from the grant, the cap and the room left, in seconds."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        cap_name: str | None = None,
+        wanted: float = 0.0,
+        cap: float = 0.0,
+        room: float = 0.0,
+    ) -> None:
+        super().__init__(reason)
+        self.cap_name, self.wanted, self.cap, self.room = cap_name, wanted, cap, room
+
+    def describe(self, duration: Callable[[float], str]) -> str:
+        """The refusal in words, with durations as ``duration`` writes them."""
+        if self.cap_name is None:
+            return str(self)
+        return (
+            f"{duration(round(self.wanted))} of protection from the grant is above "
+            f"{self.cap_name} ({duration(self.cap)}); at most {duration(round(self.room))} more"
+        )
 
 
 def extended_contract(slice_: Slice, by: float, now: float, policy: Policy) -> Contract:
@@ -51,10 +74,7 @@ def extended_contract(slice_: Slice, by: float, now: float, policy: Policy) -> C
     if wanted > cap:
         current_end = max(slice_.granted_at + slice_.contract.min_runtime, now)
         room = max(slice_.granted_at + cap - current_end, 0.0)
-        raise ExtensionRefused(
-            f"{format_duration(round(wanted))} of protection from the grant is above {what} "
-            f"({format_duration(cap)}); at most {format_duration(round(room))} more"
-        )
+        raise ExtensionRefused("above a cap", cap_name=what, wanted=wanted, cap=cap, room=room)
     return Contract(wanted, slice_.contract.resumable, slice_.contract.max_runtime)
 
 

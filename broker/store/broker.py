@@ -360,7 +360,7 @@ class Broker(Journal):
             try:
                 contract = extended_contract(_to_slice(row), by, now, self.config.policy)
             except ExtensionRefused as err:
-                raise Conflict(str(err)) from None
+                raise Conflict(err.describe(format_duration)) from None
             row.min_runtime = contract.min_runtime
             reason = f"protection extended by {format_duration(round(by))}"
             _event(session, row, SliceState(row.state), reason, now)
