@@ -279,10 +279,12 @@ def test_a_session_without_its_broker_token_is_told_which_variable_is_missing(br
 # ---- what the session last did: kernels, terminals, GPUs -------------------------------
 
 
-@pytest.fixture
-def gpu_session(tmp_path: Path) -> Iterator[tuple[JupyterServer, StandinGpus]]:
+@pytest.fixture(scope="module")
+def gpu_session(tmp_path_factory) -> Iterator[tuple[JupyterServer, StandinGpus]]:
     """A session of the broker's (slice 7, GPUs 2 and 3) whose GPUs a stand-in reports,
-    read every 0.2 s; no broker: the activity route needs none."""
+    read every 0.2 s; no broker: the activity route needs none. One server for the
+    module's activity tests: each sets the GPUs' load it needs and waits for its effect."""
+    tmp_path = tmp_path_factory.mktemp("gpu-session")
     gpus = StandinGpus(tmp_path / "gpus", count=4)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "SLICEBROKER"))}
     env.update(session_env(env))
@@ -334,7 +336,8 @@ def test_a_busy_gpu_is_activity_and_an_open_tab_is_not(gpu_session):
 
 
 def test_keep_my_session_is_activity_now_and_logged(gpu_session):
-    server, _ = gpu_session
+    server, gpus = gpu_session
+    gpus.set(0)
     wait_until(lambda: server.activity().json()["idle_seconds"] >= 1.0, 30, "some idleness")
     kept = server.activity(json={"keep": True})
     assert kept.status_code == 200, kept.text
