@@ -258,9 +258,52 @@ def notices_for(user: Any) -> dict[str, dict[str, str]]:
     return found
 
 
+def session_line(slice_: Mapping[str, Any], now: float) -> str | None:
+    """One line on a live slice for the hub's home page: what it holds and until when it
+    is protected, or where it waits; ``None`` for a slice that is over."""
+    state = slice_.get("state")
+    gpus = slice_.get("gpus") or 0
+    kind = slice_.get("gpu_type")
+    what = f"{gpus}{f' {kind}' if kind else ''} GPU{'s' if gpus != 1 else ''}"
+    project = slice_.get("project")
+    if state == "pending":
+        position = slice_.get("queue_position")
+        where = f"{ordinal(position)} in the queue" if position else "in the queue"
+        wait = wait_text(slice_.get("estimated_start"), now)
+        return f"Waiting for {what} for project {project}: {where}, estimated start {wait}."
+    if state in ("granted", "preempting"):
+        nodes = ", ".join(p["node"] for p in slice_.get("placements") or ())
+        line = f"{what} for project {project} on {nodes or 'its node'}"
+        until = slice_.get("protected_until")
+        if state == "preempting":
+            line += f", stopping at {clock_time(slice_.get('preempt_deadline'))}"
+        elif slice_.get("min_runtime") and until and until > now:
+            line += f", protected until {clock_time(until)}"
+        else:
+            line += ", past its protection: it may be preempted"
+        return f"{line}."
+    return None
+
+
+def sessions_for(user: Any) -> dict[str, str]:
+    """A line on each of ``user``'s servers that holds or waits for GPUs, by server name.
+
+    Reads the spawners the hub already has (a live or pending server has one), never
+    creating one. Made for ``c.JupyterHub.template_vars``, as :func:`notices_for`.
+    """
+    found: dict[str, str] = {}
+    now = time.time()
+    for name, spawner in dict(getattr(user, "spawners", None) or {}).items():
+        slice_ = getattr(spawner, "slice", None)
+        line = session_line(slice_, now) if slice_ else None
+        if line:
+            found[name] = line
+    return found
+
+
 def template_vars() -> dict[str, Any]:
     """What ``c.JupyterHub.template_vars`` needs for the shipped templates."""
-    return {"slicebroker_notices": notices_for}
+    return {"slicebroker_notices": notices_for, "slicebroker_sessions": sessions_for}
 
 
 # ---- queue progress -----------------------------------------------------------------------

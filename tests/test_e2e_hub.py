@@ -91,6 +91,9 @@ def test_a_server_started_through_the_rest_api_sees_the_granted_gpus(clean):
     env = hub.user_get("alice", "env").json()
 
     assert slice_["state"] == "granted" and slice_["user"] == "alice"
+    home = hub.login("alice").get(f"{hub.url}/hub/home", timeout=10).text
+    assert f"1 GPU for project vision on {slice_['placements'][0]['node']}" in home
+    assert "protected until" in home
     assert env["CUDA_VISIBLE_DEVICES"] == gpu_list(slice_)
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["SLICEBROKER_SLICE_ID"] == str(slice_["id"])
@@ -142,6 +145,8 @@ def test_the_progress_stream_shows_the_queue_position_while_the_cluster_is_full(
     assert "estimated start" in queue[-1]["message"]
     assert "<strong>1st in the queue</strong>" in queue[-1]["html_message"]
     assert waiting["queue_position"] == 1
+    home = hub.login("erin").get(f"{hub.url}/hub/home", timeout=10).text
+    assert "Waiting for 1 GPU for project systems: 1st in the queue" in home
     assert hub.server("erin")["pending"] == "spawn"
     # poll() says "running" while the request waits: the hub keeps the spawn pending.
     assert hub.server("erin")["ready"] is False

@@ -126,6 +126,7 @@ def test_demo_users_and_pages(tmp_path, monkeypatch):
     (templates,) = config.JupyterHub.template_paths
     assert {"not_running.html", "home.html"} <= {p.name for p in Path(templates).iterdir()}
     assert callable(config.JupyterHub.template_vars["slicebroker_notices"])
+    assert callable(config.JupyterHub.template_vars["slicebroker_sessions"])
 
 
 @pytest.mark.parametrize("port", ["10555"])
