@@ -137,21 +137,26 @@ def preemptor_for(slices, requester, policy: Policy = LANE_POLICY) -> Preemptor:
     )
 
 
+def rule_says(preemptor: Preemptor, requester, victim) -> PreemptReason | None:
+    """The one preemption rule, asked with the preemptor's state and nothing moved."""
+    return preempt_reason(
+        requester,
+        victim,
+        now=NOW,
+        policy=preemptor.policy,
+        standings=preemptor.standings,
+        lane=preemptor.lane,
+        weight=1.0,
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(clusters())
 def test_hopeless_only_when_the_rule_refuses_every_candidate(cluster):
     slices, requester = cluster
     preemptor = preemptor_for(slices, requester)
     reasons = {
-        s.id: preempt_reason(
-            requester,
-            s,
-            now=NOW,
-            policy=preemptor.policy,
-            standings=preemptor.standings,
-            lane=preemptor.lane,
-            weight=1.0,
-        )
+        s.id: rule_says(preemptor, requester, s)
         for entries in preemptor.candidates.values()
         for s, _ in entries
     }
@@ -190,15 +195,7 @@ def test_every_victim_the_search_picks_is_one_the_rule_allows(cluster):
     for taken, (victim, reason) in enumerate(found.victims):
         # The rule itself, asked with nothing moved yet: it gives the first victim's
         # reason exactly, and allows every later one (it only gets harder as GPUs move).
-        allowed = preempt_reason(
-            requester,
-            victim,
-            now=NOW,
-            policy=preemptor.policy,
-            standings=preemptor.standings,
-            lane=preemptor.lane,
-            weight=1.0,
-        )
+        allowed = rule_says(preemptor, requester, victim)
         assert allowed is not None
         if taken == 0:
             assert allowed is reason
