@@ -9,7 +9,10 @@ One :class:`BrokerView` per broker URL holds:
   and the notices say about draining nodes and protections ending;
 - the GPUs of sessions this hub is stopping as idle since the queue view was read
   (``freeing``): the next idle checks count them as free, so that one waiting
-  request does not cost every idle session that could serve it.
+  request does not cost every idle session that could serve it;
+- the hub's running sessions, and one periodic idle pass over all of them (as
+  jupyterhub-idle-culler makes one pass over a hub's servers), instead of a task per
+  session (:meth:`BrokerView.idle_round`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,31 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
+
+from broker.client import BrokerAPIError
 
 #: The three reads of the queue view: pending slices, nodes, granted slices.
 QueueRead = Callable[[], Awaitable[tuple[list, list, list]]]
+
+
+class IdleSession(Protocol):
+    """What the idle pass needs of a session (a spawner of the mixin)."""
+
+    cull_interval: float
+    slice: dict[str, Any] | None
+    slice_id: int | None
+    log: Any
+
+    def idle_checkable(self) -> bool: ...
+
+    async def read_queue(self) -> tuple[list, list, list]: ...
+
+    async def session_idle_seconds(self, now: float) -> tuple[float | None, str]: ...
+
+    def idle_check(
+        self, pending: list, nodes: list, idle: float | None, source: str, now: float
+    ) -> bool: ...
 
 
 class BrokerView:
@@ -34,6 +58,8 @@ class BrokerView:
         self.freeing: dict[str, int] = {}  # node -> GPUs on their way back
         # (monotonic time, event loop, the read under way or done)
         self._read: tuple[float, asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self.sessions: dict[int, IdleSession] = {}  # id(spawner) -> the running session
+        self._idle_task: asyncio.Task | None = None
 
     @classmethod
     def of(cls, broker_url: str) -> BrokerView:
@@ -67,6 +93,59 @@ class BrokerView:
         pending, nodes, held = await asyncio.shield(shared)
         self.nodes_seen, self.held_seen = nodes, held
         return pending, nodes
+
+    # ---- the idle pass -------------------------------------------------------------------
+
+    def watch_idle(self, session: IdleSession) -> None:
+        """Check ``session`` in the idle pass from now on (started with the first one)."""
+        self.sessions[id(session)] = session
+        task = self._idle_task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            self._idle_task = asyncio.ensure_future(self._idle_rounds())
+
+    def unwatch_idle(self, session: IdleSession) -> None:
+        self.sessions.pop(id(session), None)
+
+    async def _idle_rounds(self) -> None:
+        """Every ``cull_interval`` (the shortest of the sessions'), one idle round; ends
+        when no session is left to watch."""
+        while self.sessions:
+            interval = min(s.cull_interval for s in self.sessions.values())
+            await asyncio.sleep(interval)  # a check interval, not a synchronisation
+            try:
+                await self.idle_round(interval / 2)
+            except Exception:  # one bad round must not end the hub's culling
+                for session in list(self.sessions.values())[:1]:
+                    session.log.exception("The idle round failed")
+
+    async def idle_round(self, max_age: float) -> list[IdleSession]:
+        """Check every running session against the idle rule once; the sessions it
+        started stopping.
+
+        The queue is read once for all. Sessions holding the most GPUs are checked
+        first: when one stop serves a waiting request, its GPUs count as freeing and the
+        smaller sessions that could also have served it are kept (fewest sessions
+        stopped). The sessions' own activity is read concurrently.
+        """
+        running = [s for s in list(self.sessions.values()) if s.idle_checkable()]
+        if not running:
+            return []
+        try:
+            pending, nodes = await self.queue(running[0].read_queue, max_age)
+        except BrokerAPIError as err:
+            running[0].log.warning("Idle checks: the broker's queue not read: %s", err.message)
+            return []
+        now = time.time()
+        reads = await asyncio.gather(*(s.session_idle_seconds(now) for s in running))
+        checks = sorted(
+            zip(running, reads, strict=True),
+            key=lambda check: (-int((check[0].slice or {}).get("gpus") or 0), check[0].slice_id),
+        )
+        return [
+            session
+            for session, (idle, source) in checks
+            if session.idle_check(pending, nodes, idle, source, now)
+        ]
 
     def count_as_freeing(self, slice_: Mapping[str, Any]) -> None:
         """The GPUs of a session being stopped as idle: free for the next idle checks."""

@@ -73,7 +73,7 @@ from slicebroker_lab import CULL_ENV, session_env
 
 from . import notices
 from .brokerview import BrokerView
-from .culler import CullLimits, Verdict, verdict, waiter_for
+from .culler import CullLimits, verdict, waiter_for
 from .lifecycle import Lifecycle, Phase
 from .options import (
     FORM_TEMPLATE,
@@ -395,7 +395,7 @@ class SliceBrokerMixin(Configurable):
     _progress_update: asyncio.Event | None = None
     _update: asyncio.Event | None = None
     _options_seconds = 0.0
-    _idle_task: asyncio.Task | None = None
+    _culling: asyncio.Future | None = None  # the stop of a session culled as idle
 
     @property
     def broker(self) -> BrokerClient:
@@ -652,7 +652,7 @@ class SliceBrokerMixin(Configurable):
                 # stop() came during the launch: it stops the server and the slice.
                 raise cancelled_error(granted.get("id"))
             self.lifecycle.move(Phase.RUNNING)
-            self._start_idle_watch()
+            self.broker_view.watch_idle(self)
             return url
         except BaseException:
             if self.lifecycle.starting:
@@ -927,7 +927,7 @@ class SliceBrokerMixin(Configurable):
         if state == "pending":
             wait = min(wait, self.queue_refresh_interval)
             # Fresh nodes for the page: is the cluster draining or down?
-            await self.broker_view.queue(self._read_queue, self.cull_interval / 2)
+            await self.broker_view.queue(self.read_queue, self.cull_interval / 2)
             await self._look_for_sooner(slice_id, s)
         elif state == "preempting":
             until_end = (s.get("preempt_deadline") or 0) + END_WAIT_S - time.time()
@@ -977,7 +977,7 @@ class SliceBrokerMixin(Configurable):
             return
         if self.slice_id == slice_id:
             self._cancel_watch()
-            self._cancel_idle_watch()
+            self.broker_view.unwatch_idle(self)
         known = self.slice if (self.slice or {}).get("id") == slice_id else None
         if known is None or known.get("state") != "ended":
             try:
@@ -1010,18 +1010,17 @@ class SliceBrokerMixin(Configurable):
         if self.slice_id is not None:
             self.log.info("Reconnecting %s to slice %s", self._log_name, self.slice_id)
             self._start_watch(beat_now=True)
-            self._start_idle_watch()
+            self.broker_view.watch_idle(self)
 
     # ---- idle sessions ------------------------------------------------------------------------
 
-    def _start_idle_watch(self) -> None:
-        if self.slice_id is not None and (self._idle_task is None or self._idle_task.done()):
-            self._idle_task = asyncio.ensure_future(self._idle_watch(self.slice_id))
-
-    def _cancel_idle_watch(self) -> None:
-        task, self._idle_task = self._idle_task, None
-        if task is not None and task is not asyncio.current_task() and not task.done():
-            task.cancel()
+    def idle_checkable(self) -> bool:
+        """Whether the idle pass checks this session now: running on a granted slice."""
+        return (
+            self.slice_id is not None
+            and self.lifecycle.phase is Phase.RUNNING
+            and (self.slice or {}).get("state") == "granted"
+        )
 
     async def session_idle_seconds(self, now: float) -> tuple[float | None, str]:
         """The session's idle seconds and where they were read: ``the session`` (its own
@@ -1048,18 +1047,7 @@ class SliceBrokerMixin(Configurable):
             last = last.replace(tzinfo=UTC)
         return max(now - last.timestamp(), 0.0)
 
-    async def idle_verdict(self) -> tuple[Verdict, float | None, str]:
-        """What the idle rule (:mod:`spawner.culler`) says of this session now, its idle
-        seconds, and where they were read (:meth:`session_idle_seconds`)."""
-        view = self.broker_view
-        pending, nodes = await view.queue(self._read_queue, self.cull_interval / 2)
-        now = time.time()
-        session = self.slice or {}
-        waiter = waiter_for(session, pending, nodes, view.freeing)
-        idle, source = await self.session_idle_seconds(now)
-        return verdict(session, now, self.cull_limits(), waiter), idle, source
-
-    async def _read_queue(self) -> tuple[list, list, list]:
+    async def read_queue(self) -> tuple[list, list, list]:
         """The broker's pending slices, nodes and granted slices (the idle rule's view)."""
         return await asyncio.gather(
             self.broker.list_slices(state="pending"),
@@ -1067,50 +1055,50 @@ class SliceBrokerMixin(Configurable):
             self.broker.list_slices(state="granted"),
         )
 
-    async def _idle_watch(self, slice_id: int) -> None:
-        """Every ``cull_interval``: stop the session when the idle rule says so, with a
-        ``culled_idle`` notice."""
-        while self.slice_id == slice_id:
-            await asyncio.sleep(self.cull_interval)  # a check interval, not a synchronisation
-            if (
-                self.lifecycle.phase is not Phase.RUNNING
-                or (self.slice or {}).get("state") != "granted"
-            ):
-                continue
-            try:
-                rule, idle, source = await self.idle_verdict()
-            except BrokerAPIError as err:
-                self.log.warning("Idle check of %s: %s", self._log_name, err.message)
-                continue
-            waiting = (
-                f"waiting request {rule.waiter} could use its GPUs"
-                if rule.waiter is not None
-                else "no waiting request could use its GPUs"
-            )
-            self.log.debug(
-                "Idle check of %s: idle %s s, limit %s s, %s (idleness from %s)",
-                self._log_name,
-                None if idle is None else round(idle),
-                rule.limit,
-                waiting,
-                source,
-            )
-            if idle is None or not rule.due(idle) or self.slice_id != slice_id:
-                continue
-            self.log.warning(
-                "Culling %s: idle %.0f s >= %.0f s (%s; %s)",
-                self._log_name,
-                idle,
-                rule.limit,
-                "protected" if rule.protected else "past its protection",
-                waiting,
-            )
-            self.notice = notices.cull_notice(self.slice or {}, time.time(), idle, rule)
-            if self.orm_spawner is not None:
-                self.orm_spawner.state = self.get_state()
-            self.broker_view.count_as_freeing(self.slice or {})
-            await self._end_session(slice_id, why=f"idle for {idle:.0f} s")
-            return
+    def idle_check(
+        self, pending: list, nodes: list, idle: float | None, source: str, now: float
+    ) -> bool:
+        """One check of the idle rule (:mod:`spawner.culler`) against the hub's view of the
+        queue (``pending``, ``nodes``) and the session's ``idle`` seconds (read from
+        ``source``); when it is due, stop the session with a ``culled_idle`` notice and
+        say so (True)."""
+        session = self.slice or {}
+        view = self.broker_view
+        rule = verdict(
+            session, now, self.cull_limits(), waiter_for(session, pending, nodes, view.freeing)
+        )
+        waiting = (
+            f"waiting request {rule.waiter} could use its GPUs"
+            if rule.waiter is not None
+            else "no waiting request could use its GPUs"
+        )
+        self.log.debug(
+            "Idle check of %s: idle %s s, limit %s s, %s (idleness from %s)",
+            self._log_name,
+            None if idle is None else round(idle),
+            rule.limit,
+            waiting,
+            source,
+        )
+        if idle is None or not rule.due(idle) or self.slice_id is None:
+            return False
+        self.log.warning(
+            "Culling %s: idle %.0f s >= %.0f s (%s; %s)",
+            self._log_name,
+            idle,
+            rule.limit,
+            "protected" if rule.protected else "past its protection",
+            waiting,
+        )
+        self.notice = notices.cull_notice(session, now, idle, rule)
+        if self.orm_spawner is not None:
+            self.orm_spawner.state = self.get_state()
+        view.count_as_freeing(session)
+        view.unwatch_idle(self)
+        self._culling = asyncio.ensure_future(
+            self._end_session(self.slice_id, why=f"idle for {idle:.0f} s")
+        )
+        return True
 
     # ---- poll and stop ----------------------------------------------------------------------
 
@@ -1143,7 +1131,7 @@ class SliceBrokerMixin(Configurable):
         self.lifecycle.move(Phase.STOPPING)
         if held is not None:
             self._cancel_watch()
-            self._cancel_idle_watch()
+            self.broker_view.unwatch_idle(self)
         try:
             if launched:
                 await self._backend_stop(now=now)
@@ -1159,7 +1147,7 @@ class SliceBrokerMixin(Configurable):
                 )
                 self.lifecycle.move(Phase.RUNNING)
                 self._start_watch()
-                self._start_idle_watch()
+                self.broker_view.watch_idle(self)
                 raise
             await self._release(held)
             self.lifecycle.move(Phase.STOPPED)

@@ -26,6 +26,7 @@ from broker.service.apihandlers import default_handlers
 from broker.service.openapi import build_document
 from broker.service.schema import validate
 from spawner import mixin as mixin_module
+from spawner.brokerview import BrokerView
 from spawner.local import SliceBrokerSpawner
 from spawner.mixin import SliceBrokerMixin
 
@@ -879,3 +880,47 @@ async def test_a_stop_that_comes_with_the_grant_cancels_the_spawn_without_launch
     assert raised.value.reason == "cancelled"
     assert spawner.launched_env is None and spawner.lifecycle.phase == "stopped"
     assert broker.slices[slice_id]["end_reason"] == "released"
+
+
+# ---- the hub's idle pass ----------------------------------------------------------------
+
+
+async def test_one_idle_pass_stops_the_largest_idle_session_and_spares_the_rest(
+    make, broker, monkeypatch
+):
+    # n0 is full: bob (1 GPU, granted first) and alice (2 GPUs) idle, and a 1-GPU request
+    # waits that either could serve. The pass checks the larger session first: one stop
+    # frees the most GPUs, and bob's session is then no longer needed.
+    monkeypatch.setattr(BrokerView, "_views", {})
+    full = [{**NODES[0], "gpus_held": 4}]
+    monkeypatch.setattr(broker, "nodes", lambda: asyncio.sleep(0, full))
+    sessions = {}
+    for name, project, gpus, where in (("bob", "nlp", 1, (0,)), ("alice", "vision", 2, (1, 2))):
+        spawner = make(user=user(name, groups=("nlp-team",)))
+        spawner.user_options = {"project": project, "gpus": gpus, "protected": "1h"}
+        task = asyncio.ensure_future(spawner.start())
+        await eventually(lambda s=spawner: s.slice_id is not None)
+        broker.grant(spawner.slice_id, gpus=where)
+        await task
+        monkeypatch.setattr(spawner, "session_idle_seconds", idle_for_two_hours)
+        sessions[name] = spawner
+    waiting = dict(broker.slices[sessions["bob"].slice_id])
+    waiting.update(
+        id=99, user="carol", project="nlp", gpus=1, state="pending", placements=[],
+        granted_at=None, protected_until=None, queue_position=1,
+    )  # fmt: skip
+    broker.slices[99] = waiting
+
+    view = sessions["alice"].broker_view
+    alices = sessions["alice"].slice_id
+    stopped = await view.idle_round(max_age=0)
+    assert stopped == [sessions["alice"]]
+    await sessions["alice"]._culling
+    assert broker.slices[alices]["state"] == "ended"
+    assert sessions["bob"].idle_checkable() and id(sessions["bob"]) in view.sessions
+    assert id(sessions["alice"]) not in view.sessions
+    await sessions["bob"].stop()
+
+
+async def idle_for_two_hours(now: float) -> tuple[float, str]:
+    return 7200.0, "the session"
