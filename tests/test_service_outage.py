@@ -18,7 +18,12 @@ import pytest
 from conftest import _postgres_database
 from hubfixtures import wait_until
 from servicefixtures import running_service
+from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from broker.orm import make_engine
+from broker.service.leader import LEADER_LOCK_KEY, PostgresLeaderLock
 
 LEASE = 2.0
 
@@ -146,3 +151,43 @@ def test_a_postgresql_server_away_longer_than_the_lease_loses_no_slice(tmp_path,
     url, relay = relayed_postgres
     with running_service(tmp_path, db_url=url, lease=LEASE, pass_interval=0.5) as service:
         loses_no_slice(service, relay.severed())
+
+
+@pytest.fixture
+def scratch_postgres() -> Iterator[str]:
+    yield from _postgres_database()
+
+
+def test_a_leader_whose_lock_session_outlived_its_connection_ends_it_and_leads_again(
+    scratch_postgres,
+):
+    """After a network cut the server may not yet know that the leader's lock session is
+    dead: the leader ends that session, its own, and takes the lock back; a session of
+    another broker is never ended."""
+    url = scratch_postgres
+    engine = make_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    stale = engine.connect()  # what the server still holds of the broken connection
+    assert stale.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY)))
+    stale_pid = stale.scalar(select(func.pg_backend_pid()))
+    other = engine.connect()  # another broker's session, not holding the lock
+    other_pid = other.scalar(select(func.pg_backend_pid()))
+    try:
+        stranger = PostgresLeaderLock(url, timeout=5)
+        stranger._backend_pid = other_pid  # its own session was another one
+        assert not stranger.try_acquire()  # the holder is not its own: it stands by
+        assert stale.scalar(select(1)) == 1  # and the holder's session lives on
+        stranger.release()
+
+        leader = PostgresLeaderLock(url, timeout=5)
+        leader._backend_pid = stale_pid  # its own session, as the server still sees it
+        assert leader.try_acquire()
+        assert leader.still_held()
+        holder = engine.connect()
+        assert not holder.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY)))
+        holder.close()
+        leader.release()
+    finally:
+        for connection in (stale, other):
+            with contextlib.suppress(Exception):
+                connection.close()
+        engine.dispose()

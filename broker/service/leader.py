@@ -96,24 +96,73 @@ class FileLeaderLock(LeaderLock):
         return f"file lock {self.path}"
 
 
+#: How long a leader whose lock connection broke waits, after ending its own old
+#: session, for the server to release that session's lock (seconds).
+OWN_SESSION_END_S = 5.0
+
+
 class PostgresLeaderLock(LeaderLock):
-    """A session-level advisory lock on a connection kept for it alone."""
+    """A session-level advisory lock on a connection kept for it alone.
+
+    When that connection breaks (a network cut), the server may not have noticed yet:
+    its session, this broker's own, still holds the lock, and a new connection would
+    find it taken as if by another broker. So the lock remembers its session's backend
+    pid, and a retake that finds the lock held by exactly that pid ends the old session
+    (``pg_terminate_backend``, allowed on one's own sessions) and takes the lock again.
+    """
 
     def __init__(self, url: str, timeout: float | None):
         self._engine = make_engine(
             url, timeout=timeout, poolclass=NullPool, isolation_level="AUTOCOMMIT"
         )
         self._connection: Connection | None = None
+        self._backend_pid: int | None = None  # the session holding the lock, once held
 
     def try_acquire(self) -> bool:
         try:
             if self._connection is None:
                 self._connection = self._engine.connect()
-            held = self._connection.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY)))
+            held = self._take()
+            if not held and self._backend_pid is not None:
+                held = self._end_own_old_session()
+            if held:
+                self._backend_pid = self._connection.scalar(select(func.pg_backend_pid()))
         except SQLAlchemyError:
             self._drop()  # a new connection next time
             raise
-        return bool(held)
+        return held
+
+    def _take(self) -> bool:
+        assert self._connection is not None
+        return bool(self._connection.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY))))
+
+    def _holder(self) -> int | None:
+        """The backend pid holding the leader lock, if any (pg_locks splits a bigint
+        key into its high and low 32 bits)."""
+        assert self._connection is not None
+        return self._connection.scalar(
+            text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND classid = :high AND objid = :low AND objsubid = 1"
+            ),
+            {"high": LEADER_LOCK_KEY >> 32, "low": LEADER_LOCK_KEY & 0xFFFFFFFF},
+        )
+
+    def _end_own_old_session(self) -> bool:
+        """If the lock is held by this broker's own earlier session, end that session and
+        take the lock (within :data:`OWN_SESSION_END_S`); whether it is held now."""
+        old = self._backend_pid
+        if old is None or self._holder() != old:
+            return False  # another broker's: it leads
+        log.warning("leader lock: held by this broker's own broken session %s; ending it", old)
+        assert self._connection is not None
+        self._connection.scalar(select(func.pg_terminate_backend(old)))
+        deadline = time.monotonic() + OWN_SESSION_END_S
+        while time.monotonic() < deadline:
+            if self._take():
+                return True
+            time.sleep(0.05)  # the old backend is exiting; its locks go with it
+        return False
 
     def still_held(self) -> bool:
         # The lock lives as long as the session: a live connection still holds it.
@@ -128,6 +177,7 @@ class PostgresLeaderLock(LeaderLock):
 
     def release(self) -> None:
         self._drop()
+        self._backend_pid = None  # given up: no session of this broker holds it
         self._engine.dispose()
 
     def _drop(self) -> None:
