@@ -12,7 +12,6 @@ from gpustandin import StandinGpus, uuid_of
 
 from slicebroker_lab.activity import last_active
 from slicebroker_lab.gpu import (
-    GpuReading,
     parse_gpu_use,
     read_session_gpus,
     visible_devices,
@@ -130,6 +129,18 @@ def test_a_session_is_active_now_while_a_kernel_executes_else_at_its_latest_acti
     assert last_active(100.0, 500.0, 0, [None]) == 100.0
 
 
-def test_a_reading_s_json_names_each_gpu_and_process():
-    reading = GpuReading("nvml", problem=None)
-    assert reading.as_json() == {"source": "nvml", "gpus": [], "processes": [], "problem": None}
+def test_a_reading_s_json_names_each_gpu_and_process(gpus):
+    gpus.set(40, memory_used=1024, pids=(77,))
+    reading = read_session_gpus({"CUDA_VISIBLE_DEVICES": "0"}, program=str(gpus.program))
+    shown = reading.as_json()
+    assert shown["source"] == "nvidia-smi" and shown["problem"] is None
+    assert shown["gpus"] == [
+        {
+            "index": 0,
+            "uuid": uuid_of(0),
+            "utilization_percent": 40,
+            "memory_used_mib": 1024,
+            "memory_total_mib": 81559,
+        }
+    ]
+    assert shown["processes"] == [{"pid": 77, "gpu_uuid": uuid_of(0), "memory_used_mib": 512}]
