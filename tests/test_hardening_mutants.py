@@ -14,6 +14,7 @@ from test_store import Script, ask, cluster
 from broker.config import parse_config
 from broker.core.model import Decisions, Grant, Placement, Policy, Preemption, PreemptReason
 from broker.core.scheduler import schedule
+from broker.orm import AccountRow
 from broker.store import Broker
 
 
@@ -133,3 +134,37 @@ def test_a_pass_decision_about_a_slice_not_in_its_state_is_ignored(db_url, clock
     finally:
         broker.close()
     assert states == {waiting["id"]: "pending", granted["id"]: "granted"}
+
+
+def catalog_accounts(broker: Broker) -> set[str]:
+    """The accounts of the catalog as the broker's next read finds it."""
+    with broker._read() as session:
+        return {account.name for account in broker._read_catalog(session).accounts}
+
+
+def test_a_catalog_read_inside_a_write_that_is_rolled_back_to_its_savepoint_is_not_kept(
+    tmp_path,
+):
+    # Catches `if self.single_writer and not self._catalog_unsettled` -> `if
+    # self.single_writer` in the journal's _read_catalog (issue 24's mutant 12). Inside
+    # a group commit each write is a savepoint; one that changes the catalog, reads it,
+    # then is refused must leave the kept catalog as the database has it, not as the
+    # refused write saw it. No Broker method reads the catalog after changing it today,
+    # so the journal's rule is driven directly: a later method that did would otherwise
+    # keep a project that never existed.
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}", parse_config(cluster()), single_writer=True
+    )
+    try:
+        before = catalog_accounts(broker)
+        with broker.group_commit():
+            with pytest.raises(RuntimeError, match="refused"), broker._write() as session:
+                broker._catalog_changes()
+                session.add(AccountRow(name="ghost", share=1.0, parent=None))
+                session.flush()
+                assert "ghost" in {a.name for a in broker._read_catalog(session).accounts}
+                raise RuntimeError("refused")
+            assert catalog_accounts(broker) == before  # as a later write of the group reads it
+        assert catalog_accounts(broker) == before
+    finally:
+        broker.close()
