@@ -235,5 +235,6 @@ def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chai
     assert times(result, "granted")[0] == [0.0, 260.0]
     s = result.summary
     assert (s["musical_chairs"], s["musical_chairs_share"]) == (1, 1.0)
+    assert s["musical_chairs_by_reason"] == {"fair_share": 1}
     assert s["musical_chairs_gpu_hours"] == pytest.approx(4 * 30 / 3600)  # its restart
     assert s["avoided_preemptions"] == 0

@@ -134,6 +134,7 @@ class _Run:
     # The last preemption that chose it as a victim (not a drain): when, and the
     # GPU-seconds it cost (work since the checkpoint, then the restart).
     preempted_at: float | None = None
+    preempted_for: str = ""  # that preemption's reason
     preemption_cost: float = 0.0
     deferred_at: float | None = None  # first pass that let it wait instead of preempt
 
@@ -517,6 +518,7 @@ class Simulation:
             job = run.job
             if preemption.reason is not PreemptReason.DRAIN:
                 run.preempted_at = now
+                run.preempted_for = preemption.reason.value
             if preemption.for_slice is not None:
                 self.runs[preemption.for_slice].deferred_at = None  # it preempted after all
             self.recorder.preempted(now, job, preemption.reason.value)
@@ -551,7 +553,7 @@ class Simulation:
             run.deferred_at = None
         if run.preempted_at is not None:
             cost = run.preemption_cost + run.overhead * job.gpus
-            self.recorder.regranted(now - run.preempted_at, cost)
+            self.recorder.regranted(now - run.preempted_at, cost, run.preempted_for)
             run.preempted_at = None
         if not run.waited:
             run.waited = True

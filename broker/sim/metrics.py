@@ -165,6 +165,7 @@ class Recorder:
     # preemption, and the GPU-seconds those preemptions cost them
     musical_chairs: int = 0
     musical_chairs_gpu_seconds: float = 0.0
+    musical_chairs_by_reason: Counter = field(default_factory=Counter)  # reason -> count
     # Preemptions avoided: requests the pass let wait for releases instead, that
     # were then granted without preempting, and what they waited for it
     avoided_preemptions: int = 0
@@ -236,12 +237,13 @@ class Recorder:
         self.preemptions_by_job[job.id] += 1
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
 
-    def regranted(self, after: float, cost_gpu_seconds: float) -> None:
-        """A preempted victim granted again ``after`` seconds; its preemption cost it
-        ``cost_gpu_seconds``."""
+    def regranted(self, after: float, cost_gpu_seconds: float, reason: str) -> None:
+        """A victim preempted for ``reason`` granted again ``after`` seconds later; its
+        preemption cost it ``cost_gpu_seconds``."""
         if after <= MUSICAL_CHAIRS:
             self.musical_chairs += 1
             self.musical_chairs_gpu_seconds += cost_gpu_seconds
+            self.musical_chairs_by_reason[reason] += 1
 
     def avoided(self, waited: float) -> None:
         """A request that could have preempted waited ``waited`` more seconds instead."""
@@ -488,6 +490,7 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "musical_chairs": recorder.musical_chairs,
         "musical_chairs_share": recorder.musical_chairs / total if total else None,
         "musical_chairs_gpu_hours": recorder.musical_chairs_gpu_seconds / HOUR,
+        "musical_chairs_by_reason": dict(sorted(recorder.musical_chairs_by_reason.items())),
         "avoided_preemptions": recorder.avoided_preemptions,
         "avoided_wait_p50": percentile(recorder.avoided_wait_seconds, 50),
         "avoided_wait_p90": percentile(recorder.avoided_wait_seconds, 90),

@@ -167,6 +167,16 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "… of them, by the reason of the preemption",
+        lambda s, _: (
+            ", ".join(
+                f"{reason} {count:,}"
+                for reason, count in s.get("musical_chairs_by_reason", {}).items()
+            )
+            or "–"
+        ),
+    )
+    row(
         "preemptions avoided by waiting (their wait p50 / p90)",
         lambda s, _: (
             f"{_maybe(s, 'avoided_preemptions', lambda v: f'{v:,}')} "
