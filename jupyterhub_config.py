@@ -140,7 +140,6 @@ c.SliceBrokerMixin.broker_token = agent_token
 c.SliceBrokerMixin.protected_choices = ["15m", "1h", "2h", "4h", "8h", "0"]
 c.SliceBrokerMixin.protected_default = "15m"
 c.SliceBrokerMixin.max_gpus = max((node.gpu_count for node in cluster.nodes), default=1)
-c.SliceBrokerMixin.project_gpu_caps = dict(cluster.policy.project_gpu_caps)
 # Idle sessions (see docs/hub-admin.md, "Idle sessions"): past their protection, stopped
 # after 1 h idle, or 15 min while a waiting request could use their GPUs; within it, only
 # after 1 h idle and only while a waiting request could use their GPUs.

@@ -230,6 +230,11 @@ class BrokerClient:
         """``{name, groups, admin, agent, projects}`` of the token's owner."""
         return await self.request("GET", "/whoami")
 
+    async def limits(self) -> dict[str, Any]:
+        """The terms requests are held to (``GET /limits``): lease, grace period, the
+        protected period's cap, the debug lane's limits, project caps, defaults per kind."""
+        return await self.request("GET", "/limits")
+
     # ---- slices -------------------------------------------------------------------
 
     async def submit(

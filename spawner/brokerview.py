@@ -7,6 +7,10 @@ One :class:`BrokerView` per broker URL holds:
   most once per ``max_age`` for every session of the hub (:meth:`BrokerView.queue`);
 - the nodes and the granted slices as last seen, by any read: what the pending page
   and the notices say about draining nodes and protections ending;
+- the terms the broker holds requests to (``GET /limits``: project caps, the debug
+  lane's limits, the longest protected period, the lease), as last read with the form's
+  view of the cluster, so that the form offers what the broker allows instead of a
+  copy of its configuration;
 - the GPUs of sessions this hub is stopping as idle since the queue view was read
   (``freeing``): the next idle checks count them as free, so that one waiting
   request does not cost every idle session that could serve it;
@@ -55,6 +59,7 @@ class BrokerView:
     def __init__(self) -> None:
         self.nodes_seen: list[dict[str, Any]] | None = None
         self.held_seen: list[dict[str, Any]] = []
+        self.limits: dict[str, Any] | None = None  # None: not read yet (or no /limits)
         self.freeing: dict[str, int] = {}  # node -> GPUs on their way back
         # (monotonic time, event loop, the read under way or done)
         self._read: tuple[float, asyncio.AbstractEventLoop, asyncio.Future] | None = None

@@ -104,6 +104,9 @@ SOONER_AFTER_S = 60.0
 QUEUE_START_TIMEOUT_S = 3600
 
 _DEFAULT_PROTECTED = ["15m", "1h", "2h", "4h", "8h", "0"]
+#: The debug lane's longest protected period where neither the admin nor the broker says
+#: (the broker's own default, policy.debug_max_min_runtime).
+DEFAULT_DEBUG_MAX = 15 * 60.0
 
 
 def spawn_error(reason: str, message: str, *, html: str = "", status: int = 400) -> SpawnException:
@@ -239,9 +242,11 @@ class SliceBrokerMixin(Configurable):
 
     debug_protected_max = Union(
         [Unicode(), Float()],
-        default_value="15m",
-        help="Protected lengths up to this are labelled 'debug' on the form. Match it to the "
-        "broker's policy.debug_max_min_runtime (the debug lane).",
+        default_value=None,
+        allow_none=True,
+        help="Protected lengths up to this are labelled 'debug' on the form (seconds or a "
+        "duration). None (the default): the broker's policy.debug_max_min_runtime, read "
+        "from the broker (GET /limits), else 15 min.",
     ).tag(config=True)
 
     gpu_choices = List(
@@ -259,10 +264,10 @@ class SliceBrokerMixin(Configurable):
 
     project_gpu_caps = Dict(
         value_trait=Int(),
-        help="""Project -> the most GPUs it may hold at once (the broker's
-        ``[policy.project_gpu_caps]``). The form offers no more to a project, and a
-        larger request is refused before it is submitted. The embedded config copies
-        the cluster file's; empty (the default): no caps known.""",
+        help="""Project -> the most GPUs it may hold at once. The form offers no more
+        to a project, and a larger request is refused before it is submitted. Empty
+        (the default): the broker's ``[policy.project_gpu_caps]``, read from the broker
+        (GET /limits); set it only to offer less than the broker allows.""",
     ).tag(config=True)
 
     gpu_types = List(
@@ -419,8 +424,13 @@ class SliceBrokerMixin(Configurable):
         return BrokerView.of(self.broker_url)
 
     def choices(self) -> Choices:
-        """What the admin offers, as :mod:`spawner.options` reads it."""
+        """What the admin offers within what the broker allows (its ``GET /limits``, as
+        last read), as :mod:`spawner.options` reads it."""
+        limits = self.broker_view.limits or {}
         protected = tuple(dict.fromkeys(parse_duration(v) for v in self.protected_choices))
+        longest = limits.get("max_min_runtime")
+        if longest is not None:  # the broker would refuse the longer ones
+            protected = tuple(p for p in protected if p <= longest) or protected
         default_protected = parse_duration(self.protected_default)
         if default_protected not in protected:
             default_protected = protected[0]
@@ -432,10 +442,14 @@ class SliceBrokerMixin(Configurable):
             max_gpus=self.max_gpus,
             gpu_types=tuple(self.gpu_types),
             default_project=self.default_project,
-            debug_max=parse_duration(self.debug_protected_max),
+            debug_max=(
+                limits.get("debug_max_min_runtime", DEFAULT_DEBUG_MAX)
+                if self.debug_protected_max is None
+                else parse_duration(self.debug_protected_max)
+            ),
             idle_protected=parse_duration(self.cull_idle_protected),
             idle_busy=parse_duration(self.cull_idle_busy),
-            project_caps=dict(self.project_gpu_caps),
+            project_caps=dict(self.project_gpu_caps or limits.get("project_gpu_caps") or {}),
         )
 
     def cull_limits(self) -> CullLimits:
@@ -455,13 +469,27 @@ class SliceBrokerMixin(Configurable):
         """The user's projects, the cluster's GPU types, the queue length and the nodes, from
         the broker."""
         try:
-            rows, nodes = await asyncio.gather(self.broker.projects(), self.broker.nodes())
+            rows, nodes, limits = await asyncio.gather(
+                self.broker.projects(), self.broker.nodes(), self._read_limits()
+            )
         except BrokerAPIError as err:
             raise broker_error(err) from None
         self.broker_view.nodes_seen = nodes
+        if limits is not None:
+            self.broker_view.limits = limits
         projects = project_views(rows, self.user.name, self._user_groups())
         queue = sum(int(r.get("pending") or 0) for r in rows if r.get("is_project"))
         return projects, gpu_type_views(nodes), queue, nodes
+
+    async def _read_limits(self) -> dict[str, Any] | None:
+        """The broker's terms (``GET /limits``); None from a broker that has no such
+        route (the traits' own values then stand)."""
+        try:
+            return await self.broker.limits()
+        except BrokerAPIError as err:
+            if err.status == 404:
+                return None
+            raise
 
     async def get_options_form(self) -> str:
         """The spawner's own form (its ``options_form``: KubeSpawner's profiles, an

@@ -126,6 +126,28 @@ async def test_whoami_shows_the_caller_and_the_projects_they_may_charge(api, ali
     assert admin["admin"] and admin["projects"] == ["nlp", "vision"]
 
 
+async def test_limits_show_the_terms_of_the_cluster_file_and_the_lease(tmp_path):
+    capped = TEST_CONFIG.replace('debug_max_gpus = 2', 'debug_max_gpus = 1\n'
+                                 'project_gpu_caps = { vision = 3 }')  # fmt: skip
+    async with serving_in_process(
+        f"sqlite:///{tmp_path / 'b.sqlite'}", config=capped, lease=45
+    ) as served:
+        assert (await served.call("GET", "/limits")).status == 401
+        limits = ok(await served.call("GET", "/limits", token=served.token("alice")))
+    assert limits == {
+        "lease": 45.0,
+        "grace_period": 2.0,
+        "max_min_runtime": 8 * 3600.0,
+        "debug_max_gpus": 1,
+        "debug_max_min_runtime": 900.0,
+        "project_gpu_caps": {"vision": 3},
+        "defaults": {
+            "interactive": {"min_runtime": 900.0, "resumable": False, "max_runtime": None},
+            "batch": {"min_runtime": 3600.0, "resumable": True, "max_runtime": None},
+        },
+    }
+
+
 async def test_an_agent_sees_the_projects_a_user_may_charge(api):
     agent = api.token("spawner", agent=True)
     reply = await api.call(

@@ -122,6 +122,21 @@ async def test_the_fake_broker_is_held_to_the_openapi_document():
         await broker.get_slice(made["id"])
 
 
+#: A broker's terms on its default policy (GET /limits).
+LIMITS = {
+    "lease": 120.0,
+    "grace_period": 60.0,
+    "max_min_runtime": 8 * 3600.0,
+    "debug_max_gpus": 2,
+    "debug_max_min_runtime": 900.0,
+    "project_gpu_caps": {},
+    "defaults": {
+        "interactive": {"min_runtime": 3600.0, "resumable": False, "max_runtime": None},
+        "batch": {"min_runtime": 7200.0, "resumable": True, "max_runtime": None},
+    },
+}
+
+
 class FakeBroker:
     """The broker API the mixin uses, in memory. Tests move slices with grant/preempt/end."""
 
@@ -132,6 +147,7 @@ class FakeBroker:
         self.submit_error: BrokerAPIError | None = None
         self.submit_gate: asyncio.Event | None = None
         self.sooner: dict[int, dict[str, Any]] = {}  # slice id -> its alternatives
+        self.limits_answer: dict[str, Any] | None = dict(LIMITS)  # None: no /limits route
 
     def _touch(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
@@ -142,6 +158,11 @@ class FakeBroker:
 
     async def nodes(self):
         return as_documented("GET", "/nodes", {"nodes": NODES})["nodes"]
+
+    async def limits(self):
+        if self.limits_answer is None:  # a broker older than the route
+            raise BrokerAPIError(404, "not_found", "no such route")
+        return as_documented("GET", "/limits", self.limits_answer)
 
     async def list_slices(self, *, state=None, project=None, user=None):
         # What a waiting session reads for its page (the queue and the nodes).
@@ -316,6 +337,7 @@ def watcher_never_fails(caplog):
 @pytest.fixture
 def make(broker, monkeypatch):
     monkeypatch.setattr(mixin_module, "END_WAIT_S", 0.05)
+    monkeypatch.setattr(BrokerView, "_views", {})  # each test's broker is a new one
 
     def make(**traits) -> GpuSpawner:
         traits.setdefault("user", user())
@@ -546,6 +568,37 @@ async def test_options_a_user_may_not_have_are_refused_with_a_message(
     assert raised.value.reason == reason
     assert message in raised.value.jupyterhub_message
     assert not broker.calls
+
+
+async def test_the_form_offers_what_the_broker_allows_unless_the_admin_offers_less(make, broker):
+    # The broker's caps and longest protected period (GET /limits), not a copy in the
+    # hub's configuration: with the traits left as they are, the broker's terms apply.
+    broker.limits_answer |= {"project_gpu_caps": {"vision": 1}, "max_min_runtime": 7200.0}
+    spawner = make(max_gpus=4)
+    form = await spawner.slice_options_form()
+    assert 'value="vision" data-cap="1"' in form
+    assert 'value="4h"' not in form and 'value="2h"' in form
+    for options, reason in [
+        ({"project": "vision", "gpus": 2}, "project_cap"),
+        ({"project": "vision", "protected": "4h"}, "protected"),
+    ]:
+        with pytest.raises(SpawnException) as raised:
+            await spawner.apply_slice_options(options)
+        assert raised.value.reason == reason
+    # An admin who sets the trait offers that instead (here: more GPUs than the broker
+    # caps, which the broker will then refuse itself).
+    generous = make(max_gpus=4, project_gpu_caps={"vision": 3})
+    assert 'value="vision" data-cap="3"' in await generous.slice_options_form()
+    assert not broker.calls
+
+
+async def test_a_broker_without_limits_leaves_the_admins_terms_standing(make, broker):
+    broker.limits_answer = None  # a broker older than GET /limits answers 404
+    spawner = make(max_gpus=4)
+    form = await spawner.slice_options_form()
+    assert "data-cap" not in form and 'value="8h"' in form
+    await spawner.apply_slice_options({"project": "vision", "gpus": 4, "protected": "8h"})
+    assert spawner.slice_request.gpus == 4
 
 
 async def test_a_user_with_no_project_is_told_so(make, broker):

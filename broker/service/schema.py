@@ -200,6 +200,33 @@ class Identity(ApiObject):
     )
 
 
+Seconds = Annotated[float, Field(ge=0)]
+
+
+class KindTerms(ApiObject):
+    min_runtime: Seconds = Field(description="the protected period a request of this kind gets")
+    resumable: bool
+    max_runtime: Seconds | None = Field(description="its hard end; null: none")
+
+
+class Limits(ApiObject):
+    lease: Seconds = Field(description="how long a heartbeat keeps a slice")
+    grace_period: Seconds = Field(description="a preempted slice's time to checkpoint")
+    max_min_runtime: Seconds = Field(description="the longest protected period a contract may have")
+    debug_max_gpus: Annotated[int, Field(ge=0)] = Field(
+        description="the most GPUs of a debug session (the debug lane)"
+    )
+    debug_max_min_runtime: Seconds = Field(
+        description="the longest protected period of a debug session"
+    )
+    project_gpu_caps: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="project -> the most GPUs it may hold at once; projects not named have no cap"
+    )
+    defaults: dict[Literal["interactive", "batch"], KindTerms] = Field(
+        description="the contract terms a request of each kind gets when it leaves them out"
+    )
+
+
 class Placement(ApiObject):
     node: str
     gpu_indices: list[Annotated[int, Field(ge=0)]]
@@ -477,6 +504,8 @@ MODELS: dict[str, type[ApiObject]] = {
         ErrorDetail,
         Version,
         Identity,
+        Limits,
+        KindTerms,
         Placement,
         SliceRequest,
         Slice,

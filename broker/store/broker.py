@@ -481,6 +481,31 @@ class Broker(Journal):
             ],
         }
 
+    # ---- the policy clients plan by ----------------------------------------------
+
+    def limits(self) -> dict[str, Any]:
+        """The terms a request is held to, for clients (the spawner's form) to plan by
+        instead of copying them: the lease, the grace period, the protected period's cap,
+        the debug lane's limits, the projects' GPU caps and the contract defaults per kind
+        (seconds; None: no limit)."""
+        policy = self.config.policy
+        return {
+            "lease": self.lease,
+            "grace_period": policy.grace_period,
+            "max_min_runtime": policy.max_min_runtime,
+            "debug_max_gpus": policy.debug_max_gpus,
+            "debug_max_min_runtime": policy.debug_max_min_runtime,
+            "project_gpu_caps": dict(sorted(policy.project_gpu_caps.items())),
+            "defaults": {
+                kind.value: {
+                    "min_runtime": terms.min_runtime,
+                    "resumable": terms.resumable,
+                    "max_runtime": terms.max_runtime,
+                }
+                for kind, terms in self.config.defaults.items()
+            },
+        }
+
     # ---- nodes -------------------------------------------------------------------
 
     def nodes(self) -> list[dict[str, Any]]:

@@ -78,6 +78,22 @@ def describe(identity: Identity, projects: list[dict[str, Any]]) -> dict[str, An
     }
 
 
+class LimitsHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "Show the terms requests are held to",
+            "The lease, the grace period, the longest protected period, the debug lane's "
+            "limits (GPUs, protected period), each project's GPU cap and the contract "
+            "defaults per kind, in seconds. Clients plan by these (the spawner's form "
+            "offers no more than they allow) instead of copying the broker's configuration.",
+            content={"application/json": "Limits"},
+        )
+    }
+
+    async def get(self) -> None:
+        self.write_json(self.broker.limits())
+
+
 class OpenAPIHandler(APIHandler):
     operations = {
         "get": Operation(
@@ -99,5 +115,6 @@ class OpenAPIHandler(APIHandler):
 default_handlers = [
     ("/", RootHandler),
     ("/whoami", WhoAmIHandler),
+    ("/limits", LimitsHandler),
     ("/openapi.json", OpenAPIHandler),
 ]
