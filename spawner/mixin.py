@@ -296,8 +296,9 @@ class SliceBrokerMixin(Configurable):
     heartbeat_interval = Float(
         30.0,
         help="""Seconds between heartbeats of a slice (while it waits and while it
-        runs). Keep it well under the broker's lease (120 s by default): a slice
-        whose heartbeats stop for a lease ends as ``lost``.""",
+        runs). A slice whose heartbeats stop for a lease ends as ``lost``, so where
+        the broker's lease is known (``GET /limits``) a third of it is the most
+        used: a broker whose lease is shortened needs no change here.""",
     ).tag(config=True)
 
     queue_refresh_interval = Float(
@@ -892,13 +893,19 @@ class SliceBrokerMixin(Configurable):
             )
         self._pulse_update()
 
+    def _beat_interval(self) -> float:
+        """Seconds to the next heartbeat: ``heartbeat_interval``, or a third of the
+        broker's lease where that is shorter (three beats may be lost before the slice)."""
+        lease = (self.broker_view.limits or {}).get("lease")
+        return self.heartbeat_interval if lease is None else min(self.heartbeat_interval, lease / 3)
+
     async def _watch(self, slice_id: int, beat_now: bool = False) -> None:
         """Heartbeat the slice and follow its state until it ends or is released.
 
         A new request is heartbeated at once, alongside the first long-poll; a
         reconnect (``beat_now``) heartbeats before anything else.
         """
-        next_beat = 0.0 if beat_now else time.monotonic() + self.heartbeat_interval
+        next_beat = 0.0 if beat_now else time.monotonic() + self._beat_interval()
         if not beat_now:
             # A new request gets its lease at once (a hub that dies now leaves nothing
             # waiting for ever), without delaying the long-poll that sees the grant.
@@ -918,7 +925,7 @@ class SliceBrokerMixin(Configurable):
             try:
                 if now >= next_beat:
                     fresh = await self.broker.heartbeat(slice_id)
-                    next_beat = now + self.heartbeat_interval
+                    next_beat = now + self._beat_interval()
                 else:
                     fresh = await self._next_change(slice_id, s, next_beat - now)
             except asyncio.CancelledError:

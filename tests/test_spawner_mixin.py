@@ -659,6 +659,18 @@ async def test_stop_is_idempotent_and_releases_the_slice_once(make, broker):
     assert not spawner.running
 
 
+async def test_heartbeats_come_at_least_three_times_a_lease_whatever_the_trait(make, broker):
+    broker.limits_answer |= {"lease": 0.3}  # a broker whose lease was shortened
+    spawner = make()
+    spawner.heartbeat_interval = 60.0
+    task, slice_id = await started_and_waiting(spawner, broker)
+    # The first beat comes at once; with the trait's 60 s the second would not come
+    # within the test, with a third of the lease it comes every 0.1 s.
+    await eventually(lambda: broker.calls.count(("heartbeat", slice_id)) >= 4)
+    await spawner.stop()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_the_state_keeps_the_slice_so_a_restarted_hub_reconnects(make, broker):
     first = make()
     slice_id = await running(first, broker)
