@@ -84,15 +84,22 @@ const PREEMPT_REASONS: { [key: string]: string } = {
   drain: 'an admin is draining the node'
 };
 
-/** "42 min", "1 h 05 min", "0:42" (under a minute and for countdowns). */
+/**
+ * "42 min", "1 h 05 min"; under a minute "0:42". Whole minutes are rounded down, so
+ * that time left is never promised longer than it is (7:03 left is "7 min").
+ */
 function minutes(seconds: number): string {
-  const m = Math.ceil(Math.max(seconds, 0) / 60);
+  const m = Math.floor(Math.max(seconds, 0) / 60);
+  if (m < 1) {
+    return clock(seconds);
+  }
   if (m < 60) {
     return `${m} min`;
   }
   return `${Math.floor(m / 60)} h ${String(m % 60).padStart(2, '0')} min`;
 }
 
+/** "7:03": a countdown's minutes and seconds. */
 function clock(seconds: number): string {
   const s = Math.max(Math.ceil(seconds), 0);
   return `${Math.floor(s / 60)}:${String(s % 60).padStart(2, '0')}`;
