@@ -123,10 +123,10 @@ def test_decay_closed_form_matches_numeric_integration(start, length, rate, now,
 # ---- usage by project -----------------------------------------------------------
 
 
-def test_running_intervals_count_up_to_now_whatever_their_end_says():
+def test_running_intervals_count_up_to_now():
     usage = usage_by_project(
         [entry(NOW - 100, NOW - 50, 1.0, project="a")],
-        [entry(NOW - 30, NOW - 30, 2.0, project="b"), entry(NOW - 10, 0.0, 1.0, project="a")],
+        [("b", NOW - 30, 2.0), ("a", NOW - 10, 1.0)],
         NOW,
         window=1000,
     )

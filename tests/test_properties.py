@@ -363,7 +363,7 @@ class World:
 
     def snapshot(self) -> Snapshot:
         running = [
-            e
+            (e.project, e.start, e.rate)
             for s in self.live.values()
             if (e := end_slice(s, self.now, self.node_types(), WEIGHTS)) is not None
         ]

@@ -63,7 +63,8 @@ def test_incremental_usage_matches_the_ledger(seed, half_life):
             done += 1
         ended = [e for e in closed if e.end <= at]
         still_open = [e for e in closed + running if e.start <= at and e not in ended]
-        expected = usage_by_project(ended, still_open, at, 7 * DAY, half_life)
+        open_now = [(e.project, e.start, e.rate) for e in still_open]
+        expected = usage_by_project(ended, open_now, at, 7 * DAY, half_life)
         got = tracker.at(at)
         for project in "abc":
             assert got[project] == pytest.approx(expected.get(project, 0.0), rel=1e-9, abs=1e-6)

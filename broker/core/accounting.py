@@ -99,7 +99,7 @@ def usage_horizon(window: float, half_life: float | None) -> float:
 
 def usage_by_project(
     entries: Iterable[LedgerEntry],
-    running: Iterable[LedgerEntry],
+    running: Iterable[tuple[str, float, float]],
     now: float,
     window: float,
     half_life: float | None = None,
@@ -107,16 +107,28 @@ def usage_by_project(
     """Each project's usage at ``now`` (design.md §4).
 
     ``entries`` are closed ledger intervals; ``running`` are intervals still
-    open, whatever their ``end`` says: they count up to ``now``.
+    open, as ``(project, start, rate)`` (:func:`running_interval`), counted up to
+    ``now``: a service with thousands of live slices builds no entry for each
+    every pass.
     """
     usage: dict[str, float] = {}
     for entry in entries:
         amount = entry_usage(entry, now, window, half_life)
         usage[entry.project] = usage.get(entry.project, 0.0) + amount
-    for entry in running:  # up to now, whatever its end says
-        amount = interval_usage(entry.start, now, entry.rate, now, window, half_life)
-        usage[entry.project] = usage.get(entry.project, 0.0) + amount
+    for project, start, rate in running:
+        amount = interval_usage(start, now, rate, now, window, half_life)
+        usage[project] = usage.get(project, 0.0) + amount
     return usage
+
+
+def running_interval(
+    slice_: Slice, node_types: Mapping[str, str], weights: Mapping[str, float]
+) -> tuple[str, float, float] | None:
+    """``(project, start, rate)`` of a held slice's charge so far, as :func:`ledger_entry`
+    would give it for any ``until``; None where nothing is owed."""
+    if not slice_.allocated or slice_.granted_at is None or not slice_.placements:
+        return None
+    return slice_.project, slice_.granted_at, held_rate(slice_.placements, node_types, weights)
 
 
 # ---- charging a slice ----------------------------------------------------------

@@ -910,10 +910,10 @@ class Broker(Journal):
             accounting.LedgerEntry(slice_id, project, user, start, end, gpus * weight, gpus)
             for slice_id, project, user, start, end, gpus, weight in session.execute(ledger)
         )
-        running = [costs.entry(slice_, now) for slice_ in live if slice_.state in HELD_STATES]
+        running = [costs.running(slice_) for slice_ in live if slice_.state in HELD_STATES]
         return accounting.usage_by_project(
             closed,
-            (entry for entry in running if entry is not None),
+            (interval for interval in running if interval is not None),
             now,
             policy.window,
             policy.half_life,

@@ -29,6 +29,10 @@ class _Costs:
     def entry(self, slice_: Slice, until: float) -> accounting.LedgerEntry | None:
         return accounting.ledger_entry(slice_, until, self.node_types, self.weights)
 
+    def running(self, slice_: Slice) -> tuple[str, float, float] | None:
+        """``(project, start, rate)`` of a held slice's charge so far (no entry built)."""
+        return accounting.running_interval(slice_, self.node_types, self.weights)
+
 
 def _write_state(row: SliceRow, slice_: Slice) -> None:
     """Store what a transition of :mod:`broker.core.transitions` changed in a slice."""
