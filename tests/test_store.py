@@ -434,6 +434,22 @@ def test_a_grant_the_pass_should_not_have_made_is_refused_and_the_rest_applied(
     assert [s["state"] for s in broker.list_slices()] == ["granted", "pending", "granted"]
 
 
+@pytest.mark.parametrize("single_writer", [False, True])
+def test_a_grant_of_a_gpu_held_since_an_earlier_pass_is_refused(open_broker, single_writer):
+    # The store's last guard checks the GPUs of the nodes a pass grants on against
+    # every live slice, not only against the grants of the same pass.
+    earlier = Decisions(grants=(Grant(1, (Placement("h0", (0, 1)),)),))
+    later = Decisions(
+        grants=(Grant(2, (Placement("h0", (1, 2)),)), Grant(3, (Placement("b0", (1,)),)))
+    )
+    broker = open_broker(schedule=Script(earlier, later), single_writer=single_writer)
+    for _ in range(3):
+        ask(broker)
+    broker.run_pass()
+    broker.run_pass()
+    assert [s["state"] for s in broker.list_slices()] == ["granted", "pending", "granted"]
+
+
 def test_the_snapshot_holds_usage_weights_policy_and_live_slices(open_broker, clock):
     script = Script(Decisions(grants=(Grant(1, (Placement("b0", (0, 1)),)),)))
     broker = open_broker(schedule=script)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -958,7 +958,8 @@ class Broker(Journal):
             if preemption.for_slice is not None:
                 why += f" (for slice {preemption.for_slice})"
             _event(session, row, SliceState.GRANTED, why, now)
-        held = _held_gpus(live, rows)
+        granted_on = {p.node for grant in decisions.grants for p in grant.placements}
+        held = _held_gpus(live, rows, granted_on) if granted_on else {}
         for grant in decisions.grants:
             row = _live(rows, grant.slice_id, (SliceState.PENDING,), "grant")
             if row is None:
@@ -1131,9 +1132,10 @@ def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
 
 
 def _held_gpus(
-    live: Mapping[int, _LiveSlice], rows: Mapping[int, SliceRow]
+    live: Mapping[int, _LiveSlice], rows: Mapping[int, SliceRow], on: Set[str]
 ) -> dict[tuple[str, int], int]:
-    """Which slice holds each GPU: the live slices, as ``rows`` changed them so far."""
+    """Which slice holds each GPU of the nodes ``on``: the live slices, as ``rows``
+    changed them so far (only the nodes a pass grants on need checking)."""
     held: dict[tuple[str, int], int] = {}
     for slice_id, entry in live.items():
         row = rows.get(slice_id)
@@ -1142,7 +1144,9 @@ def _held_gpus(
         else:
             state, placements = SliceState(row.state), _placements(row.placements)
         if state in HELD_STATES:
-            held.update({gpu: slice_id for gpu in _gpus(placements)})
+            for placement in placements:
+                if placement.node in on:
+                    held.update({(placement.node, i): slice_id for i in placement.gpu_indices})
     return held
 
 
