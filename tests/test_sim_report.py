@@ -182,6 +182,7 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
     ("argv", "message"),
     [
         (["helios", "--trace", "no/such/trace.csv"], "Helios trace not found"),
+        (["alibaba", "--trace", "no/such/pods.csv"], "Alibaba pod list not found"),
         (["generate", "--policies", "lottery"], "unknown policy lottery"),
         (["csv"], "csv needs --trace"),
         (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from broker.sim.workloads import (
     Job,
     classify,
     generate,
+    load_alibaba,
     load_csv,
     load_helios,
     load_tree_csv,
@@ -60,6 +62,63 @@ def test_helios_loader_keeps_gpu_jobs_and_sizes_the_cluster_for_the_load():
 def test_helios_loader_says_where_it_looked_when_the_trace_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="Helios trace not found"):
         load_helios(tmp_path / "nope.csv")
+
+
+ALIBABA_PODS = """\
+name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time
+p0,12000,16384,1,1000,,LS,Running,0,90000,0
+p1,6000,12288,1,460,,LS,Running,500000,500600,500010
+p2,6000,12288,1,460,,LS,Running,500001,500301,500011
+p3,4000,8192,0,0,,BE,Running,500002,500900,500002
+p4,8000,32768,8,1000,,BE,Failed,500003,510003,500003
+p5,8000,32768,2,1000,,LS,Pending,500004,510004,
+p6,6000,12288,1,460,,LS,Running,500005,507205,500005
+"""
+ALIBABA_NODES = """\
+sn,cpu_milli,memory_mib,gpu,model
+n0,64000,262144,2,P100
+n1,96000,786432,8,G2
+n2,64000,262144,0,CPU
+n3,96000,393216,4,V100M16
+"""
+
+
+def test_alibaba_loader_reads_pods_as_whole_gpu_jobs_on_the_traces_own_nodes(tmp_path):
+    (tmp_path / "openb_pods.csv").write_text(ALIBABA_PODS)
+    (tmp_path / "openb_nodes.csv").write_text(ALIBABA_NODES)
+    w = load_alibaba(tmp_path / "openb_pods.csv", days=1.0, failures=False)
+    # CPU-only p3 and never-scheduled p5 are left out; the rest in creation order
+    assert [j.gpus for j in w.jobs] == [1, 1, 1, 8, 1]  # a GPU share asks for a whole GPU
+    assert [j.duration for j in w.jobs] == [90000.0, 590.0, 290.0, 10000.0, 7200.0]
+    assert all(a.submit <= b.submit for a, b in zip(w.jobs, w.jobs[1:], strict=False))
+    assert w.end <= 86400.0
+    # best effort is free work; the rest is classified as Helios jobs are
+    free = w.jobs[3]
+    assert (free.min_runtime, free.resumable) == (0.0, True)
+    assert w.jobs[1].kind is SliceKind.INTERACTIVE and w.jobs[1].min_runtime == 900.0
+    # p1 and p2 share one spec and come one after the other: one deployment, one user
+    assert w.jobs[1].user == w.jobs[2].user != w.jobs[4].user
+    # the nodes come from the trace's list (GPU nodes only), with room for the 8-GPU pod
+    assert {(n.gpu_type, n.gpu_count) for n in w.nodes} <= {("p100", 2), ("g2", 8), ("v100m16", 4)}
+    assert max(n.gpu_count for n in w.nodes) == 8
+
+
+def test_simulate_alibaba_runs_on_the_pod_list_and_its_node_list(tmp_path, capsys):
+    from broker.sim.cli import main
+
+    (tmp_path / "openb_pods.csv").write_text(ALIBABA_PODS)
+    (tmp_path / "openb_nodes.csv").write_text(ALIBABA_NODES)
+    out = tmp_path / "out.json"
+    argv = ["alibaba", "--trace", str(tmp_path / "openb_pods.csv"), "--days", "1", "--no-failures"]
+    assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["policies"]["fairshare"]["summary"]
+    assert 1 <= summary["completed"] <= 5  # of the 5 GPU pods
+    capsys.readouterr()
+
+
+def test_alibaba_loader_says_where_it_looked_when_the_trace_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Alibaba pod list not found"):
+        load_alibaba(tmp_path / "nope.csv")
 
 
 def test_generic_csv_round_trips_and_fills_in_what_is_missing(tmp_path):

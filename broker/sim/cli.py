@@ -22,11 +22,14 @@ from .engine import Result, SimConfig, Simulation
 from .policies import POLICIES
 from .report import comparison, goals_markdown, table, write_report
 from .workloads import (
+    ALIBABA_DAYS,
+    DEFAULT_ALIBABA,
     DEFAULT_HELIOS,
     DEFAULT_LOAD,
     GeneratorConfig,
     Workload,
     generate,
+    load_alibaba,
     load_csv,
     load_helios,
     load_tree_csv,
@@ -39,6 +42,7 @@ examples:
   slicebroker simulate helios --report docs/sim
   slicebroker simulate generate --slices 20000 --days 30 --report docs/sim
   slicebroker simulate csv --trace jobs.csv --tree tree.csv --nodes 40 --json out.json
+  slicebroker simulate alibaba --report docs/sim
   python -m broker.sim helios --policies fairshare --limit 2000
 """
 
@@ -62,15 +66,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "workload",
-        choices=("helios", "generate", "csv"),
-        help="helios: the Helios trace; generate: the conditions of design.md §1; "
-        "csv: a trace in the generic CSV format",
+        choices=("helios", "alibaba", "generate", "csv"),
+        help="helios: the Helios trace; alibaba: Alibaba's GPU pods (openb); generate: the "
+        "conditions of design.md §1; csv: a trace in the generic CSV format",
     )
     parser.add_argument(
         "--trace",
         metavar="PATH",
-        help="the trace file (helios: the Helios trace as CSV, see docs/simulator.md; "
-        "csv: required)",
+        help="the trace file (helios: the Helios trace as CSV; alibaba: the pod list, its "
+        "node list beside it; see docs/simulator.md; csv: required)",
     )
     parser.add_argument("--tree", metavar="PATH", help="csv: project tree (name,share,parent)")
     parser.add_argument(
@@ -90,10 +94,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     size.add_argument("--no-failures", action="store_true", help="no drains or node failures")
     gen = parser.add_argument_group("generate")
-    gen.add_argument("--days", type=float, default=30.0, help="length (default 30)")
+    gen.add_argument(
+        "--days",
+        type=float,
+        help=f"generate: length (default 30); alibaba: days the arrivals are pressed into "
+        f"(default {ALIBABA_DAYS:g})",
+    )
     gen.add_argument("--slices", type=int, default=20_000, help="jobs submitted (default 20000)")
     gen.add_argument("--users", type=int, default=150, help="users (default 150)")
-    parser.add_argument("--limit", type=int, help="helios: only the first N GPU jobs")
+    parser.add_argument("--limit", type=int, help="helios, alibaba: only the first N GPU jobs")
     parser.add_argument("--seed", type=int, default=1, help="seed of every random source")
     sim = parser.add_argument_group("simulation")
     sim.add_argument(
@@ -208,6 +217,15 @@ def build_workload(args: argparse.Namespace) -> Workload:
             limit=args.limit,
             **common,
         )
+    if args.workload == "alibaba":
+        return load_alibaba(
+            args.trace or DEFAULT_ALIBABA,
+            days=args.days or ALIBABA_DAYS,
+            seed=args.seed,
+            failures=not args.no_failures,
+            limit=args.limit,
+            **common,
+        )
     if args.workload == "csv":
         if not args.trace:
             raise InvalidConfig("csv needs --trace PATH")
@@ -216,7 +234,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
             args.trace, tree=tree, seed=args.seed, failures=not args.no_failures, **common
         )
     config = GeneratorConfig(
-        days=args.days,
+        days=args.days or 30.0,
         slices=args.slices,
         users=args.users,
         load=args.load,

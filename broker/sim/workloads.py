@@ -1,11 +1,13 @@
 """Workloads for the simulator: what users ask for, on which cluster, and what breaks.
 
 A :class:`Workload` is plain data — jobs, nodes, a project tree and node
-events — so that every policy runs on exactly the same input. Three sources:
+events — so that every policy runs on exactly the same input. Four sources:
 
 - :func:`load_helios`: the Helios trace (pass ``--trace PATH``),
   whose users are mapped to a synthetic project tree and whose short small
   jobs are marked as debug sessions (rules in :func:`classify`);
+- :func:`load_alibaba`: Alibaba's GPU pods (the openb pod and node lists), on a
+  sample of the trace's own nodes;
 - :func:`load_csv`: the generic CSV format of ``docs/simulator.md``;
 - :func:`generate`: the conditions of design.md §1 (about 150 users, demand above
   capacity, debug sessions with short contracts, squatters, a node that breaks).
@@ -265,6 +267,126 @@ def load_helios(
             "debug = at most 2 GPUs and at most 15 min of runtime",
         ),
     )
+
+
+# ---- the Alibaba GPU trace (openb) -----------------------------------------------
+
+DEFAULT_ALIBABA = "../shared/traces/alibaba_openb_pods.csv"
+#: Days the Alibaba trace's 149 days of arrivals are pressed into (see load_alibaba).
+ALIBABA_DAYS = 14.0
+
+
+def load_alibaba(
+    path: str | Path = DEFAULT_ALIBABA,
+    *,
+    days: float = ALIBABA_DAYS,
+    load: float = DEFAULT_LOAD,
+    nodes: int | None = None,
+    gpus_per_node: int = 8,
+    projects: int = 12,
+    seed: int = 1,
+    failures: bool = True,
+    limit: int | None = None,
+) -> Workload:
+    """Alibaba's ``cluster-trace-gpu-v2023`` (the "openb" pods) as a workload.
+
+    - Pods that asked for GPUs and were scheduled; a share of a GPU
+      (``gpu_milli`` under 1000) asks for one whole GPU, as the broker grants
+      whole GPUs. Work is ``deletion_time - scheduled_time``.
+    - The trace's creation times are no arrival process: a few long-running
+      services made months before, then 99.7% of the pods in its last 40 of
+      149 days, at about 17 GPUs busy on average of its 6,212. The pods keep
+      their order and their lengths; they arrive over ``days`` days at the
+      generator's rate, with its daily cycle and quieter weekends (seeded).
+    - Pods name no user. A deployment's replicas are made together with one
+      spec, so a run of consecutive pods with the same CPU, memory, GPUs, GPU
+      share and QoS is one user; users are dealt round-robin to the projects.
+    - BE (best-effort) pods are free work (no protected period, resumable);
+      the rest are classified as Helios jobs are (:func:`classify`).
+    - The cluster is drawn from the trace's own node list (the file beside the
+      pods, ``*_nodes.csv``): its mix of 1-, 2-, 4- and 8-GPU nodes and GPU
+      models, shuffled with ``seed``, until it has the GPUs for ``load``;
+      ``nodes`` gives that many nodes of ``gpus_per_node`` instead.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Alibaba pod list not found at {path}")
+    rows: list[tuple[float, tuple, str, int, float]] = []
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            gpus = int(row["num_gpu"] or 0)
+            if gpus <= 0 or not row["scheduled_time"] or not row["deletion_time"]:
+                continue
+            spec = (row["cpu_milli"], row["memory_mib"], gpus, row["gpu_milli"], row["qos"])
+            work = float(row["deletion_time"]) - float(row["scheduled_time"])
+            rows.append((float(row["creation_time"]), spec, row["qos"], gpus, max(1.0, work)))
+    rows.sort(key=lambda r: r[0])  # in creation order: a deployment's pods side by side
+    if limit is not None:
+        rows = rows[:limit]
+    arrivals = _arrival_times(rng(seed, "alibaba-arrivals"), len(rows), days * DAY)
+    accounts = project_tree(projects)
+    leaves = ProjectTree(accounts).projects
+    users: list[str] = []
+    for i, (_, spec, *_rest) in enumerate(rows):
+        same = i > 0 and rows[i - 1][1] == spec
+        users.append(users[-1] if same else f"d{len(set(users))}")
+    mapping = assign_projects(users, leaves)
+    jobs = []
+    for i, ((_, _, qos, gpus, work), user, at) in enumerate(
+        zip(rows, users, arrivals, strict=True)
+    ):
+        if qos == "BE":
+            kind, min_runtime, resumable = SliceKind.BATCH, 0.0, True
+        else:
+            kind, min_runtime, resumable = classify(gpus, work)
+        jobs.append(Job(i, at, user, mapping[user], gpus, work, kind, min_runtime, resumable))
+    span = jobs[-1].submit if jobs else 0.0
+    if nodes:
+        cluster = make_nodes(nodes, gpus_per_node)
+    else:
+        cluster = _alibaba_nodes(path, jobs, span, load, seed)
+    return Workload(
+        name="alibaba",
+        jobs=tuple(jobs),
+        nodes=cluster,
+        accounts=accounts,
+        node_events=failure_events(cluster, span, seed) if failures else (),
+        until=span,
+        notes=(
+            f"{len(jobs)} GPU pods of the Alibaba openb trace in their order, arriving "
+            f"over {span / DAY:.1f} days",
+            f"{len(mapping)} deployments (runs of one spec) dealt round-robin to "
+            f"{len(leaves)} projects",
+            "a GPU share asks for a whole GPU; best-effort pods are free work",
+        ),
+    )
+
+
+def _alibaba_nodes(
+    pods: Path, jobs: Sequence[Job], span: float, load: float, seed: int
+) -> tuple[Node, ...]:
+    """Nodes drawn from the trace's node list beside ``pods`` (its mix of sizes and
+    models), until the jobs ask ``load`` times the cluster's GPU-time; 8-GPU nodes of
+    one type where the list is missing. Always room for the largest job."""
+    listing = pods.with_name(pods.name.replace("pods", "nodes"))
+    if listing == pods or not listing.is_file():
+        return nodes_for_load(jobs, span, load)
+    with listing.open(newline="") as handle:
+        kinds = [(row["model"], int(row["gpu"])) for row in csv.DictReader(handle)]
+    kinds = [(model, gpus) for model, gpus in kinds if gpus > 0]
+    rng(seed, "alibaba-nodes").shuffle(kinds)
+    # Work past the end of the run asks nothing of this cluster (a few pods run for months).
+    asked = sum(j.gpus * min(j.duration, max(span - j.submit, 0.0)) for j in jobs)
+    wanted = asked / (max(span, 1.0) * load)
+    largest = max((j.gpus for j in jobs), default=1)
+    chosen: list[Node] = []
+    total = 0
+    for model, gpus in kinds:
+        if total >= wanted and any(n.gpu_count >= largest for n in chosen):
+            break
+        chosen.append(Node(f"n{len(chosen):04d}", model.lower(), gpus))
+        total += gpus
+    return tuple(chosen)
 
 
 # ---- the generic CSV format -------------------------------------------------------
