@@ -48,7 +48,11 @@ def clock() -> FakeClock:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     """A headless Chromium for the module's tests."""
-    from playwright.sync_api import sync_playwright  # only the browser tests need it
+    from playwright.sync_api import expect, sync_playwright  # only the browser tests need it
+
+    # What a page shows after a pass may take seconds on a loaded two-core machine running
+    # the suite on several workers: assertions wait up to 20 s (5 s by default) for it.
+    expect.set_options(timeout=20_000)
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
