@@ -291,6 +291,12 @@ class _Runner:
             state = slice_["state"]
             if state in ("granted", "preempting"):
                 return slice_
+            if state == "ended" and slice_.get("replaced_by") is not None:
+                # Its user took an alternative (slicebroker sooner --take): follow it.
+                successor = slice_["replaced_by"]
+                self.say(f"slice {slice_['id']} was replaced by slice {successor}; waiting for it")
+                slice_ = await self.client.get_slice(successor)
+                continue
             if state == "ended":
                 raise BatchError(
                     f"slice {slice_['id']} ended before it was granted ({slice_['end_reason']})"

@@ -1093,6 +1093,13 @@ def add_sooner(commands: argparse._SubParsersAction) -> None:
         "with when the broker would start it and the GPU-hours its protection commits.",
     )
     parser.add_argument("slice_id", metavar="ID", type=_whole(1), help="the slice")
+    parser.add_argument(
+        "--take",
+        metavar="N",
+        type=_whole(1),
+        help="withdraw the slice for the Nth alternative listed, in one step (the new "
+        "slice keeps its place in the queue; whoever holds the old one follows it)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -1116,6 +1123,8 @@ def _about(seconds: float) -> str:
 
 async def sooner(client: BrokerClient, args: argparse.Namespace) -> int:
     found = await client.alternatives(args.slice_id)
+    if args.take is not None:
+        return await _take_alternative(client, args, found["alternatives"])
     if args.json:
         _print_json(found)
         return 0
@@ -1131,7 +1140,35 @@ async def sooner(client: BrokerClient, args: argparse.Namespace) -> int:
         ]
         for a in found["alternatives"]
     ]
-    _print(table(["INSTEAD", "STARTS", "PROTECTED GPU-h"], cells, "llr"))
+    _print(table(["#", "INSTEAD", "STARTS", "PROTECTED GPU-h"], numbered(cells), "rllr"))
+    return 0
+
+
+def numbered(rows: list[list[str]]) -> list[list[str]]:
+    """``rows`` with their number in front, from 1 (what ``--take N`` names)."""
+    return [[str(n), *row] for n, row in enumerate(rows, start=1)]
+
+
+async def _take_alternative(
+    client: BrokerClient, args: argparse.Namespace, alternatives: list[dict[str, Any]]
+) -> int:
+    """Replace the slice with its ``--take``-th alternative; one line, or an error."""
+    if not alternatives:
+        raise _UsageError(f"slice {args.slice_id}: nothing would start it sooner; nothing taken")
+    if args.take > len(alternatives):
+        raise _UsageError(
+            f"slice {args.slice_id} has {len(alternatives)} alternative"
+            f"{'s' if len(alternatives) != 1 else ''}; --take {args.take} names none"
+        )
+    chosen = alternatives[args.take - 1]
+    new = await client.replace(args.slice_id, chosen["fields"])
+    if args.json:
+        _print_json(new)
+        return 0
+    print(
+        f"slice {args.slice_id} withdrawn for slice {new['id']}: "
+        f"{_ALTERNATIVE_WORDS[chosen['change']](chosen['fields'])}, {new['state']}"
+    )
     return 0
 
 

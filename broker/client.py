@@ -338,6 +338,15 @@ class BrokerClient:
         """What would start a waiting slice sooner (``GET /slices/{id}/alternatives``)."""
         return await self.request("GET", f"/slices/{int(slice_id)}/alternatives")
 
+    async def replace(self, slice_id: int, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Withdraw a waiting slice for the same request with ``fields`` (an alternative's
+        ``project, gpus, gpu_type, kind, min_runtime``), in one step; the new slice
+        (``POST /slices/{id}/replace``). Not retried: a second try would find the
+        slice withdrawn by the first."""
+        return await self.request(
+            "POST", f"/slices/{int(slice_id)}/replace", dict(fields), idempotent=False
+        )
+
     # ---- projects -----------------------------------------------------------------
 
     async def projects(self) -> list[dict[str, Any]]:

@@ -212,6 +212,8 @@ class SliceRow(Base):
     queued_at: Mapped[float | None]
     #: The holder's last reported checkpoint: work before it is not lost to a preemption.
     checkpointed_at: Mapped[float | None]
+    #: The slice that took its place when it was replaced while waiting (design.md §5.8).
+    replaced_by: Mapped[int | None]
     ended_at: Mapped[float | None]
     end_reason: Mapped[str | None] = mapped_column(String(32))
     charged_gpu_seconds: Mapped[float] = mapped_column(default=0.0)

@@ -776,6 +776,7 @@ class SliceBrokerMixin(Configurable):
         waited_on = self.slice_id
         while True:
             update = self._update_event()
+            waited_on = self.slice_id or waited_on  # the request that replaced it, if any
             if self.lifecycle.cancelled:
                 raise cancelled_error(waited_on)
             s = self.slice or {}
@@ -944,6 +945,10 @@ class SliceBrokerMixin(Configurable):
                 self.log.exception("Watching slice %s of %s failed", slice_id, self._log_name)
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
+            successor = fresh.get("replaced_by")
+            if fresh.get("state") == "ended" and successor is not None and self.lifecycle.starting:
+                self._follow(slice_id, successor)
+                return
             self._observe(fresh)
         phase = self.lifecycle.phase
         if (
@@ -952,6 +957,22 @@ class SliceBrokerMixin(Configurable):
             and phase is not Phase.STOPPING
         ):
             await self._end_session(slice_id)
+
+    def _follow(self, slice_id: int, successor: int) -> None:
+        """The waiting request was replaced by one of its alternatives (the user took
+        it, on the broker's pages or with ``slicebroker sooner --take``): hold and wait
+        for the new slice instead, as if it had been submitted in its place."""
+        self.log.info(
+            "Slice %s of %s was replaced by slice %s (an alternative taken); following it",
+            slice_id,
+            self._log_name,
+            successor,
+        )
+        self.slice_id, self.slice = successor, None
+        if self.orm_spawner is not None:
+            self.orm_spawner.state = self.get_state()
+        self._watch_task = asyncio.ensure_future(self._watch(successor, beat_now=True))
+        self._pulse_update()
 
     async def _next_change(
         self, slice_id: int, s: Mapping[str, Any], wait: float

@@ -90,6 +90,19 @@ def error_code(reply: Reply, status: int) -> str:
     return body["error"]["code"]
 
 
+async def live_requests(api: InProcessBroker) -> list[tuple]:
+    """The live slices as their requests and states (what a refused write must not change)."""
+    live = ok(await api.call("GET", "/slices", token=api.admin_token, params={"state": "live"}))
+    return [
+        (s["id"], s["state"], s["project"], s["gpus"], s["min_runtime"]) for s in live["slices"]
+    ]
+
+
+def error_code_message(reply: Reply, status: int) -> str:
+    error_code(reply, status)
+    return reply.json["error"]["message"]
+
+
 async def submit(api: InProcessBroker, token: str, **request) -> dict:
     request = {"project": "vision", "gpus": 1, "kind": "batch"} | request
     return ok(await api.call("POST", "/slices", token=token, json=request), 201)
@@ -799,3 +812,44 @@ async def test_a_waiting_slice_is_told_what_would_start_it_now(api, alice, bob):
     )
     done = ok(await api.call("GET", f"/slices/{held['id']}/alternatives", token=alice))
     assert done["alternatives"] == []
+
+
+async def test_a_waiting_slice_is_replaced_by_an_alternative_in_one_step_or_not_at_all(
+    api, alice, bob
+):
+    for gpus in (3, 4):  # alice holds 7 of the 8 GPUs: her 2-GPU request waits
+        await granted(api, alice, (await submit(api, alice, gpus=gpus, min_runtime="8h"))["id"])
+    waiting = await submit(api, alice, gpus=2, min_runtime="1h")
+    ok(await api.call("POST", f"/slices/{waiting['id']}/heartbeat", token=alice))
+    await settled(api)
+    before = await live_requests(api)
+    one_gpu = {"project": "vision", "gpus": 1, "kind": "batch", "min_runtime": 3600}
+    url = f"/slices/{waiting['id']}/replace"
+    refused = [
+        (bob, one_gpu, 404),  # not his: as if there were none
+        (alice, {**one_gpu, "project": "nlp"}, 403),  # a project she may not charge
+        (alice, {**one_gpu, "gpus": 64}, 400),  # can never be granted
+        (alice, {**one_gpu, "color": "red"}, 400),  # not a field
+    ]
+    for token, body, status in refused:
+        error_code(await api.call("POST", url, token=token, json=body), status)
+    # each refusal wrote nothing: no new slice, the request still waiting as it was
+    assert await live_requests(api) == before
+
+    reply = await api.call("POST", url, token=alice, json=one_gpu)
+    new = ok(reply, 201)
+    assert reply.headers["Location"].endswith(f"/slices/{new['id']}")
+    assert (new["gpus"], new["user"], new["submitted_at"]) == (1, "alice", waiting["submitted_at"])
+    assert new["lease_expires_at"] is not None  # the lease the old one had
+    old = ok(await api.call("GET", f"/slices/{waiting['id']}", token=alice))
+    assert (old["state"], old["end_reason"], old["replaced_by"]) == (
+        "ended",
+        "cancelled",
+        new["id"],
+    )
+    assert (await granted(api, alice, new["id"]))["gpus"] == 1
+    events = ok(await api.call("GET", f"/slices/{waiting['id']}/events", token=alice))["events"]
+    assert events[-1]["reason"] == f"cancelled: replaced by slice {new['id']}"
+    # once not waiting, there is nothing to replace
+    again = await api.call("POST", url, token=alice, json=one_gpu)
+    assert "not waiting" in error_code_message(again, 409)

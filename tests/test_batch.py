@@ -198,6 +198,27 @@ def test_a_waiting_runner_shows_its_place_then_runs_when_gpus_free(long_lease_se
     assert runner.marker("started-1")["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
+def test_a_waiting_runner_follows_its_request_replaced_by_an_alternative(
+    long_lease_service, tmp_path
+):
+    service = long_lease_service
+    blockers = fill_cluster(service)
+    runner = start_runner(service, tmp_path, "exit-0", gpus=4)
+    wait_until(lambda: "position 1 in the queue" in runner.stderr, "a queue position", runner)
+    waiting = int(runner.stderr.split("slice ", 1)[1].split()[0])
+    # alice takes "2 GPUs instead of 4" (slicebroker sooner --take): one step, broker-side
+    two = {"project": "vision", "gpus": 2, "kind": "batch", "min_runtime": 3600}
+    reply = service.post(f"/slices/{waiting}/replace", token=service.token("alice"), json=two)
+    assert reply.status_code == 201, reply.text
+    new = reply.json()["id"]
+    wait_until(lambda: f"replaced by slice {new}" in runner.stderr, "the runner to follow", runner)
+
+    service.delete(f"/slices/{blockers[0]}", token=service.admin_token)
+    assert runner.wait() == 0
+    assert runner.marker("started-1")["SLICEBROKER_SLICE_ID"] == str(new)
+    assert len(runner.marker("started-1")["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+
+
 def test_a_gang_sees_every_placement_and_this_hosts_gpus(tmp_path):
     host = socket.gethostname().split(".")[0]
     config = CONFIG.replace('name = "n1"', f'name = "{host}"')

@@ -390,13 +390,29 @@ def test_sooner_says_what_would_start_a_waiting_slice_now(service, capsys):
     status, out, _ = run_cli(capsys, "sooner", str(waiting["id"]))
     assert status == 0
     header, *rows = [line.split() for line in out.splitlines()]
-    assert header == ["INSTEAD", "STARTS", "PROTECTED", "GPU-h"]
+    assert header == ["#", "INSTEAD", "STARTS", "PROTECTED", "GPU-h"]
     # 1 GPU for its hour of protection, at this cluster's weight of 1000
-    assert rows[0] == ["1", "GPU", "now", "1000.00"]
+    assert rows[0] == ["1", "1", "GPU", "now", "1000.00"]
     # a debug session (2 GPUs, 15 min) would get GPUs once alice's protection ends
-    assert rows[1:] == [["a", "15m", "debug", "session", "in", "about", "8h", "500.00"]]
+    assert rows[1:] == [["2", "a", "15m", "debug", "session", "in", "about", "8h", "500.00"]]
     status, out, _ = run_cli(capsys, "sooner", str(waiting["id"] + 1000))
     assert status != 0
+
+    # Taking the first: the request is withdrawn for 1 GPU in one step, and granted.
+    status, out, err = run_cli(capsys, "sooner", str(waiting["id"]), "--take", "3")
+    assert (status, out) == (2, "")
+    assert err.count("\n") == 1 and "has 2 alternatives; --take 3 names none" in err
+    status, out, _ = run_cli(capsys, "sooner", str(waiting["id"]), "--take", "1")
+    assert status == 0
+    old = service.get(f"/slices/{waiting['id']}", token=alice).json()
+    assert (old["state"], old["end_reason"]) == ("ended", "cancelled")
+    assert out.strip().startswith(
+        f"slice {waiting['id']} withdrawn for slice {old['replaced_by']}: 1 GPU"
+    )
+    new = wait_state(service, old["replaced_by"], "pending")
+    assert (new["state"], new["gpus"]) == ("granted", 1)
+    assert new["submitted_at"] == waiting["submitted_at"]  # its place in the queue kept
+    assert old["charged_gpu_seconds"] == 0
 
 
 # ---- usage ------------------------------------------------------------------------------

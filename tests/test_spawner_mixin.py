@@ -209,6 +209,7 @@ class FakeBroker:
             "charged_gpu_seconds": 0.0,
             "preemptions": 0,
             "checkpointed_at": None,
+            "replaced_by": None,
         }
         return slice_answer("POST", "/slices", self.slices[slice_id])
 
@@ -271,6 +272,14 @@ class FakeBroker:
             state="preempting", preempt_reason=reason, preempt_deadline=time.time() + grace
         )
         self._touch()
+
+    def replace(self, slice_id, **changes):
+        """The user took an alternative: the waiting slice is withdrawn for a new one."""
+        new_id = len(self.slices) + 1
+        self.slices[new_id] = {**self.slices[slice_id], "id": new_id, **changes}
+        self.slices[slice_id].update(replaced_by=new_id)
+        self.end(slice_id, "cancelled")
+        return new_id
 
     def end(self, slice_id, reason):
         self.slices[slice_id].update(state="ended", end_reason=reason, ended_at=time.time())
@@ -524,6 +533,24 @@ async def test_a_request_that_ends_while_it_waits_fails_the_spawn_with_the_reaso
     with pytest.raises(SpawnException) as raised:
         await task
     assert "ended before it was granted (lost)" in raised.value.jupyterhub_message
+
+
+async def test_a_request_replaced_by_an_alternative_is_followed_to_its_grant(make, broker):
+    spawner = make()
+    task, slice_id = await started_and_waiting(spawner, broker)
+    # The user takes "1 GPU instead of 2" on the broker's pages: the broker withdraws
+    # the request for a new one in one step, and the spawn waits on for that one.
+    new_id = broker.replace(slice_id, gpus=1)
+    await eventually(lambda: spawner.slice_id == new_id)
+    assert spawner.get_state()["slicebroker"]["slice_id"] == new_id
+    await eventually(lambda: ("heartbeat", new_id) in broker.calls)  # it holds the new one
+    broker.grant(new_id, gpus=(3,))
+    await task
+    assert spawner.slice_env()["SLICEBROKER_SLICE_ID"] == str(new_id)
+    assert spawner.slice["placements"] == [{"node": "n0", "gpu_indices": [3]}]
+    assert slice_id not in broker.released()  # withdrawn by the broker, not by the spawner
+    await spawner.stop()
+    assert broker.released() == [new_id]
 
 
 @pytest.mark.parametrize(

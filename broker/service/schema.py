@@ -303,6 +303,10 @@ class Slice(ApiObject):
         "among otherwise equal victims, the one with the least work since its grant or "
         "this checkpoint is preempted first"
     )
+    replaced_by: int | None = Field(
+        description="for a slice withdrawn for one of its alternatives (POST "
+        "/slices/{id}/replace): the slice that took its place, for its holder to follow"
+    )
 
 
 class SliceList(ApiObject):
@@ -490,6 +494,21 @@ class ProtectionExtension(ApiObject):
     )
 
 
+class SliceReplacement(ApiObject):
+    project: NameText = Field(description="the project to charge; the user must be a member")
+    gpus: Annotated[int, Field(ge=1, le=100000)]
+    gpu_type: NameText | None = Field(None, description="a GPU type; any type when left out")
+    kind: SliceKindName
+    min_runtime: Duration | None = duration_field(
+        "Protected period after the grant. Default: the configuration's default for the kind."
+    )
+    groups: list[NameText] | None = Field(
+        None,
+        description="the slice's user's groups, for membership in a new project (agents "
+        "and admins only; others may only repeat their own)",
+    )
+
+
 class NodeChange(ApiObject):
     reason: ReasonText = Field(
         None, description="shown on the node; one line, no control characters"
@@ -508,6 +527,7 @@ MODELS: dict[str, type[ApiObject]] = {
         KindTerms,
         Placement,
         SliceRequest,
+        SliceReplacement,
         Slice,
         SliceList,
         SliceEvent,

@@ -23,6 +23,10 @@ class Caller:
     admin: bool = False
 
 
+class NotYours(Forbidden):
+    """Another user's slice: the API answers as if there were none (404)."""
+
+
 def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceRow:
     """The slice ``caller`` asks about (any slice with no ``caller``): :class:`NotFound`,
     or :class:`Forbidden` for another user's slice unless ``caller`` is an admin."""
@@ -30,7 +34,7 @@ def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceR
     if row is None:
         raise NotFound(f"no slice {slice_id}")
     if caller is not None and not caller.admin and row.user != caller.name:
-        raise Forbidden(f"slice {slice_id} belongs to another user")
+        raise NotYours(f"slice {slice_id} belongs to another user")
     return row
 
 

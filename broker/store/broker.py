@@ -233,8 +233,6 @@ class Broker(Journal):
         it is in now: a client that timed out and retried gets one slice, not two.
         The same key with another request is a :class:`Conflict`.
         """
-        from ..validation import validate_slice_request
-
         digest = _request_digest(
             project=project,
             gpus=gpus,
@@ -269,23 +267,17 @@ class Broker(Journal):
                     now = self._clock()
                     return _slice_dict(first, now, self._read_catalog(session).costs), False
             catalog = self._read_catalog(session)
-            tree = catalog.tree
-            nodes = list(catalog.nodes)
-            validate_slice_request(
-                gpus=gpus,
-                kind=kind,
-                min_runtime=min_runtime,
-                max_runtime=max_runtime,
-                gpu_type=gpu_type,
-                priority=priority,
-                project=project,
-                tree=tree,
-                nodes=nodes,
-                policy=self.config.policy,
-                known_gpu_types=catalog.known_gpu_types,
+            self._check_request(
+                catalog,
+                gpus,
+                kind,
+                min_runtime,
+                max_runtime,
+                gpu_type,
+                priority,
+                project,
+                resumable,
             )
-            if not isinstance(resumable, bool):
-                raise InvalidRequest(f"resumable must be true or false, got {resumable!r}")
             _check_member(catalog, project, user, groups, admin)
             now = self._clock()
             row = SliceRow(
@@ -310,6 +302,102 @@ class Broker(Journal):
             session.flush()
             _event(session, row, None, "submitted", now)
             return _slice_dict(row, now, _Costs()), True
+
+    def _check_request(
+        self,
+        catalog: Any,
+        gpus: Any,
+        kind: Any,
+        min_runtime: Any,
+        max_runtime: Any,
+        gpu_type: Any,
+        priority: Any,
+        project: Any,
+        resumable: Any,
+    ) -> None:
+        """:class:`InvalidRequest` for a request that can never be granted."""
+        from ..validation import validate_slice_request
+
+        validate_slice_request(
+            gpus=gpus,
+            kind=kind,
+            min_runtime=min_runtime,
+            max_runtime=max_runtime,
+            gpu_type=gpu_type,
+            priority=priority,
+            project=project,
+            tree=catalog.tree,
+            nodes=list(catalog.nodes),
+            policy=self.config.policy,
+            known_gpu_types=catalog.known_gpu_types,
+        )
+        if not isinstance(resumable, bool):
+            raise InvalidRequest(f"resumable must be true or false, got {resumable!r}")
+
+    def replace(
+        self,
+        slice_id: int,
+        *,
+        project: str,
+        gpus: int,
+        kind: str,
+        min_runtime: float | None,
+        gpu_type: str | None = None,
+        groups: Iterable[str] = (),
+        admin: bool = False,
+        caller: Caller | None = None,
+    ) -> dict[str, Any]:
+        """Withdraw waiting ``slice_id`` and queue in its place the same request with
+        these terms (one of its alternatives, design.md §5.8): one transaction, so
+        both happen or neither. The new slice is the same user's, keeps the old one's
+        place in its project's queue (its submit time) and its other terms (resumable,
+        max runtime, priority); the new one.
+
+        :class:`Conflict` unless ``slice_id`` is pending; :class:`Forbidden` for
+        another user's slice, as :meth:`release`, and for a project its user (or
+        ``groups``) may not charge unless ``admin``; :class:`InvalidRequest` for
+        terms that can never be granted.
+        """
+        with self._write() as session:
+            old = _owned_row(session, slice_id, caller)
+            if old.state != SliceState.PENDING.value:
+                raise Conflict(
+                    f"slice {slice_id} is {old.state} now, not waiting: nothing replaced"
+                )
+            defaults = self.config.defaults.get(_kind_or_none(kind))
+            if min_runtime is None and defaults is not None:
+                min_runtime = defaults.min_runtime
+            catalog = self._read_catalog(session)
+            terms = (min_runtime, old.max_runtime, gpu_type, old.priority, project, old.resumable)
+            self._check_request(catalog, gpus, kind, *terms)
+            if project != old.project:
+                _check_member(catalog, project, old.user, groups, admin)
+            now = self._clock()
+            new = SliceRow(
+                project=project,
+                user=old.user,
+                gpus=gpus,
+                gpu_type=gpu_type,
+                kind=SliceKind(kind).value,
+                min_runtime=float(min_runtime),  # type: ignore[arg-type]  # validated
+                resumable=old.resumable,
+                max_runtime=old.max_runtime,
+                priority=old.priority,
+                submitted_at=old.submitted_at,
+                state=SliceState.PENDING.value,
+                placements=[],
+                promised=[],
+                charged_gpu_seconds=0.0,
+                lease_expires_at=old.lease_expires_at,
+            )
+            session.add(new)
+            session.flush()
+            _event(session, new, None, f"submitted: replaces slice {old.id}", now)
+            costs = catalog.costs
+            why = f"cancelled: replaced by slice {new.id}"
+            self._end(session, old, EndReason.CANCELLED, now, costs, why=why)
+            old.replaced_by = new.id
+            return _slice_dict(new, now, costs)
 
     def release(self, slice_id: int, *, caller: Caller | None = None, why: str = "") -> dict:
         """Cancel a pending slice or release a held one (charging its held time).

@@ -52,6 +52,7 @@ def _row_view(row: SliceRow) -> dict[str, Any]:
         "charged_gpu_seconds": row.charged_gpu_seconds,
         "preemptions": row.preemptions,
         "checkpointed_at": row.checkpointed_at,
+        "replaced_by": row.replaced_by,
     }
 
 

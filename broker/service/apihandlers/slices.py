@@ -16,6 +16,7 @@ from sqlalchemy.exc import OperationalError
 from ...config import parse_duration
 from ...core.model import SliceState
 from ...errors import Forbidden, InvalidRequest, NotFound
+from ...store import NotYours
 from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
@@ -391,6 +392,55 @@ class SliceAlternativesHandler(_OwnedSliceHandler):
         self.write_json(found)
 
 
+class SliceReplaceHandler(_OwnedSliceHandler):
+    operations = {
+        "post": Operation(
+            "Replace a waiting slice with one of its alternatives",
+            "Withdraws the pending slice and queues in its place the same request with "
+            "the terms given (as `GET /slices/{id}/alternatives` lists them in `fields`), "
+            "in one transaction: both happen or neither. The new slice is the same "
+            "user's, keeps the old one's place in its project's queue (its submit time), "
+            "its lease and its other terms (resumable, max runtime, priority). The old "
+            "one ends `cancelled` with `replaced_by` naming the new one, for its holder "
+            "to follow. 409 if the slice is not waiting any more (granted meanwhile, say); "
+            "403 for a project the user may not charge.",
+            parameters=(ID_PARAM,),
+            body="SliceReplacement",
+            ok=201,
+            ok_description="the new slice, pending",
+            content={"application/json": "Slice"},
+            errors=(400, 404, 409),
+        )
+    }
+
+    async def post(self, id: str) -> None:
+        slice_id = self.slice_id(id)
+        body = self.body()
+        groups = body.get("groups")
+        if groups is not None and not self.identity.acts_for_others:
+            acting_identity(self.identity, self.identity.name, groups)  # only their own
+        if groups is None and not self.identity.acts_for_others:
+            groups = sorted(self.identity.groups)
+        owner = owner_filter(self.identity)
+        try:
+            new = await self.runner.change(
+                self.broker.replace,
+                slice_id,
+                project=body["project"],
+                gpus=body["gpus"],
+                kind=body["kind"],
+                min_runtime=_duration(body, "min_runtime"),
+                gpu_type=body.get("gpu_type"),
+                groups=groups or (),
+                admin=self.identity.admin,
+                **owner,
+            )
+        except NotYours:
+            raise NotFound(f"no slice {slice_id}") from None
+        self.set_header("Location", f"{self.settings['api_prefix']}/slices/{new['id']}")
+        self.write_json(new, status=201)
+
+
 default_handlers = [
     ("/slices", SliceListHandler),
     ("/slices/{id}", SliceHandler),
@@ -398,5 +448,6 @@ default_handlers = [
     ("/slices/{id}/checkpoint", SliceCheckpointHandler),
     ("/slices/{id}/protection", SliceProtectionHandler),
     ("/slices/{id}/events", SliceEventsHandler),
+    ("/slices/{id}/replace", SliceReplaceHandler),
     ("/slices/{id}/alternatives", SliceAlternativesHandler),
 ]
