@@ -55,7 +55,7 @@ from ..orm import (
 from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Caller, _check_member, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
-from .journal import Journal, _LiveSlice
+from .journal import Journal, _Catalog, _LiveSlice
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -269,14 +269,14 @@ class Broker(Journal):
             catalog = self._read_catalog(session)
             self._check_request(
                 catalog,
-                gpus,
-                kind,
-                min_runtime,
-                max_runtime,
-                gpu_type,
-                priority,
-                project,
                 resumable,
+                gpus=gpus,
+                kind=kind,
+                min_runtime=min_runtime,
+                max_runtime=max_runtime,
+                gpu_type=gpu_type,
+                priority=priority,
+                project=project,
             )
             _check_member(catalog, project, user, groups, admin)
             now = self._clock()
@@ -303,29 +303,14 @@ class Broker(Journal):
             _event(session, row, None, "submitted", now)
             return _slice_dict(row, now, _Costs()), True
 
-    def _check_request(
-        self,
-        catalog: Any,
-        gpus: Any,
-        kind: Any,
-        min_runtime: Any,
-        max_runtime: Any,
-        gpu_type: Any,
-        priority: Any,
-        project: Any,
-        resumable: Any,
-    ) -> None:
-        """:class:`InvalidRequest` for a request that can never be granted."""
+    def _check_request(self, catalog: _Catalog, resumable: object, **terms: Any) -> None:
+        """:class:`InvalidRequest` for a request that can never be granted: ``terms``
+        (gpus, kind, protected and maximum runtime, GPU type, priority, project) as
+        :func:`~broker.validation.validate_slice_request` takes them, on ``catalog``."""
         from ..validation import validate_slice_request
 
         validate_slice_request(
-            gpus=gpus,
-            kind=kind,
-            min_runtime=min_runtime,
-            max_runtime=max_runtime,
-            gpu_type=gpu_type,
-            priority=priority,
-            project=project,
+            **terms,
             tree=catalog.tree,
             nodes=list(catalog.nodes),
             policy=self.config.policy,
@@ -368,8 +353,17 @@ class Broker(Journal):
             if min_runtime is None and defaults is not None:
                 min_runtime = defaults.min_runtime
             catalog = self._read_catalog(session)
-            terms = (min_runtime, old.max_runtime, gpu_type, old.priority, project, old.resumable)
-            self._check_request(catalog, gpus, kind, *terms)
+            self._check_request(
+                catalog,
+                old.resumable,
+                gpus=gpus,
+                kind=kind,
+                min_runtime=min_runtime,
+                max_runtime=old.max_runtime,
+                gpu_type=gpu_type,
+                priority=old.priority,
+                project=project,
+            )
             if project != old.project:
                 _check_member(catalog, project, old.user, groups, admin)
             now = self._clock()
