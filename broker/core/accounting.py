@@ -156,15 +156,17 @@ def ledger_entry(
     ``None`` when nothing is owed: the slice is unallocated (``min_runtime == 0``
     is free, design.md §3) or holds no GPUs.
     """
-    if not slice_.allocated or slice_.granted_at is None or not slice_.placements:
+    interval = running_interval(slice_, node_types, weights)
+    if interval is None:
         return None
+    project, start, rate = interval
     return LedgerEntry(
         slice_id=slice_.id,
-        project=slice_.project,
+        project=project,
         user=slice_.user,
-        start=slice_.granted_at,
-        end=max(until, slice_.granted_at),
-        rate=held_rate(slice_.placements, node_types, weights),
+        start=start,
+        end=max(until, start),
+        rate=rate,
         gpus=sum(len(p.gpu_indices) for p in slice_.placements),
     )
 

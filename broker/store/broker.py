@@ -280,7 +280,7 @@ class Broker(Journal):
             )
             _check_member(catalog, project, user, groups, admin)
             now = self._clock()
-            row = SliceRow(
+            row = _pending_row(
                 project=project,
                 user=user,
                 gpus=gpus,
@@ -291,10 +291,6 @@ class Broker(Journal):
                 max_runtime=None if max_runtime is None else float(max_runtime),
                 priority=priority,
                 submitted_at=now,
-                state=SliceState.PENDING.value,
-                placements=[],
-                promised=[],
-                charged_gpu_seconds=0.0,
                 idempotency_key=idempotency_key,
                 request_digest=None if idempotency_key is None else digest,
             )
@@ -367,7 +363,7 @@ class Broker(Journal):
             if project != old.project:
                 _check_member(catalog, project, old.user, groups, admin)
             now = self._clock()
-            new = SliceRow(
+            new = _pending_row(
                 project=project,
                 user=old.user,
                 gpus=gpus,
@@ -378,10 +374,6 @@ class Broker(Journal):
                 max_runtime=old.max_runtime,
                 priority=old.priority,
                 submitted_at=old.submitted_at,
-                state=SliceState.PENDING.value,
-                placements=[],
-                promised=[],
-                charged_gpu_seconds=0.0,
                 lease_expires_at=old.lease_expires_at,
             )
             session.add(new)
@@ -1211,6 +1203,13 @@ def _event(
 
 def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
     return [(p.node, index) for p in placements for index in p.gpu_indices]
+
+
+def _pending_row(**fields: Any) -> SliceRow:
+    """A new request's row: ``fields`` (its terms, owner and submit time), waiting and
+    holding nothing."""
+    pending = SliceState.PENDING.value
+    return SliceRow(**fields, state=pending, placements=[], promised=[], charged_gpu_seconds=0.0)
 
 
 def _held_gpus(

@@ -416,11 +416,9 @@ class SliceReplaceHandler(_OwnedSliceHandler):
     async def post(self, id: str) -> None:
         slice_id = self.slice_id(id)
         body = self.body()
-        groups = body.get("groups")
-        if groups is not None and not self.identity.acts_for_others:
-            acting_identity(self.identity, self.identity.name, groups)  # only their own
-        if groups is None and not self.identity.acts_for_others:
-            groups = sorted(self.identity.groups)
+        # Membership in a new project is judged with the user's own groups (or those of
+        # them named), or with those an agent or admin names for the slice's user.
+        groups = acting_identity(self.identity, groups=body.get("groups")).groups
         owner = owner_filter(self.identity)
         try:
             new = await self.runner.change(
@@ -431,7 +429,7 @@ class SliceReplaceHandler(_OwnedSliceHandler):
                 kind=body["kind"],
                 min_runtime=_duration(body, "min_runtime"),
                 gpu_type=body.get("gpu_type"),
-                groups=groups or (),
+                groups=sorted(groups),
                 admin=self.identity.admin,
                 **owner,
             )
