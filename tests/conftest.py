@@ -10,6 +10,7 @@ auth); where none answers, the PostgreSQL case is skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,28 @@ class FakeClock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
+
+
+@pytest.fixture(autouse=True)
+def _service_loggers_restored() -> Iterator[None]:
+    """Put the service's loggers back as they were after each test.
+
+    A ``BrokerApp`` built in a test configures them (traitlets' logging config) with a
+    handler on that test's captured stderr; a later test in the same worker would log
+    to that closed stream ("--- Logging error ---" on a CLI's stderr).
+    """
+    from broker.service.app import LOGGERS
+
+    saved = {}
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        saved[name] = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 @pytest.fixture

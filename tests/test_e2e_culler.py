@@ -122,11 +122,15 @@ def test_a_session_busy_on_its_gpus_is_kept_however_old_its_hub_activity(hub, gp
     hub.start_server("carol", project="nlp", gpus=2, protected="15m")
     waiting = wait_until(lambda: hub.slice_of("carol"), 30, "carol's request")
     assert waiting["state"] == "pending"
-    wait_until(
-        lambda: sum(w == str(waiting["id"]) for _, w, _ in idle_reads(hub, "bob")) >= 6,
-        60,
-        "six idle checks of bob with carol waiting",
-    )
+    try:
+        wait_until(
+            lambda: sum(w == str(waiting["id"]) for _, w, _ in idle_reads(hub, "bob")) >= 6,
+            120,
+            "six idle checks of bob with carol waiting",
+        )
+    except AssertionError as err:  # say what the checks saw, and where carol's request is
+        carol = hub.broker("GET", f"/slices/{waiting['id']}")
+        raise AssertionError(f"{err}: checks {idle_reads(hub, 'bob')[-8:]}, carol {carol}") from err
     assert hub.server("bob")["ready"]
     checks = [(idle, source) for idle, w, source in idle_reads(hub, "bob") if w]
     assert all(source == "the session" and idle < 3 for idle, source in checks), checks

@@ -140,11 +140,13 @@ def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
     expect(page.locator("#flash")).to_contain_text("Node n1 is ready")
 
     # Each node has its own buttons, each asking first (the test's page accepts).
+    # Names are exact: "Drain" alone would also match the Undrain button the row shows
+    # until the refresh after the undrain above replaces it.
     row = page.locator("#nodes tbody tr").filter(has=page.locator("th", has_text="n1"))
-    row.get_by_role("button", name="Drain").click()
+    row.get_by_role("button", name="Drain", exact=True).click()
     expect(row).to_contain_text("drained")
-    row.get_by_role("button", name="Undrain").click()
-    expect(row.get_by_role("button", name="Drain")).to_be_visible()
+    row.get_by_role("button", name="Undrain", exact=True).click()
+    expect(row.get_by_role("button", name="Drain", exact=True)).to_be_visible()
     states = {
         n["name"]: n["state"]
         for n in service.get("/nodes", token=service.admin_token).json()["nodes"]
