@@ -17,6 +17,7 @@ from ...config import parse_duration
 from ...core.model import SliceState
 from ...errors import Forbidden, InvalidRequest, NotFound
 from ...store import NotYours
+from ..auth import Identity
 from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
@@ -379,17 +380,7 @@ class SliceAlternativesHandler(_OwnedSliceHandler):
     }
 
     async def get(self, id: str) -> None:
-        # Several passes each: computed once per slice and caller until the next pass,
-        # however often a pending page polls (design.md §5.8).
-        slice_id = self.slice_id(id)
-        caller = owner_filter(self.identity)["caller"]
-        compute = functools.partial(self.broker.alternatives, slice_id, caller=caller)
-        key = ("alternatives", slice_id, caller)
-        try:
-            found = await self.runner.read_between_passes(compute, key=key)
-        except Forbidden:
-            raise NotFound(f"no slice {slice_id}") from None
-        self.write_json(found)
+        self.write_json(await read_alternatives(self.runner, self.identity, self.slice_id(id)))
 
 
 class SliceReplaceHandler(_OwnedSliceHandler):
@@ -414,29 +405,49 @@ class SliceReplaceHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_id = self.slice_id(id)
-        body = self.body()
-        # Membership in a new project is judged with the user's own groups (or those of
-        # them named), or with those an agent or admin names for the slice's user.
-        groups = acting_identity(self.identity, groups=body.get("groups")).groups
-        owner = owner_filter(self.identity)
-        try:
-            new = await self.runner.change(
-                self.broker.replace,
-                slice_id,
-                project=body["project"],
-                gpus=body["gpus"],
-                kind=body["kind"],
-                min_runtime=_duration(body, "min_runtime"),
-                gpu_type=body.get("gpu_type"),
-                groups=sorted(groups),
-                admin=self.identity.admin,
-                **owner,
-            )
-        except NotYours:
-            raise NotFound(f"no slice {slice_id}") from None
+        new = await replace_slice(self.runner, self.identity, self.slice_id(id), self.body())
         self.set_header("Location", f"{self.settings['api_prefix']}/slices/{new['id']}")
         self.write_json(new, status=201)
+
+
+async def read_alternatives(runner: Any, identity: Identity, slice_id: int) -> dict[str, Any]:
+    """``GET /slices/{id}/alternatives`` for ``identity`` (the API's and the pages').
+
+    Several passes each: computed once per slice and caller until the next pass,
+    however often a pending page polls (design.md §5.8). Another user's slice is
+    not found.
+    """
+    caller = owner_filter(identity)["caller"]
+    compute = functools.partial(runner.broker.alternatives, slice_id, caller=caller)
+    try:
+        return await runner.read_between_passes(compute, key=("alternatives", slice_id, caller))
+    except Forbidden:
+        raise NotFound(f"no slice {slice_id}") from None
+
+
+async def replace_slice(
+    runner: Any, identity: Identity, slice_id: int, body: dict[str, Any]
+) -> dict[str, Any]:
+    """``POST /slices/{id}/replace`` with a checked ``SliceReplacement`` body, for
+    ``identity`` (the API's and the pages'); the new slice."""
+    # Membership in a new project is judged with the user's own groups (or those of
+    # them named), or with those an agent or admin names for the slice's user.
+    groups = acting_identity(identity, groups=body.get("groups")).groups
+    try:
+        return await runner.change(
+            runner.broker.replace,
+            slice_id,
+            project=body["project"],
+            gpus=body["gpus"],
+            kind=body["kind"],
+            min_runtime=_duration(body, "min_runtime"),
+            gpu_type=body.get("gpu_type"),
+            groups=sorted(groups),
+            admin=identity.admin,
+            **owner_filter(identity),
+        )
+    except NotYours:
+        raise NotFound(f"no slice {slice_id}") from None
 
 
 default_handlers = [
