@@ -10,6 +10,8 @@ appears. (The command line's tables keep two decimals, so that a column lines up
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 #: Seconds in an hour: GPU-seconds per GPU-hour.
 HOUR = 3600.0
@@ -54,3 +56,19 @@ def duration_text(seconds: float) -> str:
 def count(number: int, noun: str) -> str:
     """``number`` and ``noun``, plural unless it is one: ``1 node``, ``0 nodes``, ``2 nodes``."""
     return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def instead_text(change: str, fields: Mapping[str, Any], request: Mapping[str, Any]) -> str:
+    """One alternative to a waiting request (``GET /slices/{id}/alternatives``) in words,
+    against the request as it is: ``1 GPU instead of 2``, ``2 h protection instead of
+    8 h``, ``a 15 min debug session``, ``charged to nlp``."""
+    if change == "gpus":
+        return f"{count(fields['gpus'], 'GPU')} instead of {request.get('gpus')}"
+    if change == "gpu_type":
+        return f"{fields['gpu_type']} instead of {request.get('gpu_type') or 'any type'}"
+    if change == "min_runtime":
+        was = duration_text(request.get("min_runtime") or 0)
+        return f"{duration_text(fields['min_runtime'])} protection instead of {was}"
+    if change == "debug":
+        return f"a {duration_text(fields['min_runtime'])} debug session"
+    return f"charged to {fields['project']}"

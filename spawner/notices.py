@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from broker.units import gpu_hours
+from broker.units import gpu_hours, instead_text
 
 from .culler import CULLED_IDLE, Verdict
 
@@ -376,21 +376,6 @@ def wait_reason(
     return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
 
 
-def _instead(change: str, fields: Mapping[str, Any], slice_: Mapping[str, Any]) -> str:
-    """One alternative in words: what it changes, against the request as it is."""
-    if change == "gpus":
-        plural = "s" if fields["gpus"] != 1 else ""
-        return f"{fields['gpus']} GPU{plural} instead of {slice_.get('gpus')}"
-    if change == "gpu_type":
-        return f"{fields['gpu_type']} instead of {slice_.get('gpu_type')}"
-    if change == "min_runtime":
-        was = slice_.get("min_runtime") or 0
-        return f"{minutes(fields['min_runtime'])} protection instead of {minutes(was)}"
-    if change == "debug":
-        return f"a {minutes(fields['min_runtime'])} debug session"
-    return f"charged to {fields['project']}"
-
-
 def sooner_text(found: Mapping[str, Any], slice_: Mapping[str, Any], most: int = 3) -> str:
     """What would start a waiting request sooner (``GET /slices/{id}/alternatives``), in
     words: "Start sooner with 1 GPU instead of 2: now (1.00 GPU-h protected) · …"."""
@@ -399,7 +384,7 @@ def sooner_text(found: Mapping[str, Any], slice_: Mapping[str, Any], most: int =
     for alternative in list(found.get("alternatives") or ())[:most]:
         starts = alternative["starts_at"]
         when = "now" if starts <= now else f"in about {minutes(starts - now)}"
-        what = _instead(alternative["change"], alternative["fields"], slice_)
+        what = instead_text(alternative["change"], alternative["fields"], slice_)
         items.append(f"{what}: {when} ({alternative['gpu_hours']:.2f} GPU-h protected)")
     return f"Start sooner with {' · '.join(items)}." if items else ""
 

@@ -105,6 +105,46 @@ def test_a_researcher_sees_only_their_own_slices_live_and_may_release_them(
         service.delete(f"/slices/{slice_['id']}", token=service.admin_token)
 
 
+def test_a_waiting_request_is_replaced_by_a_sooner_alternative_in_one_click(
+    tmp_path, browser, screenshots
+):
+    with running_service(tmp_path, pass_interval=1) as service:
+        alice, carol = service.token("alice"), service.token("carol")
+        for gpus in (4, 3):  # alice holds 7 of the 8 GPUs under 8 h of protection
+            held = service.post(
+                "/slices",
+                token=alice,
+                json={"project": "vision", "gpus": gpus, "kind": "batch", "min_runtime": "8h"},
+            )
+            assert held.status_code == 201, held.text
+        waiting = submit(service, alice, "vision", 2)
+        page = new_page(browser)
+        log_in(page, service, alice)
+
+        sooner = page.locator(f"#sooner-{waiting['id']}")
+        take = sooner.get_by_role("button", name=re.compile(r"^1 GPU instead of 2: now"))
+        expect(take).to_contain_text("GPU-h protected")
+        page.screenshot(path=screenshots / "web-sooner.png", full_page=True)
+
+        # Terms the request may not have, or another user's slice: refused, nothing lost.
+        bad = page_post(page, f"ui/slices/{waiting['id']}/replace", {"gpus": 0})
+        assert bad["status"] == 400 and bad["json"]["error"]["message"], bad
+        carols = new_page(browser)
+        log_in(carols, service, carol)
+        body = {"project": "vision", "gpus": 1, "kind": "batch"}
+        theirs = page_post(carols, f"ui/slices/{waiting['id']}/replace", body)
+        assert theirs["status"] == 404, theirs
+        assert service.get(f"/slices/{waiting['id']}", token=alice).json()["state"] == "pending"
+
+        take.click()
+        expect(page.locator("#flash")).to_contain_text(f"Slice {waiting['id']} withdrawn")
+        old = service.get(f"/slices/{waiting['id']}", token=alice).json()
+        assert (old["state"], old["end_reason"]) == ("ended", "cancelled")
+        new = old["replaced_by"]
+        expect(page.locator(f"#slice-{new}")).to_contain_text("granted")
+        assert service.get(f"/slices/{new}", token=alice).json()["gpus"] == 1
+
+
 def test_a_non_admin_gets_no_admin_action_neither_button_nor_post(service, browser):
     page = new_page(browser)
     log_in(page, service, service.token("bob"), "cluster")

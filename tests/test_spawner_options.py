@@ -560,7 +560,7 @@ def test_the_pending_message_says_what_would_start_the_request_sooner():
     assert sooner == (
         "Start sooner with 1 GPU instead of 2: now (8.00 GPU-h protected) · "
         "h100 instead of b200: now (16.00 GPU-h protected) · "
-        "2.0 h protection instead of 8.0 h: in about 5 min (8.00 GPU-h protected)."
+        "2 h protection instead of 8 h: in about 5 min (8.00 GPU-h protected)."
     )
     event = queue_event(request_, NOON, sooner=sooner)
     assert event["message"].endswith(sooner)

@@ -41,6 +41,7 @@ from ..apihandlers.base import (
 from ..apihandlers.common import is_member, owner_filter
 from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
+from ..apihandlers.slices import read_alternatives, replace_slice
 from ..auth import Identity, parse_authorization, token_key
 from ..schema import ref, validate
 from . import views
@@ -238,6 +239,11 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             cluster = await self.cluster()
             mine = await self.runner.read(self.broker.list_slices, user=self.identity.name)
             live, ended = views.my_slices(mine, cluster, now)
+            waiting = {s["id"]: s for s in mine if s["state"] == "pending"}
+            for row in live:
+                if row["id"] in waiting:
+                    found = await read_alternatives(self.runner, self.identity, row["id"])
+                    row["sooner"] = views.sooner_choices(found, waiting[row["id"]])
             return {"live": live, "ended": ended}
         if page == "queue":
             cluster = await self.cluster()
@@ -438,6 +444,19 @@ class ReleaseHandler(PageHandler):
         self.finish({"message": f"Slice {released['id']} {verb}; charged {cost}."})
 
 
+class ReplaceHandler(PageHandler):
+    """Take one of a waiting slice's alternatives: the request is withdrawn and asked
+    again with those terms in one step (``POST /slices/{id}/replace``)."""
+
+    async def post(self, slice_id: str) -> None:
+        if not 1 <= int(slice_id) <= MAX_ID:
+            raise NotFound(f"no slice {slice_id}")
+        body = _json_body(self.request)
+        validate(body, ref("SliceReplacement"), "body")
+        new = await replace_slice(self.runner, self.identity, int(slice_id), body)
+        self.finish({"message": f"Slice {slice_id} withdrawn; slice {new['id']} asks instead."})
+
+
 class NodeActionHandler(PageHandler):
     """An admin's drain, undrain or down of a node."""
 
@@ -573,6 +592,7 @@ def page_routes(base: str) -> list[tuple[str, type]]:
         (f"{base}({names})", PageViewHandler),
         (f"{base}ui/fragment/([a-z]+)", FragmentHandler),
         (f"{base}ui/slices/([0-9]{{1,10}})/release", ReleaseHandler),
+        (f"{base}ui/slices/([0-9]{{1,10}})/replace", ReplaceHandler),
         (f"{base}ui/nodes/([^/]+)/({'|'.join(NODE_ACTIONS)})", NodeActionHandler),
         (f"{base}ui/projects/([^/]+)", ProjectActionHandler),
         (f"{base}ui/usage.csv", UsageCsvHandler),

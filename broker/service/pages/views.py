@@ -8,6 +8,7 @@ and the templates only lay out. GPU time goes through
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ...core.model import Policy
-from ...units import HOUR, gpu_hours
+from ...units import HOUR, gpu_hours, instead_text
 from ..auth import Identity
 
 DAY = 24 * HOUR
@@ -184,6 +185,25 @@ def my_slices(
     ended = [s for s in mine if s["state"] == "ended" and (s.get("ended_at") or 0) > now - RECENT_S]
     ended.sort(key=lambda s: s.get("ended_at") or 0, reverse=True)
     return live, [slice_row(s, cluster, now) for s in ended[:RECENT_MAX]]
+
+
+def sooner_choices(found: Mapping[str, Any], request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What would start a waiting request sooner (``GET /slices/{id}/alternatives``), as
+    My GPUs offers it: a button each, saying what changes, when it would start and what
+    its protected period commits, that posts the alternative's terms to replace it."""
+    now = found.get("now") or time.time()
+    choices = []
+    for alternative in found.get("alternatives") or ():
+        starts = alternative["starts_at"]
+        choices.append(
+            {
+                "text": instead_text(alternative["change"], alternative["fields"], request),
+                "when": "now" if starts <= now else f"in about {span(starts - now)}",
+                "cost": gpu_hours(alternative["gpu_hours"] * HOUR),
+                "body": json.dumps(alternative["fields"], sort_keys=True),
+            }
+        )
+    return choices
 
 
 def estimated_start_text(slice_: Mapping[str, Any], now: float) -> str:

@@ -79,7 +79,7 @@
     const button = event.target.closest("button[data-post]");
     if (!button) return;
     if (button.dataset.confirm && !window.confirm(button.dataset.confirm)) return;
-    post(button.dataset.post, {});
+    post(button.dataset.post, button.dataset.body ? JSON.parse(button.dataset.body) : {});
   });
 
   const list = (text) => text.split(",").map((s) => s.trim()).filter(Boolean);
