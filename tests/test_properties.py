@@ -388,6 +388,7 @@ class World:
         check_grants(snap, decisions)
         check_borrowers(snap, decisions)
         check_liveness(snap, decisions)
+        check_no_gpu_idle_while_work_fits(snap, decisions)
         count_reach(snap, decisions)
         applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
         self.ledger.extend(applied.charges)
@@ -615,6 +616,41 @@ def check_liveness(snap: Snapshot, decisions: Decisions) -> None:
         return
     if any(s.id not in kept for s in pending):
         event("liveness: the head of the queue was granted")
+
+
+def check_no_gpu_idle_while_work_fits(snap: Snapshot, decisions: Decisions) -> None:
+    """Beyond the head: no request of any rank is left waiting while the GPUs that nobody
+    holds, is granted, is promised or has reserved after this pass would fit it (past its
+    project's cap and the debug headroom). A pass that stops its walk early, or skips
+    a shape it wrongly took for blocked, fails here."""
+    live = {s.id: s for s in snap.slices}
+    gone = {e.slice_id for e in decisions.endings}
+    ready = {n.name: n for n in snap.nodes if n.state is NodeState.READY}
+    free = {name: set(range(n.gpu_count)) for name, n in ready.items()}
+    answered = {g.slice_id for g in decisions.grants} | {
+        r.slice_id for r in decisions.reservations if r.promised
+    }
+    taken = [p for s in live.values() if s.holds_gpus and s.id not in gone for p in s.placements]
+    taken += [p for s in live.values() if s.state is SliceState.PENDING for p in s.promised]
+    taken += [p for g in decisions.grants for p in g.placements]
+    taken += [p for r in decisions.reservations for p in r.placements]
+    for p in taken:
+        free.get(p.node, set()).difference_update(p.gpu_indices)
+    if not any(free.values()):
+        return
+    claimed: dict[str, int] = {}
+    for s in live.values():
+        if (s.holds_gpus and s.id not in gone) or s.id in answered or s.promised:
+            claimed[s.project] = claimed.get(s.project, 0) + s.gpus
+    caps = snap.policy.project_gpu_caps
+    for s in live.values():
+        if s.state is not SliceState.PENDING or s.id in answered or s.id in gone:
+            continue
+        if s.project in caps and claimed.get(s.project, 0) + s.gpus > caps[s.project]:
+            continue
+        if fits(s, free, ready, snap.policy.debug_headroom):
+            event("idle GPUs: a waiting request fits them")
+            raise AssertionError(f"slice {s.id} fits GPUs left idle ({free}) and waits")
 
 
 def check_after(now: float, live: dict[int, Slice], nodes: dict[str, Node], policy: Policy) -> None:
