@@ -159,6 +159,7 @@ _POLICY_KEYS = (
     "debug_max_min_runtime",
     "debug_lane_fraction",
     "debug_headroom",
+    "debug_first",
     "max_reservations",
     "preemption_backoff",
     "preemption_budget",
@@ -367,6 +368,8 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
     for key in ("debug_max_gpus", "debug_headroom", "max_reservations"):
         if key in table:
             settings[key] = _whole(table[key], _at(where, key), minimum=0)
+    if "debug_first" in table:
+        settings["debug_first"] = _bool(table["debug_first"], _at(where, "debug_first"))
     if "preemption_budget" in table:
         # 0 turns the budget off: a job may be preempted any number of times.
         at = _at(where, "preemption_budget")

@@ -723,6 +723,8 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
     # 0 turns the budget off; the defaults when nothing is set
     assert parse(MINIMAL + "[policy]\npreemption_budget = 0\n").policy.preemption_budget is None
     assert parse(MINIMAL).policy.preemption_budget == 5
+    assert parse(MINIMAL + "[policy]\ndebug_first = true\n").policy.debug_first is True
+    assert parse(MINIMAL).policy.debug_first is False
 
 
 @pytest.mark.parametrize(
@@ -731,6 +733,7 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
         ("preemption_budget", "-1", "a number of preemptions"),
         ("preemption_budget", "1.5", "a number of preemptions"),
         ("batch_preemption_delay", '"soon"', "duration"),
+        ("debug_first", '"yes"', "expected true or false"),
     ],
 )
 def test_a_wrong_preemption_setting_is_refused_where_it_is(key, value, message):

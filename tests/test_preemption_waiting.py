@@ -207,6 +207,31 @@ def test_the_debug_lane_takes_no_batch_gpus_once_it_is_full():
     assert [(p.slice_id, p.reason) for p in d.preemptions] == [(batch.id, PreemptReason.DEBUG_LANE)]
 
 
+def test_with_debug_first_a_session_the_lane_admits_takes_a_free_gpu_before_batch():
+    # one GPU free, b's batch request ranks first in fair share (b holds nothing): with
+    # debug_first the debug session of a, over its share, takes the free GPU instead of a
+    # victim's, and b's request waits for the next release (design.md §5.1)
+    policy = Policy(debug_lane_fraction=0.25, debug_first=True)
+    held = running("a", "n0", tuple(range(7)), min_runtime=HOUR)
+    batch = pending("b", 1, submitted_at=NOW - 2 * HOUR)
+    session = pending("a", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="x")
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [held, batch, session], policy=policy))
+    assert [g.slice_id for g in d.grants] == [session.id]
+    # by default (debug_first off) the free GPU goes to b's request, first in fair share
+    default = replace(policy, debug_first=False)
+    d = schedule(snapshot(nodes(1), flat_tree("a", "b"), [held, batch, session], policy=default))
+    assert batch.id in {g.slice_id for g in d.grants}
+    # a session past the lane's per-user cap keeps its place in the queue behind b's
+    second = running("a", "n0", (6,), kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN, user="x")
+    first = replace(held, placements=(replace(held.placements[0], gpu_indices=tuple(range(6))),))
+    capped = replace(policy, debug_max_gpus=1)
+    d = schedule(
+        snapshot(nodes(1), flat_tree("a", "b"), [first, second, batch, session], policy=capped)
+    )
+    assert batch.id in {g.slice_id for g in d.grants}
+    assert session.id not in {g.slice_id for g in d.grants}
+
+
 def test_a_victim_that_just_checkpointed_is_taken_before_one_with_hours_of_unsaved_work():
     # Two 4-GPU hog jobs past protection: the one granted later has less work since its
     # grant, unless the other reported a checkpoint since (design.md §5.3, victim_key 4)

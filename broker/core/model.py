@@ -186,6 +186,9 @@ class Policy:
     # Free GPUs kept for debug sessions: other work is not placed on free GPUs
     # when that would leave fewer free (design.md §1: a debug GPU in seconds).
     debug_headroom: int = 0
+    # Debug sessions the lane admits take free GPUs ahead of batch work (design.md
+    # §5.1), so that a release serves them rather than a victim.
+    debug_first: bool = False
     # A preempted job's next protected period is this many times its last, up to
     # max_min_runtime (1: as before), so the same job is not taken again and again.
     preemption_backoff: float = 2.0

@@ -6,7 +6,7 @@ pass deterministic: two slices never compare equal.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from operator import attrgetter
 
 from .model import Node, Slice, SliceKind
@@ -51,6 +51,21 @@ def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> li
     ordered = sorted(pending, key=attrgetter("submitted_at", "id"))
     ordered.sort(key=lambda s: (not s.allocated, project_rank[s.project], within_project_key(s)))
     return ordered
+
+
+def lane_first(backlog: list[Slice], in_lane: Callable[[Slice], bool]) -> list[Slice]:
+    """``backlog`` (in :func:`queue_order`) with the debug sessions the lane admits
+    first, each group keeping its order (design.md §5.7).
+
+    The debug lane lets such a session preempt batch work; it first takes free
+    GPUs ahead of batch, so that a release serves it instead of a victim.
+    ``in_lane`` is asked once per slice, in queue order, and records those it admits.
+    """
+    first = [s for s in backlog if in_lane(s)]
+    if not first:
+        return backlog
+    chosen = {s.id for s in first}
+    return first + [s for s in backlog if s.id not in chosen]
 
 
 def victim_key(slice_: Slice, project_value: float) -> tuple:

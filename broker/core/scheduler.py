@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import project_rank, queue_order, within_project_key
+from .ordering import lane_first, project_rank, queue_order, within_project_key
 from .placement import FreeGpus
 from .preemption import (
     DebugLane,
@@ -348,15 +349,31 @@ class _Pass:
             if self.promised:
                 allocated = [s for s in allocated if s.id not in self.promised]
                 unallocated = [s for s in unallocated if s.id not in self.promised]
-            self.allocated_backlog, self.unallocated_backlog = allocated, unallocated
-            return
-        pending = self.pending
-        if self.promised:
-            pending = [s for s in pending if s.id not in self.promised]
-        ordered = queue_order(pending, self.project_rank)
-        cut = bisect_left(ordered, True, key=lambda s: not s.allocated)
-        self.allocated_backlog = ordered[:cut]
-        self.unallocated_backlog = ordered[cut:]
+        else:
+            pending = self.pending
+            if self.promised:
+                pending = [s for s in pending if s.id not in self.promised]
+            ordered = queue_order(pending, self.project_rank)
+            cut = bisect_left(ordered, True, key=lambda s: not s.allocated)
+            allocated, unallocated = ordered[:cut], ordered[cut:]
+        if self.policy.debug_first:
+            allocated = lane_first(allocated, self._lane_admits())
+        self.allocated_backlog = allocated
+        self.unallocated_backlog = unallocated
+
+    def _lane_admits(self) -> Callable[[Slice], bool]:
+        """Whether each debug session, asked in queue order, is one the lane admits
+        beside those held and those admitted before it."""
+        lane = replace(self.lane, held_by_user=dict(self.lane.held_by_user))
+        policy = self.policy
+
+        def admits(slice_: Slice) -> bool:
+            if not is_debug(slice_, policy) or not lane.admits(slice_):
+                return False
+            lane.record(slice_)
+            return True
+
+        return admits
 
     def _under_cap(self, slice_: Slice) -> bool:
         cap = self.policy.project_gpu_caps.get(slice_.project)

@@ -123,6 +123,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="free GPUs kept for debug sessions (policy debug_headroom; 0)",
     )
     sim.add_argument(
+        "--debug-first",
+        action="store_true",
+        help="debug sessions the lane admits take free GPUs ahead of batch (policy debug_first)",
+    )
+    sim.add_argument(
         "--preemption-backoff",
         type=float,
         default=2.0,
@@ -310,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     policy = Policy(
         grace_period=args.grace,
         debug_headroom=args.debug_headroom,
+        debug_first=args.debug_first,
         preemption_backoff=args.preemption_backoff,
         batch_preemption_delay=args.batch_preemption_delay,
         preemption_budget=args.preemption_budget or None,
