@@ -524,16 +524,7 @@ class Broker(Journal):
             if row.state != SliceState.PENDING.value:
                 return {**answer, "alternatives": []}
             catalog = self._read_catalog(session)
-            live = tuple(self._live_values(session))
-            snapshot = Snapshot(
-                now=now,
-                nodes=catalog.nodes,
-                accounts=catalog.accounts,
-                slices=live,
-                usage=self._usage(session, now, catalog.costs, live),
-                gpu_type_weights=catalog.costs.weights,
-                policy=self.config.policy,
-            )
+            snapshot = self._live_snapshot(session, catalog, now)
             groups = caller.groups if caller is not None and caller.name == row.user else ()
             projects = [
                 name
@@ -554,6 +545,19 @@ class Broker(Journal):
                 for a in found.alternatives
             ],
         }
+
+    def _live_snapshot(self, session: Session, catalog: _Catalog, now: float) -> Snapshot:
+        """The live state as the next pass would see it, for questions asked of it."""
+        live = tuple(self._live_values(session))
+        return Snapshot(
+            now=now,
+            nodes=catalog.nodes,
+            accounts=catalog.accounts,
+            slices=live,
+            usage=self._usage(session, now, catalog.costs, live),
+            gpu_type_weights=catalog.costs.weights,
+            policy=self.config.policy,
+        )
 
     # ---- the policy clients plan by ----------------------------------------------
 
