@@ -338,6 +338,15 @@ class BrokerClient:
         """What would start a waiting slice sooner (``GET /slices/{id}/alternatives``)."""
         return await self.request("GET", f"/slices/{int(slice_id)}/alternatives")
 
+    async def expected_starts(
+        self, project: str, kind: str = "batch", min_runtime: float | str | None = None
+    ) -> dict[str, Any]:
+        """When a new request for ``project`` would start, by GPU type and size, before it
+        is made (``GET /expected-starts``)."""
+        runtime = None if min_runtime is None else str(min_runtime)
+        params = {"project": project, "kind": kind, "min_runtime": runtime}
+        return await self.request("GET", "/expected-starts", params=params)
+
     async def replace(self, slice_id: int, fields: Mapping[str, Any]) -> dict[str, Any]:
         """Withdraw a waiting slice for the same request with ``fields`` (an alternative's
         ``project, gpus, gpu_type, kind, min_runtime``), in one step; the new slice

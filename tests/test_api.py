@@ -814,6 +814,38 @@ async def test_a_waiting_slice_is_told_what_would_start_it_now(api, alice, bob):
     assert done["alternatives"] == []
 
 
+async def test_before_a_request_is_made_it_is_told_when_each_size_would_start(api, alice, carol):
+    # alice holds 3 GPUs of n0 and all of n1 for 8 h: one GPU is free
+    for gpus in (3, 4):
+        held = await submit(api, alice, gpus=gpus, min_runtime="8h")
+        await granted(api, alice, held["id"])
+    await settled(api)
+    before = [
+        (s["id"], s["state"]) for s in ok(await api.call("GET", "/slices", token=alice))["slices"]
+    ]
+    found = ok(
+        await api.call(
+            "GET", "/expected-starts?project=vision&kind=batch&min_runtime=1h", token=alice
+        )
+    )
+    assert (found["project"], found["kind"], found["min_runtime"]) == ("vision", "batch", 3600.0)
+    starts = {(e["gpu_type"], e["gpus"]): e["starts_at"] for e in found["starts"]}
+    assert list(starts) == [("h100", 1), ("h100", 2), ("h100", 4)]
+    assert starts["h100", 1] == found["now"]  # the free GPU
+    # 2 and 4 GPUs wait for alice's own protected work to end, in about 8 h
+    for gpus in (2, 4):
+        assert starts["h100", gpus] is None or starts["h100", gpus] > found["now"] + 7 * 3600
+    # asking writes nothing
+    after = ok(await api.call("GET", "/slices", token=alice))["slices"]
+    assert [(s["id"], s["state"]) for s in after] == before
+    # only a member may ask for a project; terms no request may have are refused
+    refused = await api.call("GET", "/expected-starts?project=vision", token=carol)
+    assert error_code(refused, 403) == "forbidden"
+    for query in ("kind=nap", "min_runtime=soon", "min_runtime=99h"):
+        bad = await api.call("GET", f"/expected-starts?project=vision&{query}", token=alice)
+        assert error_code(bad, 400)
+
+
 async def test_a_waiting_slice_is_replaced_by_an_alternative_in_one_step_or_not_at_all(
     api, alice, bob
 ):

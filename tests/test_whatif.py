@@ -8,7 +8,7 @@ from dataclasses import replace
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 
 from broker.core.model import Node, Policy, SliceKind
-from broker.core.whatif import alternatives
+from broker.core.whatif import alternatives, expected_starts
 
 
 def protected(project, node, gpus, **kwargs):
@@ -96,3 +96,17 @@ def test_nothing_is_offered_that_is_not_sooner_and_the_passes_are_bounded():
     blocked = replace(request, gpus=9)
     snap = snapshot(nodes(1), flat_tree("a", "b"), [blocked])
     assert alternatives(snap, blocked.id, max_passes=1).alternatives == ()
+
+
+def test_before_a_request_is_made_each_shape_is_asked_of_the_same_pass():
+    # b holds 6 of n0's 8 GPUs under protection, a whole b200 node is free; a's new
+    # request would start now on 1 or 2 h100s or 8 b200s, while 4 h100s wait
+    cluster = [Node("n0", "h100", 8), Node("b0", "b200", 8)]
+    held = protected("b", "n0", tuple(range(6)))
+    snap = snapshot(cluster, flat_tree("a", "b"), [held], weights={"b200": 2.0})
+    request = replace(pending("a", 1), id=held.id + 1)
+    shapes = [("h100", 1), ("h100", 2), ("h100", 4), ("b200", 8)]
+    found = {(e.gpu_type, e.gpus): e.starts_at for e in expected_starts(snap, request, shapes)}
+    assert found[("h100", 1)] == found[("h100", 2)] == found[("b200", 8)] == NOW
+    assert found[("h100", 4)] is None or found[("h100", 4)] > NOW
+    assert snap.slices == (held,)  # the snapshot asked is left as it was

@@ -1,6 +1,9 @@
 """What would start a waiting request sooner (design.md §5.8): the same pure pass,
 asked of the same snapshot with one request changed.
 
+Before a request is made, :func:`expected_starts` asks the same pass when one
+like it would start, for each size and GPU type a form offers.
+
 For a pending slice, :func:`alternatives` tries fewer GPUs, another GPU type, a
 shorter protected period, another of its user's projects and a debug-length
 session, each as one pass of :func:`~broker.core.scheduler.schedule` on the
@@ -85,6 +88,36 @@ def alternatives(
         found.append(Alternative(change, _fields(variant), starts, _gpu_hours(variant, snapshot)))
     found.sort(key=lambda a: (a.starts_at, a.gpu_hours, a.change))
     return WhatIf(slice_id, current, tuple(found))
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedStart:
+    """When a new request of ``gpus`` GPUs of ``gpu_type`` would start: ``now`` if
+    granted at once, else the pass's estimate (``None``: it gives none)."""
+
+    gpu_type: str
+    gpus: int
+    starts_at: float | None
+
+
+def expected_starts(
+    snapshot: Snapshot,
+    request: Slice,
+    shapes: Iterable[tuple[str, int]],
+    *,
+    tree: ProjectTree | None = None,
+) -> tuple[ExpectedStart, ...]:
+    """When ``request`` (a new pending slice, not in ``snapshot``) would start as each
+    ``(gpu_type, gpus)`` of ``shapes``: one pass each, with it added to the queue as
+    submitted now and nothing else changed."""
+    tree = tree or ProjectTree(snapshot.accounts)
+    found = []
+    for gpu_type, gpus in shapes:
+        asked = replace(request, gpu_type=gpu_type, gpus=gpus, submitted_at=snapshot.now)
+        changed = replace(snapshot, slices=(*snapshot.slices, asked))
+        starts = _start(schedule(changed, tree), asked.id, snapshot.now)
+        found.append(ExpectedStart(gpu_type, gpus, starts))
+    return tuple(found)
 
 
 def _variants(

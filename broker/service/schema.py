@@ -350,6 +350,24 @@ class AlternativeList(ApiObject):
     alternatives: list[Alternative] = Field(description="soonest first; empty if none is sooner")
 
 
+class ExpectedStart(ApiObject):
+    gpu_type: str
+    gpus: int = Field(ge=1)
+    starts_at: Epoch | None = Field(
+        description="now if it would be granted at once, else its estimate (null: none)"
+    )
+
+
+class ExpectedStarts(ApiObject):
+    now: Epoch
+    project: str
+    kind: Literal["interactive", "batch"]
+    min_runtime: Seconds
+    starts: list[ExpectedStart] = Field(
+        description="by GPU type, then size: 1, 2, 4, … up to the type's largest node"
+    )
+
+
 class Project(ApiObject):
     name: str
     parent: str | None
@@ -535,6 +553,8 @@ MODELS: dict[str, type[ApiObject]] = {
         AlternativeFields,
         Alternative,
         AlternativeList,
+        ExpectedStart,
+        ExpectedStarts,
         Project,
         ProjectList,
         ProjectUpdate,

@@ -26,6 +26,7 @@ from ..core.fairshare import ProjectTree
 from ..core.incremental import PassState
 from ..core.model import (
     Account,
+    Contract,
     Decisions,
     EndReason,
     Node,
@@ -543,6 +544,64 @@ class Broker(Journal):
                     "gpu_hours": a.gpu_hours,
                 }
                 for a in found.alternatives
+            ],
+        }
+
+    def expected_starts(
+        self,
+        *,
+        user: str,
+        project: str,
+        kind: str,
+        min_runtime: float | None = None,
+        groups: Iterable[str] = (),
+        admin: bool = False,
+    ) -> dict[str, Any]:
+        """When a new request of ``user``'s for ``project`` would start, for each GPU
+        type and each size up to the type's largest node (1, 2, 4, …), before it is
+        made (design.md §5.8): ``{now, project, kind, min_runtime, starts: [{gpu_type,
+        gpus, starts_at}]}``. Terms left out come from the kind's defaults. Raises
+        :class:`Forbidden` unless ``user`` may charge ``project``, and
+        :class:`InvalidRequest` for terms no request may have."""
+        defaults = self.config.defaults.get(_kind_or_none(kind))
+        resumable, max_runtime = False, None
+        if defaults is not None:
+            min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
+            resumable, max_runtime = defaults.resumable, defaults.max_runtime
+        with self._read() as session:
+            catalog = self._read_catalog(session)
+            self._check_request(
+                catalog,
+                resumable,
+                gpus=1,
+                kind=kind,
+                min_runtime=min_runtime,
+                max_runtime=max_runtime,
+                gpu_type=None,
+                priority=0,
+                project=project,
+            )
+            _check_member(catalog, project, user, groups, admin)
+            now = self._clock()
+            snapshot = self._live_snapshot(session, catalog, now)
+        request = Slice(
+            id=max((s.id for s in snapshot.slices), default=0) + 1,
+            project=project,
+            user=user,
+            gpus=1,
+            kind=SliceKind(kind),
+            contract=Contract(float(min_runtime), resumable, max_runtime),  # type: ignore[arg-type]
+        )
+        found = whatif.expected_starts(
+            snapshot, request, _request_shapes(catalog.nodes), tree=catalog.tree
+        )
+        return {
+            "now": now,
+            "project": project,
+            "kind": SliceKind(kind).value,
+            "min_runtime": float(min_runtime),  # type: ignore[arg-type]  # validated
+            "starts": [
+                {"gpu_type": e.gpu_type, "gpus": e.gpus, "starts_at": e.starts_at} for e in found
             ],
         }
 
@@ -1207,6 +1266,20 @@ def _event(
 
 def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
     return [(p.node, index) for p in placements for index in p.gpu_indices]
+
+
+def _request_shapes(nodes: Iterable[Node]) -> list[tuple[str, int]]:
+    """``(gpu_type, gpus)`` a form offers, by type: 1, 2, 4, … and the type's largest
+    node, on the nodes that are not down."""
+    largest: dict[str, int] = {}
+    for node in nodes:
+        if node.state is not NodeState.DOWN:
+            largest[node.gpu_type] = max(largest.get(node.gpu_type, 0), node.gpu_count)
+    shapes = []
+    for gpu_type, most in sorted(largest.items()):
+        sizes = {1 << power for power in range(most.bit_length()) if 1 << power <= most}
+        shapes += [(gpu_type, gpus) for gpus in sorted({*sizes, most})]
+    return shapes
 
 
 def _pending_row(**fields: Any) -> SliceRow:

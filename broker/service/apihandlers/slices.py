@@ -450,6 +450,55 @@ async def replace_slice(
         raise NotFound(f"no slice {slice_id}") from None
 
 
+class ExpectedStartsHandler(APIHandler):
+    operations = {
+        "get": Operation(
+            "When a new request would start, by GPU type and size",
+            "Before a request is made: for each GPU type and each size up to the type's "
+            "largest node (1, 2, 4, …), when a new request of the caller's for `project` "
+            "would start (now, or the scheduling pass's estimate), from one pass each on "
+            "the live state with that request added (design.md §5.8). Terms left out come "
+            "from the kind's defaults. Computed once per caller and terms until the next "
+            "pass. 403 for a project the caller may not charge.",
+            parameters=(
+                Param("project", "query", NAME_TEXT, "the project to charge", required=True),
+                Param(
+                    "kind",
+                    "query",
+                    {"type": "string", "enum": ["interactive", "batch"]},
+                    "the request's kind (default batch)",
+                ),
+                Param(
+                    "min_runtime",
+                    "query",
+                    {"type": "string", "minLength": 1, "maxLength": 32},
+                    "its protected period, as `90m`, `8h` or seconds",
+                ),
+            ),
+            content={"application/json": "ExpectedStarts"},
+            errors=(400,),
+        )
+    }
+
+    async def get(self) -> None:
+        params = self.params()
+        terms = {
+            "project": params["project"],
+            "kind": params.get("kind") or "batch",
+            "min_runtime": _duration(params, "min_runtime"),
+        }
+        actor = acting_identity(self.identity)
+        compute = functools.partial(
+            self.broker.expected_starts,
+            user=actor.name,
+            groups=sorted(actor.groups),
+            admin=self.identity.admin,
+            **terms,
+        )
+        key = ("expected_starts", actor.name, tuple(sorted(terms.items())))
+        self.write_json(await self.runner.read_between_passes(compute, key=key))
+
+
 default_handlers = [
     ("/slices", SliceListHandler),
     ("/slices/{id}", SliceHandler),
@@ -459,4 +508,5 @@ default_handlers = [
     ("/slices/{id}/events", SliceEventsHandler),
     ("/slices/{id}/replace", SliceReplaceHandler),
     ("/slices/{id}/alternatives", SliceAlternativesHandler),
+    ("/expected-starts", ExpectedStartsHandler),
 ]
