@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -339,12 +339,23 @@ class BrokerClient:
         return await self.request("GET", f"/slices/{int(slice_id)}/alternatives")
 
     async def expected_starts(
-        self, project: str, kind: str = "batch", min_runtime: float | str | None = None
+        self,
+        project: str,
+        kind: str = "batch",
+        min_runtime: float | str | None = None,
+        *,
+        user: str | None = None,
+        groups: Iterable[str] | None = None,
     ) -> dict[str, Any]:
         """When a new request for ``project`` would start, by GPU type and size, before it
-        is made (``GET /expected-starts``)."""
-        runtime = None if min_runtime is None else str(min_runtime)
-        params = {"project": project, "kind": kind, "min_runtime": runtime}
+        is made (``GET /expected-starts``); an agent names the ``user`` and ``groups``."""
+        params = {
+            "project": project,
+            "kind": kind,
+            "min_runtime": None if min_runtime is None else str(min_runtime),
+            "user": user,
+            "groups": None if groups is None else ",".join(groups),
+        }
         return await self.request("GET", "/expected-starts", params=params)
 
     async def replace(self, slice_id: int, fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,7 @@ from .options import (
     OptionsError,
     SliceRequest,
     capacity_note,
+    chosen_project,
     gpu_type_views,
     options_from_form,
     project_views,
@@ -543,10 +544,12 @@ class SliceBrokerMixin(Configurable):
                 template_paths=self.options_form_template_paths,
             )
         previous = self.orm_spawner.user_options if self.orm_spawner is not None else None
+        choices = self.choices()
         return render_form(
             projects=projects,
             gpu_types=gpu_types,
-            choices=self.choices(),
+            choices=choices,
+            expected=await self._expected_starts(chosen_project(projects, previous, choices)),
             previous=previous or {},
             notice_html=notices.notice_alert(self.notice),
             queue_total=queue,
@@ -554,6 +557,25 @@ class SliceBrokerMixin(Configurable):
             queue_url=notices.pages_url(self.broker_url),
             template_paths=self.options_form_template_paths,
         )
+
+    async def _expected_starts(self, project: str | None) -> dict[str, Any] | None:
+        """When a session for ``project`` (its default terms) would start, by GPU type and
+        size (``GET /expected-starts``); None where the broker cannot say (an older
+        broker, or it does not answer): the form goes without."""
+        if project is None:
+            return None
+        protected = self.choices().protected_default
+        try:
+            return await self.broker.expected_starts(
+                project,
+                "interactive",
+                protected,
+                user=self.user.name,
+                groups=self._user_groups(),
+            )
+        except BrokerAPIError as err:
+            self.log.debug("No expected starts for %s: %s", project, err.message)
+            return None
 
     async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:
         """Check ``user_options`` and keep the request for :meth:`start`.

@@ -469,16 +469,20 @@ def form_context(
     capacity: str = "",
     queue_url: str = "",
     broker_error: str = "",
+    expected: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the form's template receives (docs/hub-admin.md lists it).
 
     ``previous`` (the last user options) preselects values; ``notice_html``
     (why the last session ended) and ``capacity`` (:func:`capacity_note`: draining and
     down nodes) go above the fields; ``queue_url`` links to the broker's queue page;
-    ``broker_error`` (the broker could not be asked) replaces the whole form.
+    ``broker_error`` (the broker could not be asked) replaces the whole form;
+    ``expected`` (``GET /expected-starts`` for the preselected project) says when each
+    size would start.
     """
     previous = previous or {}
     return {
+        "expected_text": expected_start_text(expected, choices) if expected else "",
         "broker_error": broker_error,
         "notice_html": Markup(notice_html),  # the notice's own HTML, escaped where it is made
         "capacity": capacity,
@@ -498,15 +502,57 @@ def form_context(
     }
 
 
+def chosen_project(
+    projects: Sequence[ProjectView], previous: Mapping[str, Any] | None, choices: Choices
+) -> str | None:
+    """The project the form preselects: the last one used, else the admin's default,
+    else the first the user may charge."""
+    names = [p.name for p in projects]
+    chosen = (previous or {}).get("project")
+    if chosen in names:
+        return chosen
+    if choices.default_project in names:
+        return choices.default_project
+    return names[0] if names else None
+
+
+def expected_start_text(expected: Mapping[str, Any], choices: Choices) -> str:
+    """When a new session would start, by GPU type and the sizes the form offers
+    (``GET /expected-starts``): "Expected start for vision (1 h protected): h100 — 1
+    GPU now · 2 GPUs in about 5 min; b200 — 1 GPU now."."""
+    now = float(expected.get("now") or 0.0)
+    offered = set(choices.gpu_counts or (choices.default_gpus,))
+    by_type: dict[str, list[str]] = {}
+    for entry in expected.get("starts") or ():
+        if entry["gpus"] not in offered:
+            continue
+        starts = entry.get("starts_at")
+        if starts is None:
+            when = "no estimate yet"
+        elif starts <= now:
+            when = "now"
+        else:
+            when = f"in about {duration_text(_to_minute(starts - now))}"
+        plural = "s" if entry["gpus"] != 1 else ""
+        by_type.setdefault(entry["gpu_type"], []).append(f"{entry['gpus']} GPU{plural} {when}")
+    if not by_type:
+        return ""
+    protected = duration_text(float(expected.get("min_runtime") or 0.0))
+    items = "; ".join(f"{name} — {' · '.join(sizes)}" for name, sizes in by_type.items())
+    return f"Expected start for {expected.get('project')} ({protected} protected): {items}."
+
+
+def _to_minute(seconds: float) -> float:
+    """A wait rounded up to the minute (at least one): an estimate, not a countdown."""
+    return max(math.ceil(seconds / 60), 1) * 60.0
+
+
 def _project_options(
     projects: Sequence[ProjectView], previous: Mapping[str, Any], choices: Choices
 ) -> list[FieldOption]:
-    names = [p.name for p in projects]
-    if not names:
+    chosen = chosen_project(projects, previous, choices)
+    if chosen is None:
         return []
-    chosen = previous.get("project")
-    if chosen not in names:
-        chosen = choices.default_project if choices.default_project in names else names[0]
     caps = choices.project_caps
     return [
         FieldOption(

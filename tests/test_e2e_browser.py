@@ -58,6 +58,9 @@ def test_the_options_form_submits_and_the_pending_page_shows_the_queue_position(
     }
     expect(page.locator("#sb-budget")).to_contain_text("vision")
     expect(page.locator("#sb-queue-total")).to_contain_text("Nobody is waiting")
+    # when each size would start, asked of the broker for alice (dave holds the cluster)
+    expect(page.locator("#sb-expected")).to_contain_text("Expected start for vision")
+    expect(page.locator("#sb-expected")).to_contain_text("h100 — 1 GPU ")
     page.select_option("#sb-gpus", "1")
     page.select_option("#sb-protected", "15m")
     page.screenshot(path=screenshots / "spawn-options.png")

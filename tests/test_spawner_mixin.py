@@ -148,6 +148,10 @@ class FakeBroker:
         self.submit_gate: asyncio.Event | None = None
         self.sooner: dict[int, dict[str, Any]] = {}  # slice id -> its alternatives
         self.limits_answer: dict[str, Any] | None = dict(LIMITS)  # None: no /limits route
+        # GET /expected-starts, by (gpu_type, gpus): seconds from now (None: no estimate);
+        # None: a broker without the route
+        self.expected: dict[tuple[str, int], float | None] | None = None
+        self.expected_asked: list[tuple] = []
 
     def _touch(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
@@ -163,6 +167,24 @@ class FakeBroker:
         if self.limits_answer is None:  # a broker older than the route
             raise BrokerAPIError(404, "not_found", "no such route")
         return as_documented("GET", "/limits", self.limits_answer)
+
+    async def expected_starts(self, project, kind="batch", min_runtime=None, **actor):
+        self.expected_asked.append((project, kind, min_runtime, actor))
+        if self.expected is None:
+            raise BrokerAPIError(404, "not_found", "no such route")
+        now = time.time()
+        starts = [
+            {"gpu_type": t, "gpus": n, "starts_at": None if wait is None else now + wait}
+            for (t, n), wait in self.expected.items()
+        ]
+        body = {
+            "now": now,
+            "project": project,
+            "kind": kind,
+            "min_runtime": float(min_runtime or 0),
+            "starts": starts,
+        }
+        return as_documented("GET", "/expected-starts", body)
 
     async def list_slices(self, *, state=None, project=None, user=None):
         # What a waiting session reads for its page (the queue and the nodes).
@@ -626,6 +648,22 @@ async def test_a_broker_without_limits_leaves_the_admins_terms_standing(make, br
     assert "data-cap" not in form and 'value="8h"' in form
     await spawner.apply_slice_options({"project": "vision", "gpus": 4, "protected": "8h"})
     assert spawner.slice_request.gpus == 4
+
+
+async def test_the_form_says_when_each_size_would_start_for_the_preselected_project(make, broker):
+    broker.expected = {("h100", 1): 0.0, ("h100", 2): 300.0, ("h100", 4): None}
+    spawner = make(max_gpus=2)
+    form = await spawner.slice_options_form()
+    # the sizes the form offers only, as words, for the project it preselects
+    assert (
+        "Expected start for vision (15 min protected): h100 — 1 GPU now · 2 GPUs in about 5 min."
+    ) in form
+    (project, kind, protected, actor) = broker.expected_asked[-1]
+    assert (project, kind, protected) == ("vision", "interactive", 900.0)
+    assert actor["user"] == spawner.user.name  # asked for the user, as a submission is
+    # a broker without the route: the form goes without the line
+    broker.expected = None
+    assert "Expected start" not in await spawner.slice_options_form()
 
 
 async def test_a_user_with_no_project_is_told_so(make, broker):

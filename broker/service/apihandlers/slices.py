@@ -459,7 +459,8 @@ class ExpectedStartsHandler(APIHandler):
             "would start (now, or the scheduling pass's estimate), from one pass each on "
             "the live state with that request added (design.md §5.8). Terms left out come "
             "from the kind's defaults. Computed once per caller and terms until the next "
-            "pass. 403 for a project the caller may not charge.",
+            "pass. 403 for a project the caller (or the user an agent names) may not "
+            "charge.",
             parameters=(
                 Param("project", "query", NAME_TEXT, "the project to charge", required=True),
                 Param(
@@ -474,6 +475,18 @@ class ExpectedStartsHandler(APIHandler):
                     {"type": "string", "minLength": 1, "maxLength": 32},
                     "its protected period, as `90m`, `8h` or seconds",
                 ),
+                Param(
+                    "user",
+                    "query",
+                    NAME_TEXT,
+                    "agents and admins: the user the request would be for",
+                ),
+                Param(
+                    "groups",
+                    "query",
+                    {"type": "string", "maxLength": 4096},
+                    "agents and admins: that user's groups, comma-separated",
+                ),
             ),
             content={"application/json": "ExpectedStarts"},
             errors=(400,),
@@ -487,7 +500,9 @@ class ExpectedStartsHandler(APIHandler):
             "kind": params.get("kind") or "batch",
             "min_runtime": _duration(params, "min_runtime"),
         }
-        actor = acting_identity(self.identity)
+        named = params.get("groups")
+        groups = None if named is None else [g for g in named.split(",") if g]
+        actor = acting_identity(self.identity, params.get("user"), groups)
         compute = functools.partial(
             self.broker.expected_starts,
             user=actor.name,
