@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from .fairshare import ProjectTree
-from .model import HOUR, Contract, Decisions, Slice, SliceKind, Snapshot
+from .model import HOUR, Contract, Decisions, Node, NodeState, Slice, SliceKind, Snapshot
 from .preemption import is_debug
 from .scheduler import schedule
 
@@ -118,6 +118,20 @@ def expected_starts(
         starts = _start(schedule(changed, tree), asked.id, snapshot.now)
         found.append(ExpectedStart(gpu_type, gpus, starts))
     return tuple(found)
+
+
+def request_shapes(nodes: Iterable[Node]) -> list[tuple[str, int]]:
+    """``(gpu_type, gpus)`` a form offers, by type: 1, 2, 4, … and the type's largest
+    node, on the nodes that are not down."""
+    largest: dict[str, int] = {}
+    for node in nodes:
+        if node.state is not NodeState.DOWN:
+            largest[node.gpu_type] = max(largest.get(node.gpu_type, 0), node.gpu_count)
+    shapes = []
+    for gpu_type, most in sorted(largest.items()):
+        sizes = {1 << power for power in range(most.bit_length()) if 1 << power <= most}
+        shapes += [(gpu_type, gpus) for gpus in sorted({*sizes, most})]
+    return shapes
 
 
 def _variants(

@@ -593,7 +593,7 @@ class Broker(Journal):
             contract=Contract(float(min_runtime), resumable, max_runtime),  # type: ignore[arg-type]
         )
         found = whatif.expected_starts(
-            snapshot, request, _request_shapes(catalog.nodes), tree=catalog.tree
+            snapshot, request, whatif.request_shapes(catalog.nodes), tree=catalog.tree
         )
         return {
             "now": now,
@@ -1266,20 +1266,6 @@ def _event(
 
 def _gpus(placements: Iterable[Placement]) -> list[tuple[str, int]]:
     return [(p.node, index) for p in placements for index in p.gpu_indices]
-
-
-def _request_shapes(nodes: Iterable[Node]) -> list[tuple[str, int]]:
-    """``(gpu_type, gpus)`` a form offers, by type: 1, 2, 4, … and the type's largest
-    node, on the nodes that are not down."""
-    largest: dict[str, int] = {}
-    for node in nodes:
-        if node.state is not NodeState.DOWN:
-            largest[node.gpu_type] = max(largest.get(node.gpu_type, 0), node.gpu_count)
-    shapes = []
-    for gpu_type, most in sorted(largest.items()):
-        sizes = {1 << power for power in range(most.bit_length()) if 1 << power <= most}
-        shapes += [(gpu_type, gpus) for gpus in sorted({*sizes, most})]
-    return shapes
 
 
 def _pending_row(**fields: Any) -> SliceRow:
