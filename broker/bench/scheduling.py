@@ -34,7 +34,7 @@ from ..core.model import (
 )
 from ..core.placement import FreeGpus
 from ..core.scheduler import schedule
-from ..core.whatif import alternatives
+from ..core.whatif import alternatives, expected_starts, request_shapes
 
 HOUR = 3600.0
 NOW = 1_700_000_000.0
@@ -266,6 +266,19 @@ def time_what_if(snapshot: Snapshot, repeat: int) -> dict:
     }
     result["ratio_to_one_pass_median"] = round(
         result["what_if"]["median_ms"] / result["one_pass"]["median_ms"], 2
+    )
+    # The form's expected starts: one pass per GPU type and size, for a new request of
+    # each project in turn.
+    shapes = request_shapes(snapshot.nodes)
+    next_id = max((s.id for s in snapshot.slices), default=0) + 1
+    template = next(s for s in snapshot.slices if s.kind is SliceKind.INTERACTIVE)
+    form: tuple[list[float], list[float]] = ([], [])
+    for project in sorted({s.project for s in snapshot.slices})[:repeat]:
+        request = replace(template, id=next_id, project=project, state=SliceState.PENDING)
+        _timed(partial(expected_starts, snapshot, request, shapes, tree=tree), *form)
+    result["expected_starts"] = {"shapes": len(shapes), **_summary(*form)}
+    result["expected_starts_ratio_to_one_pass_median"] = round(
+        result["expected_starts"]["median_ms"] / result["one_pass"]["median_ms"], 2
     )
     return result
 
