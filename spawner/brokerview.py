@@ -146,10 +146,18 @@ class BrokerView:
             zip(running, reads, strict=True),
             key=lambda check: (-int((check[0].slice or {}).get("gpus") or 0), check[0].slice_id),
         )
+        # GPUs per node of the sessions idle long enough to go for a waiting request: a
+        # request larger than any one of them may be served by several on one node.
+        idle_gpus: dict[str, int] = {}
+        for session, (idle, _) in checks:
+            if idle is not None and session.idle_for_a_waiter(idle, now):
+                for placement in (session.slice or {}).get("placements") or ():
+                    gpus = len(placement.get("gpu_indices") or ())
+                    idle_gpus[placement["node"]] = idle_gpus.get(placement["node"], 0) + gpus
         return [
             session
             for session, (idle, source) in checks
-            if session.idle_check(pending, nodes, idle, source, now)
+            if session.idle_check(pending, nodes, idle, source, now, idle_gpus)
         ]
 
     def count_as_freeing(self, slice_: Mapping[str, Any]) -> None:

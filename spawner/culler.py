@@ -85,14 +85,18 @@ def waiter_for(
     pending: Iterable[Mapping[str, Any]],
     nodes: Sequence[Mapping[str, Any]],
     freeing: Mapping[str, int] | None = None,
+    idle_beside: Mapping[str, int] | None = None,
 ) -> Mapping[str, Any] | None:
     """The first waiting request (queue order) that could run now on ``session``'s GPUs.
 
     ``session`` is the held slice (``placements``, ``gpus``, ``user``), ``pending``
     the broker's pending slices, ``nodes`` its ``GET /nodes``, ``freeing`` the GPUs
-    (node -> count) of sessions already being stopped. A request fits on one node, or
-    across the ready nodes of its type when it is larger than any one of them. The
-    session's own user's requests are left out.
+    (node -> count) of sessions already being stopped, ``idle_beside`` those of the
+    other sessions on each node that are idle long enough to be stopped for a waiting
+    request too: a request that needs this session's GPUs and theirs counts (the
+    others follow in the same round, their GPUs then counted as freeing). A request
+    fits on one node, or across the ready nodes of its type when it is larger than
+    any one of them. The session's own user's requests are left out.
     """
     by_name = _by_name(nodes)
     placements = session.get("placements") or ()
@@ -103,6 +107,7 @@ def waiter_for(
         return None  # freed GPUs on a draining or down node go to nobody
     kind = home.get("gpu_type")
     held = int(session.get("gpus") or 0)
+    beside = (idle_beside or {}).get(home["name"], 0)
     owner = session.get("user")
     waiting = sorted(
         (
@@ -122,7 +127,7 @@ def waiter_for(
         largest = max((int(n.get("gpu_count") or 0) for n in same_type), default=0)
         if need <= max((_free(n, freeing) for n in same_type), default=0):
             continue  # it fits without this session (or with those being stopped)
-        fits_here = need <= _free(home, freeing) + held
+        fits_here = need <= _free(home, freeing) + held + beside
         fits_across = need > largest and free_total < need <= free_total + held
         if fits_here or fits_across:
             return request

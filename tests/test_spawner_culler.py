@@ -107,6 +107,11 @@ def test_sessions_already_being_stopped_count_as_freed():
     four = [waiting(gpus=4)]
     assert waiter_for(session(id=2), four, full, freeing={"n0": 2})["id"] == 9
     assert waiter_for(session(id=3), four, full, freeing={"n0": 4}) is None
+    # Before anyone is stopped, the other idle sessions on the node count beside this one
+    # (they follow in the same round): a 4-GPU request may take two 2-GPU sessions.
+    assert waiter_for(session(id=1), four, full, freeing={}) is None
+    assert waiter_for(session(id=1), four, full, freeing={}, idle_beside={"n0": 2})["id"] == 9
+    assert waiter_for(session(id=1), four, full, freeing={}, idle_beside={"n1": 2}) is None
     # GPUs freed on another node do not help a request that must fit on this one.
     assert waiter_for(session(id=2), [waiting(gpus=2)], full, freeing={"n1": 2})["id"] == 9
 

@@ -1052,5 +1052,47 @@ async def test_one_idle_pass_stops_the_largest_idle_session_and_spares_the_rest(
     await sessions["bob"].stop()
 
 
+async def test_two_idle_sessions_on_one_node_are_stopped_for_a_request_needing_both(
+    make, broker, monkeypatch
+):
+    # n0 (4 GPUs) is full: bob and alice hold 2 GPUs each, and carol waits for 4. Neither
+    # session alone frees enough; both idle, so both are stopped for her in one pass.
+    # With bob busy, alice alone would not serve her, and nobody is stopped.
+    monkeypatch.setattr(BrokerView, "_views", {})
+    full = [{**NODES[0], "gpus_held": 4}]
+    monkeypatch.setattr(broker, "nodes", lambda: asyncio.sleep(0, full))
+    sessions = {}
+    for name, project, where in (("bob", "nlp", (0, 1)), ("alice", "vision", (2, 3))):
+        spawner = make(user=user(name, groups=("nlp-team",)), max_gpus=4)
+        spawner.user_options = {"project": project, "gpus": 2, "protected": "1h"}
+        task = asyncio.ensure_future(spawner.start())
+        await eventually(lambda s=spawner: s.slice_id is not None)
+        broker.grant(spawner.slice_id, gpus=where)
+        await task
+        sessions[name] = spawner
+    waiting = dict(broker.slices[sessions["bob"].slice_id])
+    waiting.update(
+        id=99, user="carol", project="nlp", gpus=4, state="pending", placements=[],
+        granted_at=None, protected_until=None, queue_position=1,
+    )  # fmt: skip
+    broker.slices[99] = waiting
+    view = sessions["alice"].broker_view
+
+    async def busy(now: float) -> tuple[float, str]:
+        return 0.0, "the session"
+
+    monkeypatch.setattr(sessions["bob"], "session_idle_seconds", busy)
+    monkeypatch.setattr(sessions["alice"], "session_idle_seconds", idle_for_two_hours)
+    assert await view.idle_round(max_age=0) == []
+
+    monkeypatch.setattr(sessions["bob"], "session_idle_seconds", idle_for_two_hours)
+    held = [s.slice_id for s in sessions.values()]
+    stopped = await view.idle_round(max_age=0)
+    assert sorted(s.user.name for s in stopped) == ["alice", "bob"]
+    for spawner in stopped:
+        await spawner._culling
+    assert [broker.slices[slice_id]["state"] for slice_id in held] == ["ended", "ended"]
+
+
 async def idle_for_two_hours(now: float) -> tuple[float, str]:
     return 7200.0, "the session"
