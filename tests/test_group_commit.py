@@ -16,6 +16,7 @@ from broker.config import parse_config
 from broker.errors import Forbidden
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
+from broker.store.journal import is_durable
 
 
 @pytest.fixture
@@ -90,11 +91,17 @@ async def test_a_failed_commit_fails_every_write_in_it_and_keeps_none(runner):
 async def test_heartbeats_commit_apart_from_durable_writes(runner):
     made = await submit(runner)
     commits = count_commits(runner.broker)
-    beat = runner.write(runner.broker.heartbeat, made["id"], durable=False)
+    beat = runner.write(runner.broker.heartbeat, made["id"])
     answers = await while_busy(runner, [submit(runner), beat, submit(runner)])
     assert [a["id"] for a in answers] == [2, 1, 3]
     assert answers[1]["lease_expires_at"] is not None
     assert commits[0] == 2  # one for the submissions, one for the heartbeat
+    # said once, on the Broker's methods: the runner groups by it
+    assert [is_durable(m) for m in (Broker.heartbeat, Broker.checkpoint, Broker.release)] == [
+        False,
+        False,
+        True,
+    ]
 
 
 async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(tmp_path):

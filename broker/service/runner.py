@@ -60,6 +60,7 @@ from sqlalchemy.exc import OperationalError
 from ..core.model import Decisions
 from ..errors import BrokerError
 from ..store import Broker
+from ..store.journal import is_durable
 from .metrics import BrokerMetrics
 
 log = logging.getLogger(__name__)
@@ -313,13 +314,11 @@ class BrokerRunner:
         if (shared.cancelled() or shared.exception()) and self._between_passes.get(key) is shared:
             del self._between_passes[key]
 
-    async def write(
-        self, fn: Callable[..., T], *args: Any, durable: bool = True, **kwargs: Any
-    ) -> T:
+    async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, a Broker write, in the next group commit (see the
-        module's docstring); answered once committed. ``durable=False`` only for
-        writes the Broker itself makes without a flush to disk (heartbeats)."""
-        return (await self._written(fn, args, kwargs, durable)).future.result()
+        module's docstring) of writes as durable as it is declared (a heartbeat is
+        not: :func:`~broker.store.journal.not_durable`); answered once committed."""
+        return (await self._written(fn, args, kwargs, is_durable(fn))).future.result()
 
     async def _written(
         self,

@@ -56,7 +56,7 @@ from ..orm import (
 from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Caller, _check_member, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
-from .journal import Journal, _Catalog, _LiveSlice
+from .journal import Journal, _Catalog, _LiveSlice, not_durable
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -406,6 +406,10 @@ class Broker(Journal):
                 self._end(session, row, EndReason.RELEASED, now, costs, why=why_text)
             return _slice_dict(row, now, costs)
 
+    # Not durable: a heartbeat lost to a power failure costs its holder one heartbeat's
+    # worth of lease, and the restarted service extends every lease by the time it was
+    # away (_cover_absence). Saves an fsync per heartbeat.
+    @not_durable
     def heartbeat(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """Extend a live slice's lease to ``now + lease``; returns the slice.
 
@@ -413,10 +417,7 @@ class Broker(Journal):
         waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
         ``caller`` as for :meth:`release`.
         """
-        # Not durable: a heartbeat lost to a power failure costs its holder one
-        # heartbeat's worth of lease, and the restarted service extends every
-        # lease by the time it was away (_cover_absence). Saves an fsync per heartbeat.
-        with self._write(durable=False) as session:
+        with self._write() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             if row.state in LIVE_STATES:
@@ -441,6 +442,9 @@ class Broker(Journal):
             _event(session, row, SliceState(row.state), reason, now)
             return _slice_dict(row, now, self._read_catalog(session).costs)
 
+    # Not durable, as a heartbeat: a checkpoint lost to a power failure only makes the
+    # slice look to have more work at risk than it has.
+    @not_durable
     def checkpoint(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """Record that the holder of a slice that holds GPUs checkpointed now: among
         otherwise equal victims, the one with the least work since its grant or its last
@@ -449,9 +453,7 @@ class Broker(Journal):
         :class:`Conflict` for a slice that holds no GPUs (waiting or ended): it has no
         work to lose. ``caller`` as for :meth:`release`.
         """
-        # Not durable, as a heartbeat: a checkpoint lost to a power failure only makes
-        # the slice look to have more work at risk than it has.
-        with self._write(durable=False) as session:
+        with self._write() as session:
             row = _owned_row(session, slice_id, caller)
             if row.state not in HELD_STATES:
                 raise Conflict(

@@ -13,10 +13,12 @@ request and pass; the database is their journal (design.md §8).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -39,6 +41,35 @@ from .views import _row_view
 
 #: The live slices' rows, oldest first.
 LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
+
+
+Write = TypeVar("Write", bound=Callable[..., Any])
+
+#: Whether the write under way is flushed to disk (see :func:`not_durable`).
+_DURABLE: ContextVar[bool] = ContextVar("durable", default=True)
+
+
+def not_durable(method: Write) -> Write:
+    """Declare a Broker write whose loss in a power failure harms nothing (a heartbeat):
+    it commits without a flush to disk (:data:`~broker.orm.NOT_DURABLE_OPTION`), alone
+    or in a group commit of such writes. The one place a write's durability is said:
+    its transactions follow it, and the service's runner reads it (``durable``)."""
+
+    @functools.wraps(method)
+    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _DURABLE.set(False)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _DURABLE.reset(token)
+
+    write.durable = False  # type: ignore[attr-defined]
+    return write  # type: ignore[return-value]
+
+
+def is_durable(write: Callable[..., Any]) -> bool:
+    """Whether ``write`` (a Broker method, bound or not) flushes to disk."""
+    return getattr(write, "durable", True)
 
 
 class Journal:
@@ -79,13 +110,15 @@ class Journal:
             migrate(self._engine)
 
     @contextmanager
-    def _write(self, *, durable: bool = True) -> Iterator[Session]:
+    def _write(self, *, durable: bool | None = None) -> Iterator[Session]:
         """A transaction holding the broker-wide write lock; commits on success.
 
-        ``durable=False`` (see :data:`~broker.orm.NOT_DURABLE_OPTION`) skips the
-        commit's flush to disk: only for writes whose loss in a power failure
-        harms nothing. It is as atomic and as locked as any other.
+        Not durable (a method declared :func:`not_durable`, or ``durable=False`` for a
+        group of such writes) skips the commit's flush to disk. It is as atomic and as
+        locked as any other.
         """
+        if durable is None:
+            durable = _DURABLE.get()
         if self._group is not None:
             # Inside a group commit: a savepoint, so that a refusal undoes only its own.
             try:

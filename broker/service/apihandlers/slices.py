@@ -163,18 +163,17 @@ class _OwnedSliceHandler(APIHandler):
     """A handler of one slice: the caller's own, unless an agent or admin."""
 
     async def owned(
-        self, method, slice_id: int, *, change: bool = False, not_durable: bool = False
+        self, method, slice_id: int, *, change: bool = False, write: bool = False
     ) -> Any:
         """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
-        the schedule (then a pass follows) or is a ``not_durable`` write (one the Broker
-        makes without a flush to disk, as a heartbeat: it joins the group commit of such
-        writes)."""
+        the schedule (then a pass follows) or is another ``write`` (as a heartbeat: it
+        joins the group commit of writes as durable as the Broker declares it)."""
         owner = owner_filter(self.identity)
         try:
             if change:
                 return await self.runner.change(method, slice_id, **owner)
-            if not_durable:
-                return await self.runner.write(method, slice_id, durable=False, **owner)
+            if write:
+                return await self.runner.write(method, slice_id, **owner)
             return await self.runner.read(method, slice_id, **owner)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
@@ -295,7 +294,7 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), not_durable=True)
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
         self.write_json(slice_)
 
 
@@ -343,7 +342,7 @@ class SliceCheckpointHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.checkpoint, self.slice_id(id), not_durable=True)
+        slice_ = await self.owned(self.broker.checkpoint, self.slice_id(id), write=True)
         self.write_json(slice_)
 
 
