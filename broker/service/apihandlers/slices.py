@@ -509,7 +509,7 @@ class ExpectedStartsHandler(APIHandler):
             admin=self.identity.admin,
             **terms,
         )
-        key = ("expected_starts", actor.name, tuple(sorted(terms.items())))
+        key = ("expected_starts", actor, self.identity.admin, tuple(sorted(terms.items())))
         self.write_json(await self.runner.read_between_passes(compute, key=key))
 
 
