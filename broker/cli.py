@@ -595,13 +595,12 @@ def entitlements_after(
 
     Raises :class:`_Refused` if the tree would not be valid (a cycle, say).
     """
-    from .core.fairshare import ProjectTree
+    from .core.fairshare import entitlements_with
     from .core.model import Account
 
-    accounts = {row["name"]: Account(row["name"], row["share"], row["parent"]) for row in rows}
-    accounts[name] = Account(name, after.share, after.parent)
+    accounts = [Account(row["name"], row["share"], row["parent"]) for row in rows]
     try:
-        return ProjectTree(accounts.values()).entitlements
+        return entitlements_with(accounts, Account(name, after.share, after.parent))
     except InvalidConfig as err:
         raise _Refused(f"cannot change {name!r}: {err}") from None
 

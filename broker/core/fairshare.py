@@ -130,3 +130,12 @@ class ProjectTree:
         while depth < min(len(a), len(b)) and a[depth] == b[depth]:
             depth += 1
         return _Level(a[depth], b[depth])
+
+
+def entitlements_with(accounts: Iterable[Account], changed: Account) -> dict[str, float]:
+    """Every account's entitlement once ``changed`` takes the place of the account of its
+    name (or joins the tree): what a change would do, asked before it is made.
+    :class:`InvalidConfig` if the tree would not be valid (a cycle, say)."""
+    tree = {account.name: account for account in accounts}
+    tree[changed.name] = changed
+    return ProjectTree(tree.values()).entitlements
