@@ -221,25 +221,74 @@ def test_admin_posts_need_the_xsrf_token(service, browser, screenshots):
         rows = service.get("/projects", token=service.admin_token).json()["projects"]
         return next(p["share"] for p in rows if p["name"] == "vision") == share
 
+    def save() -> None:
+        # Each save asks first (entitlements move); the page's dialogs are answered
+        # while Playwright waits on the page, so the wait is for the page's own word.
+        page.evaluate("document.getElementById('flash').textContent = ''")
+        page.get_by_role("button", name="Save").click()
+        expect(page.locator("#flash")).to_contain_text("Project vision saved")
+
     page.get_by_label("Parent").fill("")
     page.get_by_label("Share").fill("4")
-    page.get_by_role("button", name="Save").click()
+    save()
     wait_until(lambda: share_of_vision(4), 30, "the second save")
     assert parent_of("vision") == "lab"
     both = page_post(page, "ui/projects/vision", {"share": 4, "parent": "lab", "top_level": True})
     assert both["status"] == 400 and "not both" in both["json"]["error"]["message"], both
     page.get_by_label("Move to the top level").check()
     page.get_by_label("Share").fill("5")
-    page.get_by_role("button", name="Save").click()
+    save()
     wait_until(lambda: share_of_vision(5), 30, "the move to the top")
     assert parent_of("vision") is None
     page.get_by_label("Move to the top level").uncheck()
     page.get_by_label("Parent").fill("lab")
     page.get_by_label("Share").fill("3")
-    page.get_by_role("button", name="Save").click()
+    save()
     wait_until(lambda: share_of_vision(3) and parent_of("vision") == "lab", 30, "vision back")
     expect(page.locator("svg.chart").first).to_be_visible()
     page.screenshot(path=screenshots / "web-projects.png", full_page=True)
+
+
+def test_a_change_to_the_tree_says_whose_entitlements_move_and_asks_first(service, browser):
+    asked: list[str] = []
+    answer = {"accept": False}
+    page = browser.new_context(viewport={"width": 1280, "height": 860}).new_page()
+
+    def on_dialog(dialog) -> None:
+        asked.append(dialog.message)
+        dialog.accept() if answer["accept"] else dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    log_in(page, service, service.admin_token, "projects")
+
+    def accounts() -> dict[str, dict]:
+        rows = service.get("/projects", token=service.admin_token).json()["projects"]
+        return {p["name"]: p for p in rows}
+
+    before = accounts()
+    page.get_by_label("Name").fill("scratch")
+    page.get_by_label("Share").fill("1")
+    page.get_by_label("Parent").fill("lab")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#flash")).to_contain_text("Not applied: nothing changed.")
+    (question,) = asked
+    title, *moves, last = question.splitlines()
+    assert (title, last) == ("This changes entitlements:", "Apply?")
+    assert moves[0].startswith("scratch: — → ") and len(moves) >= 2, moves  # and a sibling's
+    assert accounts().keys() == before.keys()  # dismissed: nothing written
+
+    answer["accept"] = True
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#flash")).to_contain_text("Project scratch saved")
+    assert accounts()["scratch"]["parent"] == "lab"
+    # a change that moves no entitlement (its members) asks nothing
+    page.get_by_label("Users").fill("alice")
+    page.evaluate("document.getElementById('flash').textContent = ''")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#flash")).to_contain_text("Project scratch saved")
+    wait_until(lambda: accounts()["scratch"]["users"] == ["alice"], 30, "the members")
+    assert len(asked) == 2
+    assert service.delete("/projects/scratch", token=service.admin_token).status_code in (200, 204)
 
 
 def test_names_with_markup_quotes_and_equals_render_inert(service, browser, screenshots):

@@ -476,6 +476,8 @@ class ProjectActionHandler(PageHandler):
     Unlike the API's ``PUT`` (which replaces the account: no parent is the top level),
     the form leaves an existing account's parent as it is when Parent is blank, as it
     does users and groups; ``"top_level": true`` moves it to the top, said out loud.
+    With ``"preview": true`` nothing is changed: the answer lists the entitlements the
+    change would move (before, after), for the form to ask first.
     """
 
     async def post(self, name: str) -> None:
@@ -483,15 +485,20 @@ class ProjectActionHandler(PageHandler):
         body = _json_body(self.request)
         validate(name, {"type": "string", "minLength": 1, "maxLength": 255}, "the name")
         top_level = body.pop("top_level", False)
+        preview = body.pop("preview", False)
         validate(top_level, {"type": "boolean"}, "top_level")
+        validate(preview, {"type": "boolean"}, "preview")
         validate(body, ref("ProjectUpdate"), "body")
         if top_level and body.get("parent"):
             raise InvalidRequest("choose a parent or the top level, not both")
+        rows = await self.runner.read(self.broker.projects)
         if not top_level and "parent" not in body:
-            rows = await self.runner.read(self.broker.projects)
             current = next((row for row in rows if row["name"] == name), None)
             if current is not None:
                 body["parent"] = current["parent"]
+        if preview:
+            self.finish({"changes": views.entitlement_changes(rows, name, body)})
+            return
         project = await put_project(self.runner, name, body, self.identity.name)
         self.finish({"message": f"Project {project['name']} saved."})
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ...core.model import Policy
+from ...core.fairshare import entitlements_with
+from ...core.model import Account, Policy
+from ...errors import InvalidConfig, InvalidRequest
 from ...units import HOUR, gpu_hours, instead_text
 from ..auth import Identity
 
@@ -185,6 +187,31 @@ def my_slices(
     ended = [s for s in mine if s["state"] == "ended" and (s.get("ended_at") or 0) > now - RECENT_S]
     ended.sort(key=lambda s: s.get("ended_at") or 0, reverse=True)
     return live, [slice_row(s, cluster, now) for s in ended[:RECENT_MAX]]
+
+
+def entitlement_changes(
+    rows: Sequence[Mapping[str, Any]], name: str, body: Mapping[str, Any]
+) -> list[dict[str, str]]:
+    """The entitlements a change to account ``name`` (a ``ProjectUpdate`` body) would
+    move, ``name``'s first, each ``{name, before, after}`` as percentages; empty when
+    none moves. :class:`InvalidRequest` for a tree that would not be valid."""
+    accounts = [Account(row["name"], row["share"], row["parent"]) for row in rows]
+    changed = Account(name, body["share"], body.get("parent"))
+    try:
+        after = entitlements_with(accounts, changed)
+    except InvalidConfig as err:
+        raise InvalidRequest(f"cannot change {name!r}: {err}") from None
+    before = {row["name"]: row["entitlement"] for row in rows}
+    moved = [n for n in after if abs(after[n] - before.get(n, 0.0)) >= 0.0005 / 100]
+    moved.sort(key=lambda n: (n != name, n))
+    return [
+        {
+            "name": n,
+            "before": "—" if n not in before else f"{100 * before[n]:.1f}%",
+            "after": f"{100 * after[n]:.1f}%",
+        }
+        for n in moved
+    ]
 
 
 def sooner_choices(found: Mapping[str, Any], request: Mapping[str, Any]) -> list[dict[str, Any]]:

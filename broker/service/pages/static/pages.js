@@ -59,7 +59,8 @@
     tick();
   };
 
-  const post = async (path, data) => {
+  // A POST with the XSRF token: the answer's JSON, or null once the refusal is said.
+  const ask = async (path, data) => {
     const response = await fetch(base + path, {
       method: "POST",
       credentials: "same-origin",
@@ -68,11 +69,28 @@
     });
     let answer = {};
     try { answer = await response.json(); } catch (err) { /* not JSON */ }
-    if (response.ok) say(answer.message || "Done.", false);
-    else say((answer.error && answer.error.message) || `Refused (${response.status}).`, true);
+    if (response.ok) return answer;
+    say((answer.error && answer.error.message) || `Refused (${response.status}).`, true);
+    return null;
+  };
+
+  const post = async (path, data) => {
+    const answer = await ask(path, data);
+    if (answer) say(answer.message || "Done.", false);
     etag = null;
     await refresh();
-    return response.status;
+  };
+
+  // A change to the project tree says first whose entitlements it moves, and asks.
+  const postProject = async (path, data) => {
+    const preview = await ask(path, { ...data, preview: true });
+    if (!preview) return;
+    const moves = preview.changes.map((c) => `${c.name}: ${c.before} → ${c.after}`);
+    if (moves.length && !window.confirm(`This changes entitlements:\n${moves.join("\n")}\nApply?`)) {
+      say("Not applied: nothing changed.", false);
+      return;
+    }
+    await post(path, data);
   };
 
   document.addEventListener("click", (event) => {
@@ -97,7 +115,7 @@
         if (f.get("top_level")) data.top_level = true;
         if (f.get("users")) data.users = list(f.get("users"));
         if (f.get("groups")) data.groups = list(f.get("groups"));
-        post(`ui/projects/${encodeURIComponent(f.get("name"))}`, data);
+        postProject(`ui/projects/${encodeURIComponent(f.get("name"))}`, data);
       }
     });
   }
