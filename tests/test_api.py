@@ -515,7 +515,7 @@ async def test_max_runtime_and_grace_periods_end_on_time(quick):
 
 
 async def test_a_failed_pass_is_counted_and_the_next_one_carries_on(api, alice, caplog):
-    real_pass, calls = api.broker.run_pass_and_list, []
+    real_pass, calls = api.broker.run_pass_and_live, []
 
     def flaky_pass():
         calls.append(None)
@@ -523,7 +523,7 @@ async def test_a_failed_pass_is_counted_and_the_next_one_carries_on(api, alice, 
             raise OperationalError("SELECT 1", {}, Exception("the database restarted"))
         return real_pass()
 
-    api.broker.run_pass_and_list = flaky_pass
+    api.broker.run_pass_and_live = flaky_pass
     with caplog.at_level(logging.ERROR):
         first = await submit(api, alice)
         registry = api.runner.metrics.registry

@@ -898,19 +898,19 @@ def run_passes(broker, clock, seconds: float, every: float = 5.0) -> None:
     end = clock.now + seconds
     while clock.now < end:
         clock.advance(min(every, end - clock.now))
-        broker.run_pass_and_list(usual_gap=USUAL_GAP)
+        broker.run_pass_and_live(usual_gap=USUAL_GAP)
 
 
 def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
-    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    broker.run_pass_and_live(usual_gap=USUAL_GAP)
     before = broker.heartbeat(held["id"])["lease_expires_at"]
 
     clock.advance(3 * LEASE)  # no pass and no heartbeat could get through meanwhile
-    _, live = broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    _, live = broker.run_pass_and_live(usual_gap=USUAL_GAP)
 
-    (again,) = [s for s in live if s["id"] == held["id"]]
+    again = live[held["id"]]
     assert again["state"] == "granted"
     assert again["lease_expires_at"] == pytest.approx(before + 3 * LEASE)
     # Once the broker is back at work, a holder that stays silent loses it as usual.
@@ -922,7 +922,7 @@ def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
 def test_passes_at_their_usual_pace_extend_nothing(open_broker, clock):
     broker = open_broker(lease=LEASE)
     held = ask(broker)
-    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    broker.run_pass_and_live(usual_gap=USUAL_GAP)
     lease = broker.heartbeat(held["id"])["lease_expires_at"]
     run_passes(broker, clock, LEASE / 2, every=USUAL_GAP)  # exactly the usual gap
     assert broker.get_slice(held["id"])["lease_expires_at"] == lease
@@ -933,7 +933,7 @@ def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
     lease runs out over the time the brokers were up."""
     broker = open_broker(lease=LEASE)
     held = ask(broker)
-    broker.run_pass_and_list(usual_gap=USUAL_GAP)
+    broker.run_pass_and_live(usual_gap=USUAL_GAP)
     broker.heartbeat(held["id"])  # then the holder dies
     restarts = 0
     while broker.get_slice(held["id"])["state"] != "ended":
@@ -941,7 +941,7 @@ def test_a_crash_loop_does_not_keep_a_silent_holder_alive(open_broker, clock):
         clock.advance(20)  # down for 20 s
         broker = open_broker(lease=LEASE)
         restarts += 1
-        broker.run_pass_and_list(usual_gap=USUAL_GAP)  # the first pass, at start
+        broker.run_pass_and_live(usual_gap=USUAL_GAP)  # the first pass, at start
         run_passes(broker, clock, 10)  # up for 10 s, then it crashes again
         assert restarts < 20, "the lease never ran out"
     # 60 s of lease, 10 s of it used up per restart

@@ -72,7 +72,7 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
         if kind == "heartbeat":
             return broker.heartbeat(argument)
         if kind == "late pass":  # the last pass long ago: leases are extended first
-            return broker.run_pass_and_list(usual_gap=60.0)
+            return broker.run_pass_and_live(usual_gap=60.0)
         if kind == "put_project":
             return broker.put_project(**argument)
         if kind == "delete_project":

@@ -39,7 +39,7 @@ failing the statement; database work still queued by then is dropped.
 
 Nothing here is needed to recover from a crash: the database is the
 truth, and a restarted service carries on from it; its first pass extends the
-live leases by the time it was away (``Broker.run_pass_and_list``).
+live leases by the time it was away (``Broker.run_pass_and_live``).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class SliceWatchers:
 
 
 #: A pass that followed a group commit: its decisions, the live slices, seconds.
-GroupPass = tuple[Decisions, list[dict[str, Any]], float]
+GroupPass = tuple[Decisions, dict[int, dict[str, Any]], float]
 
 
 @dataclass(eq=False)
@@ -369,16 +369,15 @@ class BrokerRunner:
         and the loop's next pass takes them."""
         started = time.perf_counter()
         try:
-            decisions, live = self.broker.run_pass_and_list()
+            decisions, live = self.broker.run_pass_and_live()
         except Exception as err:  # the loop's pass, which the writes ask for, tries again
             self._pass_failed(err)
             return answers, None
-        by_id = {slice_["id"]: slice_ for slice_ in live}
         refreshed: list[_Answer] = []
         for write, value, error in answers:
             write.passed = True
             if write.wants_pass and error is None:
-                value = by_id.get(value["id"], value)
+                value = live.get(value["id"], value)
             refreshed.append((write, value, error))
         return refreshed, (decisions, live, time.perf_counter() - started)
 
@@ -523,15 +522,17 @@ class BrokerRunner:
             log.error("scheduling pass failed; next try in %g s", self.pass_interval,
                       exc_info=err)  # fmt: skip
 
-    def _passed(self, decisions: Decisions, live: list[dict[str, Any]], seconds: float) -> None:
-        """Take in a pass: metrics, the live slices, the next deadline, news for waiters."""
+    def _passed(
+        self, decisions: Decisions, live: dict[int, dict[str, Any]], seconds: float
+    ) -> None:
+        """Take in a pass: metrics, the live slices (by id), the next deadline, news for
+        waiters."""
         self.passes += 1
         self._between_passes.clear()
-        by_id = {s["id"]: s for s in live}
-        self._live = dict(by_id)
-        self.metrics.record_pass(decisions, by_id, seconds)
-        self.next_wake = next_deadline(live, time.time())
-        self.watchers.publish({i: slice_key(s) for i, s in by_id.items()}, complete=True)
+        self.metrics.record_pass(decisions, live, seconds)
+        self.next_wake = next_deadline(live.values(), time.time())
+        self.watchers.publish({i: slice_key(s) for i, s in live.items()}, complete=True)
+        self._live = live  # the pass's own map: nothing else keeps it
         if decisions.grants or decisions.preemptions or decisions.endings:
             log.info(
                 "pass: %d granted, %d preempted, %d ended, %d waiting (%.1f ms)",
@@ -542,6 +543,6 @@ class BrokerRunner:
                 1000 * seconds,
             )
 
-    def _pass_and_live(self) -> tuple[Decisions, list[dict[str, Any]]]:
+    def _pass_and_live(self) -> tuple[Decisions, dict[int, dict[str, Any]]]:
         # One transaction: no request slips between the pass and the list.
-        return self.broker.run_pass_and_list()
+        return self.broker.run_pass_and_live()

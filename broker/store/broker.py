@@ -104,7 +104,7 @@ class Broker(Journal):
     scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
     alive. ``upgrade`` lets an out-of-date database be migrated on open;
     otherwise that raises :class:`~broker.orm.DatabaseOutOfDate` (a blank
-    database is always initialised). ``usual_gap``: see :meth:`run_pass_and_list`.
+    database is always initialised). ``usual_gap``: see :meth:`run_pass_and_live`.
     ``db_timeout``: how long (seconds) one statement may wait for the database (see
     :func:`~broker.orm.make_engine`).
     ``single_writer``: no other process writes this database (the service's leader,
@@ -937,13 +937,13 @@ class Broker(Journal):
 
     def run_pass(self) -> Decisions:
         """Snapshot, schedule and apply, in one transaction under the write lock."""
-        return self.run_pass_and_list()[0]
+        return self.run_pass_and_live()[0]
 
-    def run_pass_and_list(
+    def run_pass_and_live(
         self, usual_gap: float | None = None
-    ) -> tuple[Decisions, list[dict[str, Any]]]:
-        """:meth:`run_pass`, and the live slices right after it (as ``list_slices``
-        shows them, oldest first), read in the same transaction.
+    ) -> tuple[Decisions, dict[int, dict[str, Any]]]:
+        """:meth:`run_pass`, and the live slices right after it by id (as
+        ``list_slices`` shows them, oldest first), read in the same transaction.
 
         The scheduling loop needs both; the pass has the live rows loaded
         already, so this saves reloading them (about as costly as the pass's
@@ -959,8 +959,8 @@ class Broker(Journal):
 
     def _pass(
         self, session: Session, now: float, usual_gap: float | None
-    ) -> tuple[Decisions, list[dict[str, Any]]]:
-        """Snapshot, schedule and apply in ``session``; the live slices after it."""
+    ) -> tuple[Decisions, dict[int, dict[str, Any]]]:
+        """Snapshot, schedule and apply in ``session``; the live slices after it, by id."""
         catalog = self._read_catalog(session)
         costs = catalog.costs
         if usual_gap is not None:
@@ -980,7 +980,7 @@ class Broker(Journal):
         nodes = {node.name: node for node in snapshot.nodes}
         self._apply(session, decisions, live, nodes, now, costs)
         # As journaled: a held slice's charge is not accrued to now here.
-        return decisions, [entry.view for entry in self._live_slices(session).values()]
+        return decisions, {i: entry.view for i, entry in self._live_slices(session).items()}
 
     def _cover_absence(self, session: Session, now: float, usual_gap: float) -> None:
         """Extend every live lease by the time no broker could take heartbeats.
