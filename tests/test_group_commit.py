@@ -37,7 +37,7 @@ def count_commits(broker: Broker) -> list[int]:
     def committed(_connection) -> None:
         commits[0] += 1
 
-    event.listen(broker._engine, "commit", committed)
+    event.listen(broker.journal.engine, "commit", committed)
     return commits
 
 
@@ -79,10 +79,10 @@ async def test_a_failed_commit_fails_every_write_in_it_and_keeps_none(runner):
     def fail(_session) -> None:
         raise RuntimeError("the disk is full")
 
-    event.listen(runner.broker._sessions, "before_commit", fail)
+    event.listen(runner.broker.journal.sessions, "before_commit", fail)
     answers = await while_busy(runner, [submit(runner) for _ in range(3)])
     assert [str(a) for a in answers] == ["the disk is full"] * 3
-    event.remove(runner.broker._sessions, "before_commit", fail)
+    event.remove(runner.broker.journal.sessions, "before_commit", fail)
     assert runner.broker.list_slices() == []
     again = await submit(runner)  # the next group starts afresh
     assert again["state"] == "pending"
@@ -124,7 +124,7 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
 
         # The release is written and flushed, then its flush fails: its savepoint is
         # undone, and the slice still holds its GPU.
-        event.listen(broker._sessions, "after_flush", fails_once)
+        event.listen(broker.journal.sessions, "after_flush", fails_once)
         release = runner.write(broker.release, held["id"])
         again = runner.submit(broker.submit, user="alice", project="vision", gpus=1, kind="batch")
         answers = await while_busy(runner, [release, again])

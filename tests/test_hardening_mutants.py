@@ -138,8 +138,8 @@ def test_a_pass_decision_about_a_slice_not_in_its_state_is_ignored(db_url, clock
 
 def catalog_accounts(broker: Broker) -> set[str]:
     """The accounts of the catalog as the broker's next read finds it."""
-    with broker._read() as session:
-        return {account.name for account in broker._read_catalog(session).accounts}
+    with broker.journal.read() as session:
+        return {account.name for account in broker.journal.catalog(session).accounts}
 
 
 def test_a_catalog_read_inside_a_write_that_is_rolled_back_to_its_savepoint_is_not_kept(
@@ -157,12 +157,12 @@ def test_a_catalog_read_inside_a_write_that_is_rolled_back_to_its_savepoint_is_n
     )
     try:
         before = catalog_accounts(broker)
-        with broker.group_commit():
-            with pytest.raises(RuntimeError, match="refused"), broker._write() as session:
-                broker._catalog_changes()
+        with broker.journal.group_commit():
+            with pytest.raises(RuntimeError, match="refused"), broker.journal.write() as session:
+                broker.journal.catalog_changes()
                 session.add(AccountRow(name="ghost", share=1.0, parent=None))
                 session.flush()
-                assert "ghost" in {a.name for a in broker._read_catalog(session).accounts}
+                assert "ghost" in {a.name for a in broker.journal.catalog(session).accounts}
                 raise RuntimeError("refused")
             assert catalog_accounts(broker) == before  # as a later write of the group reads it
         assert catalog_accounts(broker) == before

@@ -384,7 +384,7 @@ class BrokerRunner:
     def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
         answers: list[_Answer] = []
         try:
-            with self.broker.group_commit(durable=durable):
+            with self.broker.journal.group_commit(durable=durable):
                 for write in group:
                     try:
                         answers.append((write, write.call(), None))

@@ -91,7 +91,7 @@ DEFAULT_LEASE_S = 120.0
 Schedule = Callable[[Snapshot], Decisions]
 
 
-class Broker(Journal):
+class Broker:
     """Slices, projects, nodes and the ledger in a database at ``url``.
 
     ``config`` is the cluster configuration; on open its GPU types and nodes are
@@ -137,16 +137,16 @@ class Broker(Journal):
         self._schedule = schedule
         self.lease = lease
         self.usual_gap = usual_gap
-        self._open_journal(url, db_timeout)
+        self.journal = Journal(url, db_timeout, single_writer=single_writer)
         try:
-            self._prepare_schema(upgrade)
+            self.journal.prepare_schema(upgrade)
             self._sync_config()
         except BaseException:
-            self._engine.dispose()
+            self.journal.engine.dispose()
             raise
 
     def close(self) -> None:
-        self._engine.dispose()
+        self.journal.engine.dispose()
 
     # ---- configuration ---------------------------------------------------------
 
@@ -155,13 +155,13 @@ class Broker(Journal):
         its project tree and members too on the first start (a database that never
         had any); log where the tree came from."""
         config = self.config
-        with self._write() as session:
+        with self.journal.write() as session:
             now = self._clock()
             session.execute(delete(GpuTypeRow))
             session.add_all(
                 GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
             )
-            self._catalog_changes()
+            self.journal.catalog_changes()
             _sync_nodes(session, config.nodes, now)
             first_start = session.scalars(select(AccountRow.name).limit(1)).first() is None
             first_start = (
@@ -195,8 +195,8 @@ class Broker(Journal):
         ``draining``. GPU types without a weight get 1.0.
         """
         nodes = list(nodes)
-        with self._write() as session:
-            self._catalog_changes()
+        with self.journal.write() as session:
+            self.journal.catalog_changes()
             _take_inventory(session, nodes, self._clock())
 
     # ---- slices: requests --------------------------------------------------------
@@ -252,7 +252,7 @@ class Broker(Journal):
             min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
             resumable = defaults.resumable if resumable is None else resumable
             max_runtime = defaults.max_runtime if max_runtime is None else max_runtime
-        with self._write() as session:
+        with self.journal.write() as session:
             if idempotency_key is not None:
                 first = session.scalars(
                     select(SliceRow).where(
@@ -266,8 +266,8 @@ class Broker(Journal):
                             f"request (slice {first.id}); use a new key for a new request"
                         )
                     now = self._clock()
-                    return _slice_dict(first, now, self._read_catalog(session).costs), False
-            catalog = self._read_catalog(session)
+                    return _slice_dict(first, now, self.journal.catalog(session).costs), False
+            catalog = self.journal.catalog(session)
             self._check_request(
                 catalog,
                 resumable,
@@ -340,7 +340,7 @@ class Broker(Journal):
         ``groups``) may not charge unless ``admin``; :class:`InvalidRequest` for
         terms that can never be granted.
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             old = _owned_row(session, slice_id, caller)
             if old.state != SliceState.PENDING.value:
                 raise Conflict(
@@ -349,7 +349,7 @@ class Broker(Journal):
             defaults = self.config.defaults.get(_kind_or_none(kind))
             if min_runtime is None and defaults is not None:
                 min_runtime = defaults.min_runtime
-            catalog = self._read_catalog(session)
+            catalog = self.journal.catalog(session)
             self._check_request(
                 catalog,
                 old.resumable,
@@ -394,10 +394,10 @@ class Broker(Journal):
         ``why`` is the event's reason when the releaser is not the holder (e.g. a
         backend whose job ended: ``released: job 12 FAILED in Slurm``).
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
-            costs = self._read_catalog(session).costs
+            costs = self.journal.catalog(session).costs
             if row.state == SliceState.PENDING:
                 why_text = f"cancelled: {why}" if why else "cancelled"
                 self._end(session, row, EndReason.CANCELLED, now, costs, why=why_text)
@@ -417,12 +417,12 @@ class Broker(Journal):
         waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
         ``caller`` as for :meth:`release`.
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             if row.state in LIVE_STATES:
                 row.lease_expires_at = now + self.lease
-            return _slice_dict(row, now, self._read_catalog(session).costs)
+            return _slice_dict(row, now, self.journal.catalog(session).costs)
 
     def extend_protection(self, slice_id: int, by: float, *, caller: Caller | None = None) -> dict:
         """Extend a granted slice's protection by ``by`` seconds from the later of its
@@ -430,7 +430,7 @@ class Broker(Journal):
         the slice. :class:`Conflict` says why when the extension is refused.
         ``caller`` as for :meth:`release`.
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             try:
@@ -440,7 +440,7 @@ class Broker(Journal):
             row.min_runtime = contract.min_runtime
             reason = f"protection extended by {format_duration(round(by))}"
             _event(session, row, SliceState(row.state), reason, now)
-            return _slice_dict(row, now, self._read_catalog(session).costs)
+            return _slice_dict(row, now, self.journal.catalog(session).costs)
 
     # Not durable, as a heartbeat: a checkpoint lost to a power failure only makes the
     # slice look to have more work at risk than it has.
@@ -453,7 +453,7 @@ class Broker(Journal):
         :class:`Conflict` for a slice that holds no GPUs (waiting or ended): it has no
         work to lose. ``caller`` as for :meth:`release`.
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             row = _owned_row(session, slice_id, caller)
             if row.state not in HELD_STATES:
                 raise Conflict(
@@ -462,13 +462,13 @@ class Broker(Journal):
                 )
             now = self._clock()
             row.checkpointed_at = now
-            return _slice_dict(row, now, self._read_catalog(session).costs)
+            return _slice_dict(row, now, self.journal.catalog(session).costs)
 
     def get_slice(self, slice_id: int, *, caller: Caller | None = None) -> dict:
         """The slice, as design.md §8 shows it; :class:`Forbidden` if ``caller`` may not see it."""
-        with self._read() as session:
+        with self.journal.read() as session:
             row = _owned_row(session, slice_id, caller)
-            return _slice_dict(row, self._clock(), self._read_catalog(session).costs)
+            return _slice_dict(row, self._clock(), self.journal.catalog(session).costs)
 
     def list_slices(
         self,
@@ -490,19 +490,19 @@ class Broker(Journal):
             query = query.where(SliceRow.project == project)
         if user is not None:
             query = query.where(SliceRow.user == user)
-        with self._read() as session:
-            now, costs = self._clock(), self._read_catalog(session).costs
+        with self.journal.read() as session:
+            now, costs = self._clock(), self.journal.catalog(session).costs
             return [_slice_dict(row, now, costs) for row in session.scalars(query)]
 
     def live_slice_ids(self) -> set[int]:
         """The ids of the slices not ended (pending, granted, preempting)."""
-        with self._read() as session:
+        with self.journal.read() as session:
             return set(session.scalars(select(SliceRow.id).where(SliceRow.state.in_(LIVE_STATES))))
 
     def events(self, slice_id: int, *, caller: Caller | None = None) -> list[dict]:
         """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``;
         :class:`Forbidden` if ``caller`` may not see the slice."""
-        with self._read() as session:
+        with self.journal.read() as session:
             _owned_row(session, slice_id, caller)
             rows = session.scalars(
                 select(SliceEventRow)
@@ -520,13 +520,13 @@ class Broker(Journal):
         gpu_hours}]}``, computed on the live state as the next pass would see it;
         an empty list for a slice that does not wait. :class:`Forbidden` if
         ``caller`` may not see it."""
-        with self._read() as session:
+        with self.journal.read() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             answer: dict[str, Any] = {"slice_id": slice_id, "now": now, "starts_at": None}
             if row.state != SliceState.PENDING.value:
                 return {**answer, "alternatives": []}
-            catalog = self._read_catalog(session)
+            catalog = self.journal.catalog(session)
             snapshot = self._live_snapshot(session, catalog, now)
             groups = caller.groups if caller is not None and caller.name == row.user else ()
             projects = [
@@ -570,8 +570,8 @@ class Broker(Journal):
         if defaults is not None:
             min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
             resumable, max_runtime = defaults.resumable, defaults.max_runtime
-        with self._read() as session:
-            catalog = self._read_catalog(session)
+        with self.journal.read() as session:
+            catalog = self.journal.catalog(session)
             self._check_request(
                 catalog,
                 resumable,
@@ -609,7 +609,7 @@ class Broker(Journal):
 
     def _live_snapshot(self, session: Session, catalog: _Catalog, now: float) -> Snapshot:
         """The live state as the next pass would see it, for questions asked of it."""
-        live = tuple(self._live_values(session))
+        live = tuple(self.journal.live_values(session))
         return Snapshot(
             now=now,
             nodes=catalog.nodes,
@@ -650,12 +650,12 @@ class Broker(Journal):
     def nodes(self) -> list[dict[str, Any]]:
         """Every node: ``name, gpu_type, gpu_count, weight, state, state_reason,
         state_changed_at, in_config, drained_by, gpus_held``."""
-        with self._read() as session:
+        with self.journal.read() as session:
             held: dict[str, int] = {}
             for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
                 for p in row.placements:
                     held[p["node"]] = held.get(p["node"], 0) + len(p["gpu_indices"])
-            weights = self._read_catalog(session).weights
+            weights = self.journal.catalog(session).weights
             return [
                 _node_dict(row, weights, held.get(row.name, 0))
                 for row in session.scalars(select(NodeRow).order_by(NodeRow.name))
@@ -678,13 +678,13 @@ class Broker(Journal):
         if target not in ADMIN_NODE_STATES:
             allowed = ", ".join(s.value for s in ADMIN_NODE_STATES)
             raise InvalidRequest(f"a node can be set to {allowed}; got {state!r}")
-        with self._write() as session:
+        with self.journal.write() as session:
             row = session.get(NodeRow, name)
             if row is None:
                 raise NotFound(f"no node {name!r}")
             if not row.in_config:
                 raise Conflict(f"node {name!r} is not in the configuration any more")
-            self._catalog_changes()
+            self.journal.catalog_changes()
             now = self._clock()
             if not (target is NodeState.DRAINING and row.state == NodeState.DRAINED):
                 _set_node(row, target, reason or f"set {target.value} by an admin", now)
@@ -713,8 +713,8 @@ class Broker(Journal):
             raise InvalidRequest(f"an account needs a name, got {name!r}")
         users = None if users is None else _member_names(users, "users")
         groups = None if groups is None else _member_names(groups, "groups")
-        with self._write() as session:
-            self._catalog_changes()
+        with self.journal.write() as session:
+            self.journal.catalog_changes()
             accounts = {a.name: a for a in _accounts(session)}
             accounts[name] = Account(name, share, parent)
             try:
@@ -753,7 +753,7 @@ class Broker(Journal):
         :class:`NotFound` if there is none; :class:`Conflict` while it has
         sub-accounts or live slices. Its slices and charges stay in the history.
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             states = _account_states(session)
             if name not in states:
                 raise NotFound(f"no account {name!r}")
@@ -768,7 +768,7 @@ class Broker(Journal):
                 raise Conflict(
                     f"project {name!r} has {live} live slice{'s' * (live != 1)}; release them first"
                 )
-            self._catalog_changes()
+            self.journal.catalog_changes()
             session.execute(delete(MemberRow).where(MemberRow.project == name))
             session.execute(delete(AccountRow).where(AccountRow.name == name))
             event = _record(session, name, who, self._clock(), "delete", states[name], None)
@@ -789,9 +789,9 @@ class Broker(Journal):
         """
         wanted = _wanted_states(accounts)
         if dry_run:
-            with self._read() as session:
+            with self.journal.read() as session:
                 return _tree_changes(_account_states(session), wanted)
-        with self._write() as session:
+        with self.journal.write() as session:
             current = _account_states(session)
             changes = _tree_changes(current, wanted)
             tree = ProjectTree(Account(n, s["share"], s["parent"]) for n, s in wanted.items())
@@ -801,7 +801,7 @@ class Broker(Journal):
                         f"project {name!r} has live slices; it cannot be removed or get "
                         "sub-accounts (release them first)"
                     )
-            self._catalog_changes()
+            self.journal.catalog_changes()
             _write_tree(session, current, wanted, who, self._clock(), action="apply")
         return changes
 
@@ -812,7 +812,7 @@ class Broker(Journal):
         query = select(ProjectEventRow).order_by(ProjectEventRow.id)
         if project is not None:
             query = query.where(ProjectEventRow.account == project)
-        with self._read() as session:
+        with self.journal.read() as session:
             return [_project_event_dict(row) for row in session.scalars(query)]
 
     def _check_can_become_parent(self, session: Session, project: str) -> None:
@@ -843,11 +843,11 @@ class Broker(Journal):
         ``pending`` (slices waiting) and ``gpus_held``, both also summed over the
         subtree, as usage is.
         """
-        with self._read() as session:
+        with self.journal.read() as session:
             now = self._clock()
-            catalog = self._read_catalog(session)
+            catalog = self.journal.catalog(session)
             tree = catalog.tree
-            live = self._live_values(session)
+            live = self.journal.live_values(session)
             usage = self._usage(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
             values = tree.share_values(usage)
@@ -905,11 +905,11 @@ class Broker(Journal):
         """
         if by not in ("user", "project"):
             raise InvalidRequest(f"a report is by 'user' or 'project', not {by!r}")
-        with self._read() as session:
+        with self.journal.read() as session:
             now = self._clock()
             since = now - self.config.policy.window if since is None else since
             until = now if until is None else until
-            catalog = self._read_catalog(session)
+            catalog = self.journal.catalog(session)
             tree = catalog.tree
             if project in tree.accounts:
                 names = [p for p in tree.projects if project in tree.paths[p]]
@@ -952,7 +952,7 @@ class Broker(Journal):
         (``None``: the Broker's own ``usual_gap``; ``None`` there too: passes are
         driven by hand, as in tests, and leases are left alone).
         """
-        with self._write() as session:
+        with self.journal.write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
             return self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
@@ -961,11 +961,11 @@ class Broker(Journal):
         self, session: Session, now: float, usual_gap: float | None
     ) -> tuple[Decisions, dict[int, dict[str, Any]]]:
         """Snapshot, schedule and apply in ``session``; the live slices after it, by id."""
-        catalog = self._read_catalog(session)
+        catalog = self.journal.catalog(session)
         costs = catalog.costs
         if usual_gap is not None:
             self._cover_absence(session, now, usual_gap)
-        live = self._live_slices(session)
+        live = self.journal.live_slices(session)
         slices = tuple(entry.slice for entry in live.values())
         snapshot = Snapshot(
             now=now,
@@ -980,7 +980,7 @@ class Broker(Journal):
         nodes = {node.name: node for node in snapshot.nodes}
         self._apply(session, decisions, live, nodes, now, costs)
         # As journaled: a held slice's charge is not accrued to now here.
-        return decisions, {i: entry.view for i, entry in self._live_slices(session).items()}
+        return decisions, {i: entry.view for i, entry in self.journal.live_slices(session).items()}
 
     def _cover_absence(self, session: Session, now: float, usual_gap: float) -> None:
         """Extend every live lease by the time no broker could take heartbeats.
@@ -1128,7 +1128,7 @@ class Broker(Journal):
                 estimated_start=entry.estimated_start if entry else None,
             )
         if decisions.node_changes:
-            self._catalog_changes()
+            self.journal.catalog_changes()
         for change in decisions.node_changes:
             node = session.get(NodeRow, change.node)
             if node is None:

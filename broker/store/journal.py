@@ -73,13 +73,12 @@ def is_durable(write: Callable[..., Any]) -> bool:
 
 
 class Journal:
-    """The Broker's transactions: :meth:`_write`, :meth:`_read`, :meth:`group_commit`,
-    and the catalog and live slices a single writer keeps between them."""
+    """The Broker's transactions: :meth:`write`, :meth:`read`, :meth:`group_commit`,
+    and the catalog and live slices a ``single_writer`` keeps between them."""
 
-    single_writer: bool
-
-    def _open_journal(self, url: str, db_timeout: float | None) -> None:
+    def __init__(self, url: str, db_timeout: float | None, *, single_writer: bool) -> None:
         """Open the engine and its sessions; nothing kept in memory yet."""
+        self.single_writer = single_writer
         self._catalog: _Catalog | None = None
         # A transaction under way changed the catalog: it is reloaded from the
         # database, not kept, until that transaction has ended either way.
@@ -90,27 +89,28 @@ class Journal:
         # kept between transactions by a single writer, else loaded once per pass.
         # Every flush of a slice updates it; any rollback drops it.
         self._live: dict[int, _LiveSlice] | None = None
-        self._engine = make_engine(url, timeout=db_timeout)
-        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
-        self._reads = sessionmaker(self._engine.execution_options(**{READ_ONLY_OPTION: True}))
+        self.engine = make_engine(url, timeout=db_timeout)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._reads = sessionmaker(self.engine.execution_options(**{READ_ONLY_OPTION: True}))
         self._not_durable = sessionmaker(
-            self._engine.execution_options(**{NOT_DURABLE_OPTION: True}), expire_on_commit=False
+            self.engine.execution_options(**{NOT_DURABLE_OPTION: True}), expire_on_commit=False
         )
-        for writes in (self._sessions, self._not_durable):
+        for writes in (self.sessions, self._not_durable):
             event.listen(writes, "after_flush", self._follow_flush)
 
-    def _prepare_schema(self, upgrade: bool) -> None:
+    def prepare_schema(self, upgrade: bool) -> None:
+        """Create the schema on an empty database; migrate an old one if ``upgrade``."""
         try:
-            check_schema(self._engine)
+            check_schema(self.engine)
         except DatabaseNotInitialized:
-            migrate(self._engine)
+            migrate(self.engine)
         except DatabaseOutOfDate:
             if not upgrade:
                 raise
-            migrate(self._engine)
+            migrate(self.engine)
 
     @contextmanager
-    def _write(self, *, durable: bool | None = None) -> Iterator[Session]:
+    def write(self, *, durable: bool | None = None) -> Iterator[Session]:
         """A transaction holding the broker-wide write lock; commits on success.
 
         Not durable (a method declared :func:`not_durable`, or ``durable=False`` for a
@@ -128,7 +128,7 @@ class Journal:
                 self._live = None
                 raise
             return
-        sessions = self._sessions if durable else self._not_durable
+        sessions = self.sessions if durable else self._not_durable
         self._transaction_depth += 1
         try:
             with sessions.begin() as session:
@@ -150,14 +150,14 @@ class Journal:
         one undoes only itself; if the commit fails, none of them happened.
         ``durable`` as for every write (``False`` only for writes that may be lost).
         """
-        with self._write(durable=durable) as session:
+        with self.write(durable=durable) as session:
             self._group = session
             try:
                 yield
             finally:
                 self._group = None
 
-    def _read_catalog(self, session: Session) -> _Catalog:
+    def catalog(self, session: Session) -> _Catalog:
         """The catalog as ``session`` sees it: kept in memory by a single writer."""
         if self._catalog is not None:
             return self._catalog
@@ -166,23 +166,23 @@ class Journal:
             self._catalog = catalog
         return catalog
 
-    def _catalog_changes(self) -> None:
+    def catalog_changes(self) -> None:
         """Say that the transaction under way changes the catalog."""
         self._catalog = None
         self._catalog_unsettled = True
 
-    def _live_slices(self, session: Session) -> dict[int, _LiveSlice]:
+    def live_slices(self, session: Session) -> dict[int, _LiveSlice]:
         """The live slices as ``session`` sees them, by id, oldest first."""
         session.flush()  # what the transaction changed so far reaches them first
         if self._live is None:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
         return self._live
 
-    def _live_values(self, session: Session) -> list[Slice]:
+    def live_values(self, session: Session) -> list[Slice]:
         """The live slices' values as ``session`` sees them, oldest first: from memory
         where they are kept (a single writer, a write under way), else read now."""
         if self.single_writer or self._transaction_depth:
-            return [entry.slice for entry in self._live_slices(session).values()]
+            return [entry.slice for entry in self.live_slices(session).values()]
         return [_to_slice(row) for row in session.scalars(LIVE_ROWS)]
 
     def _follow_flush(self, session: Session, _context: Any) -> None:
@@ -208,7 +208,8 @@ class Journal:
             self._catalog_unsettled = False
 
     @contextmanager
-    def _read(self) -> Iterator[Session]:
+    def read(self) -> Iterator[Session]:
+        """A read-only session (inside a group commit: the group's, to see what it wrote)."""
         if self._group is not None:  # a write's answer: it sees what the group wrote
             yield self._group
             return
