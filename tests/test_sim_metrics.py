@@ -99,6 +99,20 @@ def test_churn_shows_how_preemptions_fall_on_jobs_and_gpu_hours():
     assert s["hourly"]["preemptions"] == {"debug_lane": [0, 1], "fair_share": [9, 0]}
 
 
+def test_churn_counts_the_jobs_that_spent_their_preemption_budget():
+    rec = _recorder(jobs=10)
+    rec.preemption_budget = 3
+    for job_id, times, min_runtime in ((1, 3, HOUR), (2, 2, HOUR), (3, 4, 0.0)):
+        job = Job(job_id, 0, "u", "a", 1, 60, min_runtime=min_runtime)
+        for i in range(times):
+            rec.preempted(600.0 * i, job, "fair_share")
+    s = summarise(rec, end=HOUR, entitlements={"a": 1.0})
+    # job 1 spent its budget; job 2 did not; job 3 is free work, which has none
+    assert (s["jobs_at_budget"], s["preemption_budget"]) == (1, 3)
+    rec.preemption_budget = None  # no budget: nothing to spend
+    assert summarise(rec, end=HOUR, entitlements={"a": 1.0})["jobs_at_budget"] is None
+
+
 def test_occupancy_while_demand_exceeds_capacity_leaves_out_quiet_hours():
     rec = _recorder()
     big, small = Job(0, 0, "u", "a", 20, 3600), Job(1, 0, "u", "a", 5, 3600)

@@ -187,6 +187,7 @@ class Simulation:
             warmup=self.config.warmup,
         )
         self.recorder.jobs = len(workload.jobs)
+        self.recorder.preemption_budget = scheduler.policy.preemption_budget
         self.recorder.set_capacity(0.0, self._capacity())
         self.debug_gpus: dict[str, int] = {}  # debug GPUs each user has in flight
         self._phases: dict[int, float] = {}  # job id -> checkpoint phase

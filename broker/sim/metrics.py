@@ -160,6 +160,10 @@ class Recorder:
     censored: Counter = field(default_factory=Counter)
     preemptions: Counter = field(default_factory=Counter)
     preemptions_by_job: Counter = field(default_factory=Counter)  # job id -> times preempted
+    # The policy's preemption budget (None: none), and the preemptions of jobs under
+    # contract (free work has no budget): job id -> times preempted
+    preemption_budget: int | None = None
+    budgeted_preemptions: Counter = field(default_factory=Counter)
     preemptions_by_hour: dict[str, list[int]] = field(default_factory=dict)  # reason -> counts
     # Musical chairs: victims granted again within MUSICAL_CHAIRS of their
     # preemption, and the GPU-seconds those preemptions cost them
@@ -235,6 +239,8 @@ class Recorder:
     def preempted(self, t: float, job: Job, reason: str) -> None:
         self.preemptions[reason] += 1
         self.preemptions_by_job[job.id] += 1
+        if job.min_runtime > 0:
+            self.budgeted_preemptions[job.id] += 1
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
 
     def regranted(self, after: float, cost_gpu_seconds: float, reason: str) -> None:
@@ -479,6 +485,7 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
     # every job of the workload counts, those never preempted with 0
     counts = list(per_job.values()) + [0] * max(0, recorder.jobs - len(per_job))
     held = sum(sum(recorder.held[p].series(hours)) for p in recorder.projects) / HOUR
+    budget, budgeted = recorder.preemption_budget, recorder.budgeted_preemptions
     return {
         "preempted_jobs": len(per_job),
         "preemptions_per_job_max": max(counts, default=0),
@@ -491,6 +498,10 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "musical_chairs_share": recorder.musical_chairs / total if total else None,
         "musical_chairs_gpu_hours": recorder.musical_chairs_gpu_seconds / HOUR,
         "musical_chairs_by_reason": dict(sorted(recorder.musical_chairs_by_reason.items())),
+        "preemption_budget": budget,
+        "jobs_at_budget": (
+            None if budget is None else sum(1 for c in budgeted.values() if c >= budget)
+        ),
         "avoided_preemptions": recorder.avoided_preemptions,
         "avoided_wait_p50": percentile(recorder.avoided_wait_seconds, 50),
         "avoided_wait_p90": percentile(recorder.avoided_wait_seconds, 90),

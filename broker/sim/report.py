@@ -152,6 +152,13 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "jobs that spent their preemption budget (budget)",
+        lambda s, _: (
+            f"{_maybe(s, 'jobs_at_budget', lambda v: f'{v:,}')} "
+            f"({_maybe(s, 'preemption_budget', str)})"
+        ),
+    )
+    row(
         "preemptions of one job p99 / max",
         lambda s, _: (
             f"{_maybe(s, 'preemptions_per_job_p99', lambda v: f'{v:g}')} / "
