@@ -161,7 +161,6 @@ class Broker:
             session.add_all(
                 GpuTypeRow(name=n, weight=w) for n, w in config.gpu_type_weights.items()
             )
-            self.journal.catalog_changes()
             _sync_nodes(session, config.nodes, now)
             first_start = session.scalars(select(AccountRow.name).limit(1)).first() is None
             first_start = (
@@ -196,7 +195,6 @@ class Broker:
         """
         nodes = list(nodes)
         with self.journal.write() as session:
-            self.journal.catalog_changes()
             _take_inventory(session, nodes, self._clock())
 
     # ---- slices: requests --------------------------------------------------------
@@ -684,7 +682,6 @@ class Broker:
                 raise NotFound(f"no node {name!r}")
             if not row.in_config:
                 raise Conflict(f"node {name!r} is not in the configuration any more")
-            self.journal.catalog_changes()
             now = self._clock()
             if not (target is NodeState.DRAINING and row.state == NodeState.DRAINED):
                 _set_node(row, target, reason or f"set {target.value} by an admin", now)
@@ -714,7 +711,6 @@ class Broker:
         users = None if users is None else _member_names(users, "users")
         groups = None if groups is None else _member_names(groups, "groups")
         with self.journal.write() as session:
-            self.journal.catalog_changes()
             accounts = {a.name: a for a in _accounts(session)}
             accounts[name] = Account(name, share, parent)
             try:
@@ -768,7 +764,6 @@ class Broker:
                 raise Conflict(
                     f"project {name!r} has {live} live slice{'s' * (live != 1)}; release them first"
                 )
-            self.journal.catalog_changes()
             session.execute(delete(MemberRow).where(MemberRow.project == name))
             session.execute(delete(AccountRow).where(AccountRow.name == name))
             event = _record(session, name, who, self._clock(), "delete", states[name], None)
@@ -801,7 +796,6 @@ class Broker:
                         f"project {name!r} has live slices; it cannot be removed or get "
                         "sub-accounts (release them first)"
                     )
-            self.journal.catalog_changes()
             _write_tree(session, current, wanted, who, self._clock(), action="apply")
         return changes
 
@@ -1127,8 +1121,6 @@ class Broker:
                 fairshare_value=entry.fairshare_value if entry else None,
                 estimated_start=entry.estimated_start if entry else None,
             )
-        if decisions.node_changes:
-            self.journal.catalog_changes()
         for change in decisions.node_changes:
             node = session.get(NodeRow, change.node)
             if node is None:

@@ -21,15 +21,19 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import event, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from ..core.fairshare import ProjectTree
 from ..core.model import Slice
 from ..orm import (
     NOT_DURABLE_OPTION,
     READ_ONLY_OPTION,
+    AccountRow,
     DatabaseNotInitialized,
     DatabaseOutOfDate,
+    GpuTypeRow,
+    MemberRow,
+    NodeRow,
     SliceRow,
     check_schema,
     make_engine,
@@ -38,6 +42,9 @@ from ..orm import (
 )
 from .rows import LIVE_STATES, _accounts, _Costs, _members, _nodes, _to_slice, _weights
 from .views import _row_view
+
+#: The rows the catalog is read from: writing any of them changes it.
+CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
 
 #: The live slices' rows, oldest first.
 LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
@@ -97,6 +104,7 @@ class Journal:
         )
         for writes in (self.sessions, self._not_durable):
             event.listen(writes, "after_flush", self._follow_flush)
+            event.listen(writes, "do_orm_execute", self._follow_statement)
 
     def prepare_schema(self, upgrade: bool) -> None:
         """Create the schema on an empty database; migrate an old one if ``upgrade``."""
@@ -159,6 +167,7 @@ class Journal:
 
     def catalog(self, session: Session) -> _Catalog:
         """The catalog as ``session`` sees it: kept in memory by a single writer."""
+        session.flush()  # what the transaction changed so far reaches it first
         if self._catalog is not None:
             return self._catalog
         catalog = _Catalog(session)
@@ -167,7 +176,9 @@ class Journal:
         return catalog
 
     def catalog_changes(self) -> None:
-        """Say that the transaction under way changes the catalog."""
+        """The transaction under way changes the catalog: it is read from the database,
+        not kept, until that transaction has ended either way. Called for every write
+        of a catalog row (:meth:`_follow_flush`, :meth:`_follow_statement`)."""
         self._catalog = None
         self._catalog_unsettled = True
 
@@ -187,7 +198,11 @@ class Journal:
 
     def _follow_flush(self, session: Session, _context: Any) -> None:
         """Keep the live slices as the flush just wrote them (ids only grow, so new
-        slices go last and the order stays oldest first)."""
+        slices go last and the order stays oldest first); a catalog row written
+        changes the catalog."""
+        written = (*session.new, *session.dirty, *session.deleted)
+        if any(isinstance(row, CATALOG_ROWS) for row in written):
+            self.catalog_changes()
         if self._live is None:
             return
         if any(isinstance(row, SliceRow) for row in session.deleted):
@@ -199,6 +214,18 @@ class Journal:
                     self._live[row.id] = _LiveSlice.of(row)
                 else:
                     self._live.pop(row.id, None)
+
+    def _follow_statement(self, state: ORMExecuteState) -> None:
+        """A statement that inserts, updates or deletes rows without the flush (a bulk
+        ``delete``): of catalog rows, it changes the catalog; of slices, the live
+        slices are read again."""
+        if not (state.is_insert or state.is_update or state.is_delete):
+            return
+        classes = {mapper.class_ for mapper in state.all_mappers}
+        if classes.intersection(CATALOG_ROWS):
+            self.catalog_changes()
+        if SliceRow in classes:
+            self._live = None
 
     def _settle_catalog(self) -> None:
         # Committed or rolled back, the change is settled once the outermost
