@@ -46,7 +46,7 @@ import inspect
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC
 from typing import Any
 
@@ -82,7 +82,6 @@ from .options import (
     OptionsError,
     SliceRequest,
     capacity_note,
-    chosen_project,
     gpu_type_views,
     options_from_form,
     project_views,
@@ -549,7 +548,7 @@ class SliceBrokerMixin(Configurable):
             projects=projects,
             gpu_types=gpu_types,
             choices=choices,
-            expected=await self._expected_starts(chosen_project(projects, previous, choices)),
+            expected=await self._expected_starts([p.name for p in projects]),
             previous=previous or {},
             notice_html=notices.notice_alert(self.notice),
             queue_total=queue,
@@ -558,24 +557,28 @@ class SliceBrokerMixin(Configurable):
             template_paths=self.options_form_template_paths,
         )
 
-    async def _expected_starts(self, project: str | None) -> dict[str, Any] | None:
-        """When a session for ``project`` (its default terms) would start, by GPU type and
-        size (``GET /expected-starts``); None where the broker cannot say (an older
-        broker, or it does not answer): the form goes without."""
-        if project is None:
-            return None
+    async def _expected_starts(self, projects: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """When a session (its default terms) would start for each of ``projects``, by GPU
+        type and size (``GET /expected-starts``, asked together); a project the broker
+        cannot say for (an older broker, or it does not answer) is left out, and the
+        form goes without its line."""
         protected = self.choices().protected_default
-        try:
-            return await self.broker.expected_starts(
-                project,
-                "interactive",
-                protected,
-                user=self.user.name,
-                groups=self._user_groups(),
-            )
-        except BrokerAPIError as err:
-            self.log.debug("No expected starts for %s: %s", project, err.message)
-            return None
+
+        async def ask(project: str) -> dict[str, Any] | None:
+            try:
+                return await self.broker.expected_starts(
+                    project,
+                    "interactive",
+                    protected,
+                    user=self.user.name,
+                    groups=self._user_groups(),
+                )
+            except BrokerAPIError as err:
+                self.log.debug("No expected starts for %s: %s", project, err.message)
+                return None
+
+        answers = await asyncio.gather(*(ask(project) for project in projects))
+        return {p: a for p, a in zip(projects, answers, strict=True) if a is not None}
 
     async def apply_slice_options(self, user_options: Mapping[str, Any]) -> SliceRequest:
         """Check ``user_options`` and keep the request for :meth:`start`.

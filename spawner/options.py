@@ -414,12 +414,14 @@ TEMPLATES = str(Path(__file__).with_name("templates"))
 @dataclass(frozen=True, slots=True)
 class FieldOption:
     """One ``<option>`` of a field: the value sent, the words shown, whether it is
-    preselected, and (projects only) the most GPUs the project may hold."""
+    preselected, and (projects only) the most GPUs the project may hold and when a
+    session charged to it would start (:func:`expected_start_text`)."""
 
     value: str
     label: str
     selected: bool = False
     cap: int | None = None
+    expected: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,7 +471,7 @@ def form_context(
     capacity: str = "",
     queue_url: str = "",
     broker_error: str = "",
-    expected: Mapping[str, Any] | None = None,
+    expected: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """What the form's template receives (docs/hub-admin.md lists it).
 
@@ -477,17 +479,22 @@ def form_context(
     (why the last session ended) and ``capacity`` (:func:`capacity_note`: draining and
     down nodes) go above the fields; ``queue_url`` links to the broker's queue page;
     ``broker_error`` (the broker could not be asked) replaces the whole form;
-    ``expected`` (``GET /expected-starts`` for the preselected project) says when each
-    size would start.
+    ``expected`` (project -> its ``GET /expected-starts``) says when each size would
+    start, for the project chosen (``expected_text``; each project option carries its
+    own, which the shipped form shows as the choice changes).
     """
     previous = previous or {}
+    texts = {
+        name: expected_start_text(answer, choices) for name, answer in (expected or {}).items()
+    }
+    chosen = chosen_project(projects, previous, choices)
     return {
-        "expected_text": expected_start_text(expected, choices) if expected else "",
+        "expected_text": texts.get(chosen, "") if chosen else "",
         "broker_error": broker_error,
         "notice_html": Markup(notice_html),  # the notice's own HTML, escaped where it is made
         "capacity": capacity,
         "projects": list(projects),
-        "project_options": _project_options(projects, previous, choices),
+        "project_options": _project_options(projects, previous, choices, texts),
         "budget_rows": [_budget_row(p) for p in projects],
         "queue_total": queue_total,
         "queue_text": _queue_text(queue_total),
@@ -548,7 +555,10 @@ def _to_minute(seconds: float) -> float:
 
 
 def _project_options(
-    projects: Sequence[ProjectView], previous: Mapping[str, Any], choices: Choices
+    projects: Sequence[ProjectView],
+    previous: Mapping[str, Any],
+    choices: Choices,
+    expected: Mapping[str, str],
 ) -> list[FieldOption]:
     chosen = chosen_project(projects, previous, choices)
     if chosen is None:
@@ -560,6 +570,7 @@ def _project_options(
             label=f"{p.name} — {_short_position(p)}",
             selected=p.name == chosen,
             cap=int(caps[p.name]) if p.name in caps else None,
+            expected=expected.get(p.name, ""),
         )
         for p in projects
     ]

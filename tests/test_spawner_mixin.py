@@ -650,17 +650,22 @@ async def test_a_broker_without_limits_leaves_the_admins_terms_standing(make, br
     assert spawner.slice_request.gpus == 4
 
 
-async def test_the_form_says_when_each_size_would_start_for_the_preselected_project(make, broker):
+async def test_the_form_says_when_each_size_would_start_for_each_project(make, broker):
     broker.expected = {("h100", 1): 0.0, ("h100", 2): 300.0, ("h100", 4): None}
-    spawner = make(max_gpus=2)
+    spawner = make(user=user("alice", groups=("nlp-team",)), max_gpus=2)
     form = await spawner.slice_options_form()
-    # the sizes the form offers only, as words, for the project it preselects
-    assert (
-        "Expected start for vision (15 min protected): h100 — 1 GPU now · 2 GPUs in about 5 min."
-    ) in form
-    (project, kind, protected, actor) = broker.expected_asked[-1]
-    assert (project, kind, protected) == ("vision", "interactive", 900.0)
-    assert actor["user"] == spawner.user.name  # asked for the user, as a submission is
+    # the sizes the form offers only, as words: the line for the project preselected (nlp,
+    # the better placed), and each project's own on its option, shown as the choice changes
+    line = "Expected start for {} (15 min protected): h100 — 1 GPU now · 2 GPUs in about 5 min."
+    assert f'<div class="form-text" id="sb-expected">{line.format("nlp")}</div>' in form
+    for project in ("vision", "nlp"):
+        assert f'data-expected="{line.format(project)}"' in form
+    asked = {(project, kind, protected) for project, kind, protected, _ in broker.expected_asked}
+    assert asked == {("vision", "interactive", 900.0), ("nlp", "interactive", 900.0)}
+    # asked for the user and their groups, as a submission is
+    assert all(
+        a["user"] == "alice" and a["groups"] == ["nlp-team"] for *_, a in broker.expected_asked
+    )
     # a broker without the route: the form goes without the line
     broker.expected = None
     assert "Expected start" not in await spawner.slice_options_form()

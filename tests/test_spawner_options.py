@@ -567,3 +567,30 @@ def test_the_pending_message_says_what_would_start_the_request_sooner():
     assert 'id="sb-sooner"' in event["html_message"]
     # nothing sooner: nothing said
     assert sooner_text({"now": NOON, "alternatives": []}, request_) == ""
+
+
+def test_the_expected_start_line_follows_the_project_chosen_in_the_browser(browser):
+    from playwright.sync_api import expect  # only this test of the file needs a browser
+
+    now = time.time()
+
+    def expected(project: str, wait: float) -> dict:
+        starts = [{"gpu_type": "h100", "gpus": 1, "starts_at": now + wait}]
+        return {"now": now, "project": project, "kind": "interactive", "min_runtime": 900.0,
+                "starts": starts}  # fmt: skip
+
+    html = render_form(
+        projects=views(),
+        gpu_types=[],
+        choices=CHOICES,
+        expected={"systems": expected("systems", 0.0), "vision": expected("vision", 3600.0)},
+    )
+    page = browser.new_page()
+    page.set_content(html)
+    line = page.locator("#sb-expected")
+    expect(line).to_have_text("Expected start for systems (15 min protected): h100 — 1 GPU now.")
+    page.select_option("#sb-project", "vision")
+    expect(line).to_have_text(
+        "Expected start for vision (15 min protected): h100 — 1 GPU in about 1 h."
+    )
+    page.close()
