@@ -199,21 +199,23 @@ class Journal:
     def _follow_flush(self, session: Session, _context: Any) -> None:
         """Keep the live slices as the flush just wrote them (ids only grow, so new
         slices go last and the order stays oldest first); a catalog row written
-        changes the catalog."""
-        written = (*session.new, *session.dirty, *session.deleted)
-        if any(isinstance(row, CATALOG_ROWS) for row in written):
-            self.catalog_changes()
-        if self._live is None:
-            return
-        if any(isinstance(row, SliceRow) for row in session.deleted):
-            self._live = None
-            return
+        changes the catalog. One walk over what the flush wrote: a pass's flush
+        writes every slice it decided about."""
+        for row in session.deleted:
+            if isinstance(row, SliceRow):
+                self._live = None
+            elif isinstance(row, CATALOG_ROWS):
+                self.catalog_changes()
         for row in (*session.new, *session.dirty):
             if isinstance(row, SliceRow):
+                if self._live is None:
+                    continue
                 if row.state in LIVE_STATES:
                     self._live[row.id] = _LiveSlice.of(row)
                 else:
                     self._live.pop(row.id, None)
+            elif isinstance(row, CATALOG_ROWS):
+                self.catalog_changes()
 
     def _follow_statement(self, state: ORMExecuteState) -> None:
         """A statement that inserts, updates or deletes rows without the flush (a bulk
