@@ -245,11 +245,9 @@ class Broker:
         for name in (user, *groups):
             if not isinstance(name, str) or CONTROL_CHARACTERS.search(name):
                 raise InvalidRequest(f"a user or group name has control characters: {name!r:.80}")
-        defaults = self.config.defaults.get(_kind_or_none(kind))
-        if defaults is not None:
-            min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
-            resumable = defaults.resumable if resumable is None else resumable
-            max_runtime = defaults.max_runtime if max_runtime is None else max_runtime
+        min_runtime, resumable, max_runtime = self._with_defaults(
+            kind, min_runtime, resumable, max_runtime
+        )
         with self.journal.write() as session:
             if idempotency_key is not None:
                 first = session.scalars(
@@ -298,6 +296,24 @@ class Broker:
             _event(session, row, None, "submitted", now)
             return _slice_dict(row, now, _Costs()), True
 
+    def _with_defaults(
+        self,
+        kind: object,
+        min_runtime: float | None = None,
+        resumable: bool | None = None,
+        max_runtime: float | None = None,
+    ) -> tuple[float | None, bool | None, float | None]:
+        """``(min_runtime, resumable, max_runtime)`` of a request of ``kind``: those it
+        gives, the configuration's defaults for the kind for those it leaves ``None``."""
+        defaults = self.config.defaults.get(_kind_or_none(kind))
+        if defaults is None:
+            return min_runtime, resumable, max_runtime
+        return (
+            defaults.min_runtime if min_runtime is None else min_runtime,
+            defaults.resumable if resumable is None else resumable,
+            defaults.max_runtime if max_runtime is None else max_runtime,
+        )
+
     def _check_request(self, catalog: _Catalog, resumable: object, **terms: Any) -> None:
         """:class:`InvalidRequest` for a request that can never be granted: ``terms``
         (gpus, kind, protected and maximum runtime, GPU type, priority, project) as
@@ -344,9 +360,7 @@ class Broker:
                 raise Conflict(
                     f"slice {slice_id} is {old.state} now, not waiting: nothing replaced"
                 )
-            defaults = self.config.defaults.get(_kind_or_none(kind))
-            if min_runtime is None and defaults is not None:
-                min_runtime = defaults.min_runtime
+            min_runtime = self._with_defaults(kind, min_runtime)[0]
             catalog = self.journal.catalog(session)
             self._check_request(
                 catalog,
@@ -563,11 +577,8 @@ class Broker:
         gpus, starts_at}]}``. Terms left out come from the kind's defaults. Raises
         :class:`Forbidden` unless ``user`` may charge ``project``, and
         :class:`InvalidRequest` for terms no request may have."""
-        defaults = self.config.defaults.get(_kind_or_none(kind))
-        resumable, max_runtime = False, None
-        if defaults is not None:
-            min_runtime = defaults.min_runtime if min_runtime is None else min_runtime
-            resumable, max_runtime = defaults.resumable, defaults.max_runtime
+        min_runtime, resumable, max_runtime = self._with_defaults(kind, min_runtime)
+        resumable = bool(resumable)  # a kind without defaults: not resumable
         with self.journal.read() as session:
             catalog = self.journal.catalog(session)
             self._check_request(
