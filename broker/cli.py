@@ -610,8 +610,10 @@ def entitlement_preview(
 ) -> list[str]:
     """A table of the entitlements of ``name`` and of every account whose entitlement
     changes: before, after, the difference in percentage points."""
+    from .core.fairshare import entitlement_moves
+
     before = {row["name"]: row["entitlement"] for row in rows}
-    changed = {n for n in after if abs(after[n] - before.get(n, 0.0)) >= 0.0005 / 100}
+    changed = entitlement_moves(before, after)
     order = [name] + [row["name"] for row in rows if row["name"] in changed - {name}]
     cells = []
     for account in order:

@@ -132,6 +132,15 @@ class ProjectTree:
         return _Level(a[depth], b[depth])
 
 
+#: Entitlements (fractions) closer than this read as unchanged: 0.0005 percentage points.
+UNCHANGED = 0.0005 / 100
+
+
+def entitlement_moves(before: Mapping[str, float], after: Mapping[str, float]) -> set[str]:
+    """The accounts whose entitlement goes from ``before`` to ``after`` (new ones too)."""
+    return {name for name in after if abs(after[name] - before.get(name, 0.0)) >= UNCHANGED}
+
+
 def entitlements_with(accounts: Iterable[Account], changed: Account) -> dict[str, float]:
     """Every account's entitlement once ``changed`` takes the place of the account of its
     name (or joins the tree): what a change would do, asked before it is made.

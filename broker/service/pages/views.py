@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ...core.fairshare import entitlements_with
+from ...core.fairshare import entitlement_moves, entitlements_with
 from ...core.model import Account, Policy
 from ...errors import InvalidConfig, InvalidRequest
 from ...units import HOUR, gpu_hours, instead_text
@@ -202,8 +202,7 @@ def entitlement_changes(
     except InvalidConfig as err:
         raise InvalidRequest(f"cannot change {name!r}: {err}") from None
     before = {row["name"]: row["entitlement"] for row in rows}
-    moved = [n for n in after if abs(after[n] - before.get(n, 0.0)) >= 0.0005 / 100]
-    moved.sort(key=lambda n: (n != name, n))
+    moved = sorted(entitlement_moves(before, after), key=lambda n: (n != name, n))
     return [
         {
             "name": n,
