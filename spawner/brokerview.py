@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 from broker.client import BrokerAPIError
+
+from .culler import gpus_by_node
 
 #: The three reads of the queue view: pending slices, nodes, granted slices.
 QueueRead = Callable[[], Awaitable[tuple[list, list, list]]]
@@ -46,8 +49,16 @@ class IdleSession(Protocol):
 
     async def session_idle_seconds(self, now: float) -> tuple[float | None, str]: ...
 
+    def idle_for_a_waiter(self, idle: float, now: float) -> bool: ...
+
     def idle_check(
-        self, pending: list, nodes: list, idle: float | None, source: str, now: float
+        self,
+        pending: list,
+        nodes: list,
+        idle: float | None,
+        source: str,
+        now: float,
+        idle_beside: Mapping[str, int] | None = None,
     ) -> bool: ...
 
 
@@ -60,7 +71,7 @@ class BrokerView:
         self.nodes_seen: list[dict[str, Any]] | None = None
         self.held_seen: list[dict[str, Any]] = []
         self.limits: dict[str, Any] | None = None  # None: not read yet (or no /limits)
-        self.freeing: dict[str, int] = {}  # node -> GPUs on their way back
+        self.freeing: Counter[str] = Counter()  # node -> GPUs on their way back
         # (monotonic time, event loop, the read under way or done)
         self._read: tuple[float, asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self.sessions: dict[int, IdleSession] = {}  # id(spawner) -> the running session
@@ -94,7 +105,7 @@ class BrokerView:
             shared = asyncio.ensure_future(read())
             shared.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._read = (time.monotonic(), asyncio.get_running_loop(), shared)
-            self.freeing = {}  # the fresh view shows what the stopped sessions gave back
+            self.freeing = Counter()  # the fresh view shows what the stopped sessions gave back
         pending, nodes, held = await asyncio.shield(shared)
         self.nodes_seen, self.held_seen = nodes, held
         return pending, nodes
@@ -148,23 +159,28 @@ class BrokerView:
         )
         # GPUs per node of the sessions idle long enough to go for a waiting request: a
         # request larger than any one of them may be served by several on one node.
-        idle_gpus: dict[str, int] = {}
-        for session, (idle, _) in checks:
-            if idle is not None and session.idle_for_a_waiter(idle, now):
-                for placement in (session.slice or {}).get("placements") or ():
-                    gpus = len(placement.get("gpu_indices") or ())
-                    idle_gpus[placement["node"]] = idle_gpus.get(placement["node"], 0) + gpus
+        idle_enough = {
+            id(session): gpus_by_node(session.slice or {})
+            for session, (idle, _) in checks
+            if idle is not None and session.idle_for_a_waiter(idle, now)
+        }
+        idle_gpus = sum(idle_enough.values(), Counter())
         return [
             session
             for session, (idle, source) in checks
-            if session.idle_check(pending, nodes, idle, source, now, idle_gpus)
+            if session.idle_check(
+                pending,
+                nodes,
+                idle,
+                source,
+                now,
+                idle_gpus - idle_enough[id(session)] if id(session) in idle_enough else None,
+            )
         ]
 
     def count_as_freeing(self, slice_: Mapping[str, Any]) -> None:
         """The GPUs of a session being stopped as idle: free for the next idle checks."""
-        for placement in slice_.get("placements") or ():
-            node = placement["node"]
-            self.freeing[node] = self.freeing.get(node, 0) + len(placement.get("gpu_indices") or ())
+        self.freeing.update(gpus_by_node(slice_))
 
 
 __all__ = ["BrokerView"]

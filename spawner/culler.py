@@ -28,6 +28,7 @@ why the session ended (``culled_idle``), which a culler outside the hub cannot.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,14 @@ class Verdict:
     def left(self, idle_seconds: float) -> float | None:
         """Seconds of idleness left before the session is stopped (``None``: never)."""
         return None if self.limit is None else max(self.limit - idle_seconds, 0.0)
+
+
+def gpus_by_node(slice_: Mapping[str, Any]) -> Counter[str]:
+    """The GPUs a slice holds on each node (its ``placements``)."""
+    held: Counter[str] = Counter()
+    for placement in slice_.get("placements") or ():
+        held[placement["node"]] += len(placement.get("gpu_indices") or ())
+    return held
 
 
 def _by_name(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -151,4 +160,4 @@ def verdict(
     return Verdict(limit if limit > 0 else None, waiter_id, protected)
 
 
-__all__ = ["CULLED_IDLE", "CullLimits", "Verdict", "verdict", "waiter_for"]
+__all__ = ["CULLED_IDLE", "CullLimits", "Verdict", "gpus_by_node", "verdict", "waiter_for"]

@@ -1148,23 +1148,16 @@ class SliceBrokerMixin(Configurable):
         idle: float | None,
         source: str,
         now: float,
-        idle_gpus: Mapping[str, int] | None = None,
+        idle_beside: Mapping[str, int] | None = None,
     ) -> bool:
         """One check of the idle rule (:mod:`spawner.culler`) against the hub's view of the
         queue (``pending``, ``nodes``) and the session's ``idle`` seconds (read from
-        ``source``); ``idle_gpus``: node -> GPUs of the sessions idle long enough to go for
-        a waiting request, this one's included. When it is due, stop the session with a
-        ``culled_idle`` notice and say so (True)."""
+        ``source``); ``idle_beside``: node -> GPUs of the other sessions idle long enough
+        to go for a waiting request (see :func:`~spawner.culler.waiter_for`). When it is
+        due, stop the session with a ``culled_idle`` notice and say so (True)."""
         session = self.slice or {}
         view = self.broker_view
-        beside = None
-        if idle_gpus and idle is not None and self.idle_for_a_waiter(idle, now):
-            own = {}
-            for placement in session.get("placements") or ():
-                node = placement["node"]
-                own[node] = own.get(node, 0) + len(placement.get("gpu_indices") or ())
-            beside = {node: gpus - own.get(node, 0) for node, gpus in idle_gpus.items()}
-        waiter = waiter_for(session, pending, nodes, view.freeing, beside)
+        waiter = waiter_for(session, pending, nodes, view.freeing, idle_beside)
         rule = verdict(session, now, self.cull_limits(), waiter)
         waiting = (
             f"waiting request {rule.waiter} could use its GPUs"
