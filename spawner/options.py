@@ -33,6 +33,8 @@ from markupsafe import Markup
 from broker.config import format_duration, parse_duration
 from broker.units import duration_text, gpu_hours
 
+from .notices import minutes
+
 #: The keys of ``user_options`` the spawner reads.
 OPTION_KEYS = ("project", "gpus", "gpu_type", "protected")
 
@@ -487,14 +489,14 @@ def form_context(
     texts = {
         name: expected_start_text(answer, choices) for name, answer in (expected or {}).items()
     }
-    chosen = chosen_project(projects, previous, choices)
+    project_options = _project_options(projects, previous, choices, texts)
     return {
-        "expected_text": texts.get(chosen, "") if chosen else "",
+        "expected_text": next((o.expected for o in project_options if o.selected), ""),
         "broker_error": broker_error,
         "notice_html": Markup(notice_html),  # the notice's own HTML, escaped where it is made
         "capacity": capacity,
         "projects": list(projects),
-        "project_options": _project_options(projects, previous, choices, texts),
+        "project_options": project_options,
         "budget_rows": [_budget_row(p) for p in projects],
         "queue_total": queue_total,
         "queue_text": _queue_text(queue_total),
@@ -539,7 +541,7 @@ def expected_start_text(expected: Mapping[str, Any], choices: Choices) -> str:
         elif starts <= now:
             when = "now"
         else:
-            when = f"in about {duration_text(_to_minute(starts - now))}"
+            when = f"in about {minutes(starts - now)}"
         plural = "s" if entry["gpus"] != 1 else ""
         by_type.setdefault(entry["gpu_type"], []).append(f"{entry['gpus']} GPU{plural} {when}")
     if not by_type:
@@ -547,11 +549,6 @@ def expected_start_text(expected: Mapping[str, Any], choices: Choices) -> str:
     protected = duration_text(float(expected.get("min_runtime") or 0.0))
     items = "; ".join(f"{name} — {' · '.join(sizes)}" for name, sizes in by_type.items())
     return f"Expected start for {expected.get('project')} ({protected} protected): {items}."
-
-
-def _to_minute(seconds: float) -> float:
-    """A wait rounded up to the minute (at least one): an estimate, not a countdown."""
-    return max(math.ceil(seconds / 60), 1) * 60.0
 
 
 def _project_options(

@@ -583,7 +583,7 @@ def test_the_expected_start_line_follows_the_project_chosen_in_the_browser(brows
         projects=views(),
         gpu_types=[],
         choices=CHOICES,
-        expected={"systems": expected("systems", 0.0), "vision": expected("vision", 3600.0)},
+        expected={"systems": expected("systems", 0.0), "vision": expected("vision", 7200.0)},
     )
     page = browser.new_page()
     page.set_content(html)
@@ -591,6 +591,6 @@ def test_the_expected_start_line_follows_the_project_chosen_in_the_browser(brows
     expect(line).to_have_text("Expected start for systems (15 min protected): h100 — 1 GPU now.")
     page.select_option("#sb-project", "vision")
     expect(line).to_have_text(
-        "Expected start for vision (15 min protected): h100 — 1 GPU in about 1 h."
+        "Expected start for vision (15 min protected): h100 — 1 GPU in about 2.0 h."
     )
     page.close()
