@@ -151,6 +151,19 @@ class Limits:
     max_drain_bytes: int = 16 * 1024 * 1024
 
 
+def slice_id_in_path(text: str) -> int:
+    """The slice id in a path (the API's or a page's); :class:`NotFound` for anything
+    that cannot be one.
+
+    Only ASCII digits, at most as many as :data:`MAX_ID` has: ``str.isdigit``
+    and ``int`` also take other scripts' digits (``'١'`` is 1) and superscripts
+    (which ``int`` then refuses), and a huge number costs time to convert.
+    """
+    if ID_PATTERN.fullmatch(text) is None or not 1 <= int(text) <= MAX_ID:
+        raise NotFound(f"no slice {bounded(text)!r}")
+    return int(text)
+
+
 # ---- the handler --------------------------------------------------------------------
 
 
@@ -341,15 +354,8 @@ class APIHandler(web.RequestHandler):
         return value
 
     def slice_id(self, text: str) -> int:
-        """The slice id in a path; :class:`NotFound` for anything that cannot be one.
-
-        Only ASCII digits, at most as many as :data:`MAX_ID` has: ``str.isdigit``
-        and ``int`` also take other scripts' digits (``'١'`` is 1) and superscripts
-        (which ``int`` then refuses), and a huge number costs time to convert.
-        """
-        if ID_PATTERN.fullmatch(text) is None or not 1 <= int(text) <= MAX_ID:
-            raise NotFound(f"no slice {bounded(text)!r}")
-        return int(text)
+        """The slice id in a path (:func:`slice_id_in_path`)."""
+        return slice_id_in_path(text)
 
     # ---- output ------------------------------------------------------------------
 

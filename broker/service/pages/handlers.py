@@ -30,13 +30,13 @@ from ... import __version__
 from ...core.accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
 from ..apihandlers.base import (
-    MAX_ID,
     MESSAGE_LIMIT,
     bounded,
     describe_error,
     leave_in_flight,
     log_failure,
     parse_json_body,
+    slice_id_in_path,
 )
 from ..apihandlers.common import is_member, owner_filter
 from ..apihandlers.nodes import NODE_ACTIONS
@@ -430,12 +430,11 @@ class FragmentHandler(PageHandler):
 class ReleaseHandler(PageHandler):
     """Release (or cancel) one of the caller's slices; admins may release any."""
 
-    async def post(self, slice_id: str) -> None:
-        if not 1 <= int(slice_id) <= MAX_ID:
-            raise NotFound(f"no slice {slice_id}")
+    async def post(self, path_id: str) -> None:
+        slice_id = slice_id_in_path(path_id)
         try:
             released = await self.runner.change(
-                self.broker.release, int(slice_id), **owner_filter(self.identity)
+                self.broker.release, slice_id, **owner_filter(self.identity)
             )
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
@@ -448,12 +447,11 @@ class ReplaceHandler(PageHandler):
     """Take one of a waiting slice's alternatives: the request is withdrawn and asked
     again with those terms in one step (``POST /slices/{id}/replace``)."""
 
-    async def post(self, slice_id: str) -> None:
-        if not 1 <= int(slice_id) <= MAX_ID:
-            raise NotFound(f"no slice {slice_id}")
+    async def post(self, path_id: str) -> None:
+        slice_id = slice_id_in_path(path_id)
         body = _json_body(self.request)
         validate(body, ref("SliceReplacement"), "body")
-        new = await replace_slice(self.runner, self.identity, int(slice_id), body)
+        new = await replace_slice(self.runner, self.identity, slice_id, body)
         self.finish({"message": f"Slice {slice_id} withdrawn; slice {new['id']} asks instead."})
 
 
