@@ -1020,32 +1020,41 @@ async def test_a_stop_that_comes_with_the_grant_cancels_the_spawn_without_launch
 # ---- the hub's idle pass ----------------------------------------------------------------
 
 
+async def sessions_on_a_full_node(make, broker, monkeypatch, held, carol_wants: int) -> dict:
+    """Running sessions on n0, full: ``held`` is ``(user, project, GPU indices)`` each,
+    in grant order; carol (nlp) waits first in the queue for ``carol_wants`` GPUs.
+    The sessions by user."""
+    monkeypatch.setattr(BrokerView, "_views", {})
+    full = [{**NODES[0], "gpus_held": 4}]
+    monkeypatch.setattr(broker, "nodes", lambda: asyncio.sleep(0, full))
+    sessions = {}
+    for name, project, where in held:
+        spawner = make(user=user(name, groups=("nlp-team",)), max_gpus=4)
+        spawner.user_options = {"project": project, "gpus": len(where), "protected": "1h"}
+        task = asyncio.ensure_future(spawner.start())
+        await eventually(lambda s=spawner: s.slice_id is not None)
+        broker.grant(spawner.slice_id, gpus=where)
+        await task
+        sessions[name] = spawner
+    waiting = dict(broker.slices[sessions[held[0][0]].slice_id])
+    waiting.update(
+        id=99, user="carol", project="nlp", gpus=carol_wants, state="pending", placements=[],
+        granted_at=None, protected_until=None, queue_position=1,
+    )  # fmt: skip
+    broker.slices[99] = waiting
+    return sessions
+
+
 async def test_one_idle_pass_stops_the_largest_idle_session_and_spares_the_rest(
     make, broker, monkeypatch
 ):
     # n0 is full: bob (1 GPU, granted first) and alice (2 GPUs) idle, and a 1-GPU request
     # waits that either could serve. The pass checks the larger session first: one stop
     # frees the most GPUs, and bob's session is then no longer needed.
-    monkeypatch.setattr(BrokerView, "_views", {})
-    full = [{**NODES[0], "gpus_held": 4}]
-    monkeypatch.setattr(broker, "nodes", lambda: asyncio.sleep(0, full))
-    sessions = {}
-    for name, project, gpus, where in (("bob", "nlp", 1, (0,)), ("alice", "vision", 2, (1, 2))):
-        spawner = make(user=user(name, groups=("nlp-team",)))
-        spawner.user_options = {"project": project, "gpus": gpus, "protected": "1h"}
-        task = asyncio.ensure_future(spawner.start())
-        await eventually(lambda s=spawner: s.slice_id is not None)
-        broker.grant(spawner.slice_id, gpus=where)
-        await task
+    held = (("bob", "nlp", (0,)), ("alice", "vision", (1, 2)))
+    sessions = await sessions_on_a_full_node(make, broker, monkeypatch, held, carol_wants=1)
+    for spawner in sessions.values():
         monkeypatch.setattr(spawner, "session_idle_seconds", idle_for_two_hours)
-        sessions[name] = spawner
-    waiting = dict(broker.slices[sessions["bob"].slice_id])
-    waiting.update(
-        id=99, user="carol", project="nlp", gpus=1, state="pending", placements=[],
-        granted_at=None, protected_until=None, queue_position=1,
-    )  # fmt: skip
-    broker.slices[99] = waiting
-
     view = sessions["alice"].broker_view
     alices = sessions["alice"].slice_id
     stopped = await view.idle_round(max_age=0)
@@ -1063,24 +1072,8 @@ async def test_two_idle_sessions_on_one_node_are_stopped_for_a_request_needing_b
     # n0 (4 GPUs) is full: bob and alice hold 2 GPUs each, and carol waits for 4. Neither
     # session alone frees enough; both idle, so both are stopped for her in one pass.
     # With bob busy, alice alone would not serve her, and nobody is stopped.
-    monkeypatch.setattr(BrokerView, "_views", {})
-    full = [{**NODES[0], "gpus_held": 4}]
-    monkeypatch.setattr(broker, "nodes", lambda: asyncio.sleep(0, full))
-    sessions = {}
-    for name, project, where in (("bob", "nlp", (0, 1)), ("alice", "vision", (2, 3))):
-        spawner = make(user=user(name, groups=("nlp-team",)), max_gpus=4)
-        spawner.user_options = {"project": project, "gpus": 2, "protected": "1h"}
-        task = asyncio.ensure_future(spawner.start())
-        await eventually(lambda s=spawner: s.slice_id is not None)
-        broker.grant(spawner.slice_id, gpus=where)
-        await task
-        sessions[name] = spawner
-    waiting = dict(broker.slices[sessions["bob"].slice_id])
-    waiting.update(
-        id=99, user="carol", project="nlp", gpus=4, state="pending", placements=[],
-        granted_at=None, protected_until=None, queue_position=1,
-    )  # fmt: skip
-    broker.slices[99] = waiting
+    held = (("bob", "nlp", (0, 1)), ("alice", "vision", (2, 3)))
+    sessions = await sessions_on_a_full_node(make, broker, monkeypatch, held, carol_wants=4)
     view = sessions["alice"].broker_view
 
     async def busy(now: float) -> tuple[float, str]:
@@ -1091,12 +1084,12 @@ async def test_two_idle_sessions_on_one_node_are_stopped_for_a_request_needing_b
     assert await view.idle_round(max_age=0) == []
 
     monkeypatch.setattr(sessions["bob"], "session_idle_seconds", idle_for_two_hours)
-    held = [s.slice_id for s in sessions.values()]
+    slice_ids = [s.slice_id for s in sessions.values()]
     stopped = await view.idle_round(max_age=0)
     assert sorted(s.user.name for s in stopped) == ["alice", "bob"]
     for spawner in stopped:
         await spawner._culling
-    assert [broker.slices[slice_id]["state"] for slice_id in held] == ["ended", "ended"]
+    assert [broker.slices[slice_id]["state"] for slice_id in slice_ids] == ["ended", "ended"]
 
 
 async def idle_for_two_hours(now: float) -> tuple[float, str]:
