@@ -94,8 +94,12 @@ def _node_back_in_service(slurm: SlurmCluster, service: BrokerService) -> Iterat
     slurm.run("scancel", f"--partition={PARTITION}", check=False)
     wait_until(lambda: not slurm.active_jobs(), 20, "the test's jobs to end")
     service.post(f"/nodes/{NODE}/undrain", token=service.admin_token)
+    # The broker's undrain resumes the Slurm node itself, so between reading the flags
+    # and resuming it may already be resumed: Slurm then refuses ("Invalid node state
+    # specified"), which is no failure. What counts is that the drain is gone.
     if "DRAIN" in (slurm.node().get("state_flags") or ()):
-        slurm.run("scontrol", "update", f"nodename={NODE}", "state=RESUME")
+        slurm.run("scontrol", "update", f"nodename={NODE}", "state=RESUME", check=False)
+    wait_until(lambda: "DRAIN" not in (slurm.node().get("state_flags") or ()), 20, "Slurm's resume")
     wait_until(lambda: broker_node(service)["state"] == "ready", 20, "the node to be ready")
 
 
