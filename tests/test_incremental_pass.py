@@ -1,6 +1,8 @@
 """The pass from kept state (broker/core/incremental.py) decides exactly what a
 pass from scratch decides on the same snapshot, whatever changed in between
-(design.md §5)."""
+(design.md §5); and since both share the walk, its decisions also pass the checks
+written from the rules (tests/passchecks.py), so a mistake in the walk cannot hide
+behind the same mistake in its oracle."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import replace
 from builders import HOUR, MIN, NOW, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from passchecks import check_pass
 
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
@@ -141,6 +144,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         )
         decisions = kept.schedule(snap)
         assert decisions == schedule(snap, tree)
+        check_pass(snap, decisions)
         for what, count in (
             ("grants", len(decisions.grants)),
             ("preemptions", len(decisions.preemptions)),
@@ -165,6 +169,7 @@ def test_the_kept_state_follows_slices_through_their_life():
         snap = snapshot(list(nodes.values()), ACCOUNTS, list(live.values()), now=now)
         decisions = kept.schedule(snap)
         assert decisions == schedule(snap, tree)
+        check_pass(snap, decisions)
         live = apply(live, nodes, decisions, now, WEIGHTS).slices
         seen.append({s.id: s.state for s in live.values()})
         assert sorted(s.id for s in kept.holding()) == sorted(
