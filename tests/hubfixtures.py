@@ -126,6 +126,13 @@ c.JupyterHub.load_groups = {"demo-users": {"users": ["alice"]}}
 """
 
 
+def session_environ(server: dict) -> dict[str, str]:
+    """A local single-user process's environment, as its kernels' and terminals' children
+    get it (read from ``/proc``, so nothing is asked of the session itself)."""
+    raw = Path(f"/proc/{server['state']['pid']}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,10 +7,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hubfixtures import HubProcess, proxy_available
+from hubfixtures import HubProcess, proxy_available, session_environ
 
 pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
 
@@ -22,12 +21,6 @@ def hub(tmp_path_factory):
         yield hub.start()
     finally:
         hub.shutdown()
-
-
-def session_environ(server: dict) -> dict[str, str]:
-    """The single-user process's environment, as the kernel's and terminal's children get it."""
-    raw = Path(f"/proc/{server['state']['pid']}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
 def test_a_process_in_a_session_uses_the_broker_as_its_user(hub):
