@@ -1,6 +1,7 @@
 """docs/install.md's separate broker: started on its own with the hub's variables, registered
 with the hub as an external service, it takes a session's own token (what Lab's extension
-and ``slicebroker run`` in a terminal use)."""
+and ``slicebroker run`` in a terminal use), and ``slicebroker run -- CMD`` with no flags
+from the session's environment charges the session's project."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available, wait_until
+from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available, session_environ, wait_until
 from servicefixtures import service_env
 
 #: install.md's step 2: the broker an external service, the hub starts nothing.
@@ -82,4 +83,16 @@ def test_a_session_of_a_separate_broker_uses_it_with_its_own_token(hub_and_broke
     env = hub.user_get("alice", "env").json()
     assert env["SLICEBROKER_PROJECT"] == "vision"
     assert held["state"] == "granted" and held["user"] == "alice"
+
+    # What a Lab terminal of this session runs: no flags, the session's environment only.
+    environ = session_environ(hub.server("alice"))
+    run = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "run", "--",
+         sys.executable, "-c", "import os; print('ran for', os.environ['SLICEBROKER_PROJECT'])"],
+        env=environ, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "ran for vision" in run.stdout
+    (job,) = [s for s in hub.slices(user="alice") if s["kind"] == "batch"]
+    assert (job["project"], job["gpus"], job["state"]) == ("vision", 1, "ended")
     hub.stop_server("alice")
