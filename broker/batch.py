@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from .client import BrokerAPIError, BrokerClient, new_idempotency_key
 from .config import format_duration
-from .units import gpu_hours
+from .units import gpu_hours, share_used
 
 T = TypeVar("T")
 
@@ -575,8 +575,8 @@ def _describe_wait(slice_: Mapping[str, Any]) -> str:
     if slice_.get("queue_position") is not None:
         parts.append(f"position {slice_['queue_position']} in the queue")
     if slice_.get("fairshare_value") is not None:
-        # As the pages, the spawner and the CLI's table write it: 1.08 GPU-h, not 1.1.
-        parts.append(f"fair-share value {gpu_hours(slice_['fairshare_value'])}")
+        # As the pages, the spawner and the CLI's table write it: 1.08×, not 1.1.
+        parts.append(f"project at {share_used(slice_['fairshare_value'])}")
     start = slice_.get("estimated_start")
     parts.append(f"estimated start {_clock(start)[:5]}" if start else "no estimated start yet")
     return ", ".join(parts)

@@ -36,7 +36,7 @@ from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from .config import DEMO_CONFIG, ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
 from .sim.cli import add_parser as add_simulate
-from .units import HOUR, gpu_hours
+from .units import HOUR, gpu_hours, share_used
 
 PROG = "slicebroker"
 USAGE_ERROR = 2
@@ -386,7 +386,8 @@ def add_projects(commands: argparse._SubParsersAction) -> None:
         help="show the project tree: shares, entitlements, usage, fair share",
         description="Show the project tree with each account's share, entitlement (its "
         "fraction of the cluster), usage in the lookback window (weighted GPU-hours), "
-        "fair-share value (usage / entitlement, in GPU-hours; lower is served first) and "
+        "share used (its part of all GPU time used in the window over its entitlement: "
+        "1.00× is exactly its share; lower is served first) and "
         "each project's rank (1 is served first), GPUs held and slices pending.",
     )
     parser.add_argument("--json", action="store_true", help="print the API's JSON instead")
@@ -414,14 +415,14 @@ def project_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"{row['share']:g}",
                 f"{100 * row['entitlement']:.1f}%",
                 _hours(row["usage"]),
-                _hours(row["fairshare_value"]),
+                share_used(row["fairshare_value"], words=False),
                 row["rank"] if leaf else "",
                 row["gpus_held"] if leaf else "",
                 row["pending"] if leaf else "",
                 _members(row) if leaf else "",
             ]
         )
-    header = ["ACCOUNT", "SHARE", "ENTITLEMENT", "USAGE GPU-h", "FAIR-SHARE", "RANK", "HELD"]
+    header = ["ACCOUNT", "SHARE", "ENTITLEMENT", "USAGE GPU-h", "SHARE USED", "RANK", "HELD"]
     return table([*header, "PENDING", "MEMBERS"], cells, "lrrrrrrrl")
 
 
@@ -944,7 +945,8 @@ def add_queue(commands: argparse._SubParsersAction) -> None:
         queue,
         help="show the pending slices in the order they will be served",
         description="Show the pending slices in queue order, with each one's position, "
-        "fair-share value (its project's usage / entitlement, in GPU-hours) and estimated "
+        "its project's share used (1.00× is exactly its share; lower is served first) and "
+        "estimated "
         "start when the broker knows one.",
     )
     parser.add_argument("--project", help="only this project's slices")
@@ -969,14 +971,14 @@ async def queue(client: BrokerClient, args: argparse.Namespace) -> int:
             s["kind"],
             format_duration(s["min_runtime"]),
             s["priority"],
-            _hours(s.get("fairshare_value")),
+            share_used(s.get("fairshare_value"), words=False),
             _span(now - s["submitted_at"]),
             _when(s.get("estimated_start"), now),
         ]
         for s in rows
     ]
     header = ["POS", "SLICE", "PROJECT", "USER", "GPUS", "TYPE", "KIND", "CONTRACT", "PRIO"]
-    _print(table([*header, "FAIR-SHARE", "WAITING", "EST. START"], cells, "rrllrlllrrrl"))
+    _print(table([*header, "SHARE USED", "WAITING", "EST. START"], cells, "rrllrlllrrrl"))
     return 0
 
 

@@ -1,10 +1,11 @@
 """Units shown to people: GPU time in GPU-hours, through one function everywhere.
 
-The broker counts in GPU-seconds (usage, charges, fair-share values); people
-read GPU-hours. Every place that shows GPU time to a person — the web pages,
-the spawn form, the pending page, the charge the command line reports — formats
-it with :func:`gpu_hours`, so the same quantity reads the same wherever it
-appears. (The command line's tables keep two decimals, so that a column lines up.)
+The broker counts in GPU-seconds (usage, charges); people read GPU-hours. Every
+place that shows GPU time to a person — the web pages, the spawn form, the
+pending page, the charge the command line reports — formats it with
+:func:`gpu_hours`, so the same quantity reads the same wherever it appears. (The
+command line's tables keep two decimals, so that a column lines up.) A project's
+fair-share value is a ratio, not GPU time: :func:`share_used` writes it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def gpu_hours(gpu_seconds: float | None, *, unit: bool = True) -> str:
     if text.lstrip("-").strip("0.,") == "" and text.startswith("-"):
         text = text[1:]  # no "-0.00"
     return f"{text} {UNIT}" if unit else text
+
+
+def share_used(value: float | None, *, words: bool = True) -> str:
+    """A fair-share value as people read it: ``1.20× its share``, the project's part of
+    all GPU time used in the window over its entitlement (1 is exactly its share, lower
+    is served first). ``words=False`` leaves out "its share", for tables whose header
+    says it. ``None`` is ``—``."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:.2f}×" + (" its share" if words else "")
 
 
 def duration_text(seconds: float) -> str:

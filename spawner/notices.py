@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from broker.units import gpu_hours, instead_text
+from broker.units import instead_text, share_used
 
 from .culler import CULLED_IDLE, Verdict
 
@@ -361,8 +361,8 @@ def wait_reason(
     if position > 1:
         ahead = position - 1
         return (
-            f"{ahead} request{'s go' if ahead != 1 else ' goes'} first (a lower fair-share "
-            f"value, or submitted earlier); {in_use}."
+            f"{ahead} request{'s go' if ahead != 1 else ' goes'} first (their projects used "
+            f"less of their share, or submitted earlier); {in_use}."
         )
     gpus = slice_.get("gpus") or 0
     names = {n.get("name") for n in typed}
@@ -407,17 +407,12 @@ def queue_event(
     position = slice_.get("queue_position")
     value = slice_.get("fairshare_value")
     where = f"{ordinal(position)} in the queue" if position else "in the queue"
-    fair = (
-        f"fair-share value {gpu_hours(value)}" if value is not None else "fair-share value pending"
-    )
+    fair = f"project at {share_used(value)}" if value is not None else "share used pending"
     wait = wait_text(slice_.get("estimated_start"), now)
-    message = (
-        f"Waiting for {what}: {where}; {fair} (usage ÷ entitlement, lower goes first); "
-        f"estimated start: {wait}."
-    )
+    message = f"Waiting for {what}: {where}; {fair} (lower goes first); estimated start: {wait}."
     html = (
         f"Waiting for {escape(what)}: <strong>{escape(where)}</strong>; {escape(fair)} "
-        f"(usage ÷ entitlement, lower goes first); estimated start: {escape(wait)}."
+        f"(lower goes first); estimated start: {escape(wait)}."
     )
     if reason:
         message += f" {reason}"

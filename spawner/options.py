@@ -31,7 +31,7 @@ from jinja2 import ChoiceLoader, Environment, FileSystemLoader, Template
 from markupsafe import Markup
 
 from broker.config import format_duration, parse_duration
-from broker.units import duration_text, gpu_hours
+from broker.units import duration_text, share_used
 
 from .notices import minutes
 
@@ -79,8 +79,9 @@ class ProjectView:
     ``used_fraction`` is the project's share of all charged usage in the
     broker's lookback window (``None`` while nobody has used anything);
     compared with ``entitlement`` it says whether the project is over or
-    under its fair share. ``fairshare_value`` is usage / entitlement, the
-    value the queue is sorted by (lower goes first); ``rank`` 1 is served first.
+    under its fair share. ``fairshare_value`` is the share used (``used_fraction``
+    over ``entitlement``, 1 being exactly its share; lower goes first); ``rank`` 1
+    is served first.
     """
 
     name: str
@@ -579,7 +580,7 @@ def _budget_row(project: ProjectView) -> BudgetRow:
         rank=str(project.rank) if project.rank is not None else "—",
         entitled=percent(project.entitlement),
         used=percent(project.used_fraction) + (" ▲" if project.over_share else ""),
-        fairshare=gpu_hours(project.fairshare_value, unit=False),
+        fairshare=share_used(project.fairshare_value, words=False),
         pending=project.pending,
         gpus_held=project.gpus_held,
     )

@@ -191,7 +191,7 @@ def test_a_waiting_runner_shows_its_place_then_runs_when_gpus_free(long_lease_se
     runner = start_runner(service, tmp_path, "exit-0", gpus=4)
     wait_until(lambda: "position 1 in the queue" in runner.stderr, "a queue position", runner)
     line = next(x for x in runner.stderr.splitlines() if "position 1" in x)
-    assert re.search(r"fair-share value \d+\.\d\d GPU-h", line), line
+    assert re.search(r"project at \d+\.\d\d× its share", line), line
 
     service.delete(f"/slices/{blockers[0]}", token=service.admin_token)
     assert runner.wait() == 0

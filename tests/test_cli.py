@@ -111,13 +111,14 @@ def test_projects_shows_the_tree_with_usage_fair_share_rank_held_and_pending(ser
 
     assert status == 0, err
     lines = out.splitlines()
-    assert lines[0].split()[:6] == [
+    assert lines[0].split()[:7] == [
         "ACCOUNT",
         "SHARE",
         "ENTITLEMENT",
         "USAGE",
         "GPU-h",
-        "FAIR-SHARE",
+        "SHARE",
+        "USED",
     ]
     assert [line.split()[0] for line in lines[1:]] == ["lab", "nlp", "vision"]
     assert lines[2].startswith("  nlp") and lines[3].startswith("  vision")  # indented under lab
@@ -126,8 +127,8 @@ def test_projects_shows_the_tree_with_usage_fair_share_rank_held_and_pending(ser
     share, entitlement, usage, fairshare, rank, gpus_held, pending = rows["vision"][1:8]
     assert (share, entitlement, rank, gpus_held, pending) == ("1", "50.0%", "2", "4", "0")
     assert float(usage) >= round(charged / 3600, 2)
-    assert float(fairshare) == pytest.approx(2 * float(usage), abs=0.02)
-    assert rows["nlp"][1:8] == ["1", "50.0%", "0.00", "0.00", "1", "0", "1"]
+    assert fairshare == "2.00×"  # all usage is vision's; its entitlement is half
+    assert rows["nlp"][1:8] == ["1", "50.0%", "0.00", "0.00×", "1", "0", "1"]
     assert rows["nlp"][8] == "users carol; groups nlp-team"
     assert rows["lab"][1:3] == ["1", "100.0%"]
 
@@ -331,8 +332,8 @@ def test_queue_lists_pending_slices_in_fair_share_order(service, capsys):
         ["1", str(nlp["id"]), "nlp", "carol", "1", "any", "batch", "30m", "0"],
         ["2", str(late_vision["id"]), "vision", "alice", "2", "any", "batch", "1h", "5"],
     ]
-    assert cells[0][9] == "0.00"  # nlp's fair-share value
-    assert float(cells[1][9]) > 0  # vision's, accruing
+    assert cells[0][9] == "0.00×"  # nlp's share used
+    assert cells[1][9].endswith("×") and float(cells[1][9][:-1]) > 0  # vision's
     assert cells[0][11].startswith("in ")  # an estimated start: when vision's contract ends
 
     status, out, _ = run_cli(capsys, "queue", "--project", "vision")

@@ -71,7 +71,7 @@ def test_the_options_form_submits_and_the_pending_page_shows_the_queue_position(
     expect(message).to_contain_text("in the queue", timeout=30_000)
     page.screenshot(path=screenshots / "spawn-pending.png")
     expect(message).to_contain_text("1st in the queue")
-    expect(message).to_contain_text("fair-share value")
+    expect(message).to_contain_text("× its share")
     # Why it waits: dave's GPUs, protected for 15 minutes.
     reason = message.locator("#sb-wait-reason")
     expect(reason).to_contain_text("Waiting for 1 GPU to free up:", timeout=30_000)

@@ -141,7 +141,7 @@ def test_the_progress_stream_shows_the_queue_position_while_the_cluster_is_full(
     queue = [e for e in events if "in the queue" in e.get("message", "")]
     assert queue, events
     assert "1st in the queue" in queue[-1]["message"]
-    assert "fair-share value" in queue[-1]["message"]
+    assert "× its share" in queue[-1]["message"]
     assert "estimated start" in queue[-1]["message"]
     assert "<strong>1st in the queue</strong>" in queue[-1]["html_message"]
     assert waiting["queue_position"] == 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from broker.core.model import Policy
+from broker.core.fairshare import ProjectTree
+from broker.core.model import Account, Policy
 from broker.service.pages import page_settings
 from broker.service.pages.views import Cluster, slice_row
-from broker.units import count, duration_text
+from broker.units import count, duration_text, share_used
 
 
 @pytest.mark.parametrize(("number", "text"), [(0, "0 nodes"), (1, "1 node"), (2, "2 nodes")])
@@ -42,3 +43,15 @@ def test_a_slice_of_any_type_shows_the_type_it_was_granted_as_lab_does():
 )
 def test_a_limit_reads_as_it_is_never_rounded(seconds, text):
     assert duration_text(seconds) == text
+
+
+def test_the_fair_share_value_reads_as_a_ratio_of_its_share_not_as_gpu_hours():
+    # vision used 300 of 400 GPU-hours with half the cluster entitled; nlp the rest.
+    tree = ProjectTree([Account("vision", 1.0), Account("nlp", 1.0)])
+    used = tree.share_used({"vision": 300 * 3600.0, "nlp": 100 * 3600.0})
+    assert used == pytest.approx({"vision": 1.5, "nlp": 0.5})
+    assert share_used(used["vision"]) == "1.50× its share"
+    assert share_used(used["nlp"], words=False) == "0.50×"
+    assert share_used(None) == "—"
+    # nothing used yet: nobody is over, nobody under
+    assert tree.share_used({}) == {"vision": 0.0, "nlp": 0.0}

@@ -38,7 +38,7 @@ PROJECTS = [
         "entitlement": 1.0,
         "is_project": False,
         "usage": 100.0,
-        "fairshare_value": 100.0,
+        "fairshare_value": 1.0,
         "rank": None,
         "users": [],
         "groups": [],
@@ -52,7 +52,7 @@ PROJECTS = [
         "is_project": True,
         "usage": 80.0,
         "entitlement": 0.5,
-        "fairshare_value": 160.0,
+        "fairshare_value": 1.6,
         "rank": 2,
         "users": ["alice"],
         "groups": [],
@@ -66,7 +66,7 @@ PROJECTS = [
         "is_project": True,
         "usage": 20.0,
         "entitlement": 0.5,
-        "fairshare_value": 40.0,
+        "fairshare_value": 0.4,
         "rank": 1,
         "users": [],
         "groups": ["nlp-team"],
@@ -405,7 +405,7 @@ async def started_and_waiting(spawner, broker, options=None):
 async def test_start_asks_for_a_slice_for_the_user_waits_in_the_queue_then_launches(make, broker):
     spawner = make(user=user("alice", ["nlp-team"]))
     task, slice_id = await started_and_waiting(spawner, broker)
-    broker.queue(slice_id, 3, value=160.0, start=time.time() + 600)
+    broker.queue(slice_id, 3, value=1.6, start=time.time() + 600)
     await eventually(
         lambda: any("3rd in the queue" in e["message"] for e in spawner._progress_events)
     )
@@ -423,7 +423,7 @@ async def test_start_asks_for_a_slice_for_the_user_waits_in_the_queue_then_launc
     assert spawner.launched_env["SLICEBROKER_PROJECT"] == "vision"
     assert spawner.launched_env["SLICEBROKER_PROTECTED_UNTIL"].endswith("Z")
     messages = [e["message"] for e in spawner._progress_events]
-    assert any("fair-share value 0.04 GPU-h" in m and "in about 10 min" in m for m in messages)
+    assert any("project at 1.60× its share" in m and "in about 10 min" in m for m in messages)
     assert "Granted 2 GPUs on n0 [1, 2]" in messages[-1]
     await spawner.stop()
 

@@ -48,7 +48,7 @@ ROWS = [
         "is_project": True,
         "usage": 800.0,
         "entitlement": 0.35,
-        "fairshare_value": 2285.7,
+        "fairshare_value": 800 / 1000 / 0.35,
         "rank": 3,
         "users": ["alice", "bob"],
         "groups": [],
@@ -61,7 +61,7 @@ ROWS = [
         "is_project": True,
         "usage": 100.0,
         "entitlement": 0.2,
-        "fairshare_value": 500.0,
+        "fairshare_value": 100 / 1000 / 0.2,
         "rank": 1,
         "users": ["alice"],
         "groups": [],
@@ -74,7 +74,7 @@ ROWS = [
         "is_project": True,
         "usage": 100.0,
         "entitlement": 0.1,
-        "fairshare_value": 1000.0,
+        "fairshare_value": 100 / 1000 / 0.1,
         "rank": 2,
         "users": [],
         "groups": ["demo-users"],
@@ -431,14 +431,14 @@ def test_the_queue_event_shows_position_value_and_wait():
             "gpu_type": "h100",
             "project": "nlp",
             "queue_position": 2,
-            "fairshare_value": 1517.4,  # GPU-seconds: 0.42 GPU-hours
+            "fairshare_value": 1.2049,  # share used: shown with two decimals
             "estimated_start": now + 1500,
         },
         now,
     )
     assert event["message"] == (
-        "Waiting for 1 h100 GPU for project nlp: 2nd in the queue; fair-share value 0.42 GPU-h "
-        "(usage ÷ entitlement, lower goes first); estimated start: in about 25 min."
+        "Waiting for 1 h100 GPU for project nlp: 2nd in the queue; project at 1.20× its share "
+        "(lower goes first); estimated start: in about 25 min."
     )
     assert wait_text(None, now) == "no estimate yet"
     assert wait_text(now + 30, now) == "within a minute"
@@ -471,7 +471,8 @@ HELD = [
         (
             {"gpus": 2, "queue_position": 3},
             HELD,
-            "2 requests go first (a lower fair-share value, or submitted earlier); "
+            "2 requests go first (their projects used less of their share, or submitted "
+            "earlier); "
             "5 of 8 GPUs are in use.",
         ),
         ({"gpus": 1, "gpu_type": "b200", "queue_position": 1}, HELD, ""),  # its node is down

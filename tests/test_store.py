@@ -531,7 +531,9 @@ def test_projects_show_the_tree_with_entitlement_usage_and_rank(broker, clock):
     assert [r["name"] for r in broker.projects()] == ["org", "nlp", "vision"]
     assert rows["vision"]["entitlement"] == pytest.approx(0.75)
     assert rows["vision"]["usage"] == pytest.approx(100)
-    assert rows["vision"]["fairshare_value"] == pytest.approx(100 / 0.75)
+    # share used: vision's part of all usage (all of it) over its entitlement
+    assert rows["vision"]["fairshare_value"] == pytest.approx(1 / 0.75)
+    assert rows["nlp"]["fairshare_value"] == 0.0
     assert (rows["nlp"]["rank"], rows["vision"]["rank"], rows["org"]["rank"]) == (1, 2, None)
     assert rows["org"]["usage"] == pytest.approx(100) and not rows["org"]["is_project"]
     assert (rows["vision"]["users"], rows["vision"]["groups"]) == (["alice"], ["cv"])

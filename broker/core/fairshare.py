@@ -101,6 +101,19 @@ class ProjectTree:
         totals = self.subtree_usage(usage)
         return {name: totals[name] / self.entitlements[name] for name in self.accounts}
 
+    def share_used(self, usage: Mapping[str, float]) -> dict[str, float]:
+        """What every account used of its share: its part of all usage in the window
+        over its entitlement (1 is exactly its share; 0 for all while nothing is used).
+
+        This is the fair-share value people see. It is :meth:`share_values` divided by
+        the same total for every account, so it ranks siblings exactly as they do.
+        """
+        totals = self.subtree_usage(usage)
+        total = sum(totals[name] for name in self.children.get(None, ()))
+        if not total > 0:
+            return dict.fromkeys(self.accounts, 0.0)
+        return {name: totals[name] / total / self.entitlements[name] for name in self.accounts}
+
     def project_order(self, usage: Mapping[str, float]) -> list[str]:
         """Projects in fair-share order.
 

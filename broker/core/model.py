@@ -284,7 +284,7 @@ class QueueEntry(NamedTuple):
 
     slice_id: int
     position: int  # 1-based in the whole queue
-    fairshare_value: float  # project's usage / entitlement; lower goes first
+    fairshare_value: float  # project's share used in the window (1: exactly its share)
     estimated_start: float | None = None
 
 

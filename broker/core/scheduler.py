@@ -267,9 +267,9 @@ class _Pass:
                 self.holders.setdefault(placement.node, []).append(
                     (slice_, len(placement.gpu_indices))
                 )
-        # The window's value orders the queue and is what users see; fair share
-        # now decides who may take running GPUs from whom.
-        self.values = self.tree.share_values(self.snap.usage)
+        # The window's share used is what the queue shows (the order itself is
+        # project_rank's); fair share now decides who may take running GPUs from whom.
+        self.values = self.tree.share_used(self.snap.usage)
         capacity = sum(node.gpu_count * self.snap.weight(node.gpu_type) for node in ready)
         wanting = {s.project for s in self.holding if s.allocated}
         wanting.update(s.project for s in self.pending if s.allocated)

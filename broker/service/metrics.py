@@ -85,6 +85,13 @@ class BrokerMetrics:
             ["project"],
             registry=r,
         )
+        self.share_used = Gauge(
+            "slicebroker_project_share_used_ratio",
+            "Each account's fair-share value: its part of all usage in the lookback window "
+            "over its entitlement (1 is exactly its share; lower is served first).",
+            ["project"],
+            registry=r,
+        )
         self.preemptions = Counter(
             "slicebroker_preemptions",
             "Slices asked to leave, by reason (fair_share, priority, debug_lane, "
@@ -175,7 +182,9 @@ class BrokerMetrics:
             self.queue_length.labels(project=slice_["project"], kind=slice_["kind"]).inc()
         self.window_usage.clear()
         self.entitlement.clear()
+        self.share_used.clear()
         for project in projects:
+            self.share_used.labels(project=project["name"]).set(project["fairshare_value"])
             self.window_usage.labels(project=project["name"]).set(project["usage"])
             self.entitlement.labels(project=project["name"]).set(project["entitlement"])
         held: dict[tuple[str, str], int] = {}

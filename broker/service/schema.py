@@ -288,7 +288,10 @@ class Slice(ApiObject):
     ended_at: Epoch | None
     lease_expires_at: Epoch | None
     queue_position: Annotated[int, Field(ge=1)] | None
-    fairshare_value: float | None
+    fairshare_value: float | None = Field(
+        description="while pending: its project's share used at the last pass (its part "
+        "of all usage in the window over its entitlement; 1 is exactly its share)"
+    )
     estimated_start: Epoch | None
     charged_gpu_seconds: float = Field(
         description="weighted GPU-seconds charged so far (accruing while held)"
@@ -379,7 +382,10 @@ class Project(ApiObject):
     usage: float = Field(
         description="weighted GPU-seconds in the lookback window, summed over the subtree"
     )
-    fairshare_value: float = Field(description="usage / entitlement")
+    fairshare_value: float = Field(
+        description="share used: the account's part of all usage in the window over its "
+        "entitlement (1 is exactly its share; 0 while nothing is used; lower is served first)"
+    )
     rank: Annotated[int, Field(ge=1)] | None
     users: Names
     groups: Names

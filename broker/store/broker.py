@@ -843,7 +843,8 @@ class Broker:
 
         Each row: ``name, parent, share, entitlement, is_project, usage`` (weighted
         GPU-seconds in the window, or decayed, summed over the subtree),
-        ``fairshare_value`` (usage / entitlement), ``rank`` (1-based among
+        ``fairshare_value`` (share used: its part of all usage over its entitlement,
+        1 being exactly its share), ``rank`` (1-based among
         projects, lowest first; ``None`` for parents), ``users``, ``groups``,
         ``pending`` (slices waiting) and ``gpus_held``, both also summed over the
         subtree, as usage is.
@@ -855,7 +856,7 @@ class Broker:
             live = self.journal.live_values(session)
             usage = self._usage(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
-            values = tree.share_values(usage)
+            values = tree.share_used(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
             members = catalog.members
             pending: dict[str, int] = {}

@@ -19,7 +19,8 @@ class ProjectListHandler(APIHandler):
             "Show the project tree",
             "Parents before children, siblings in fair-share order (most under-served "
             "first), each with its share, entitlement, window usage, fair-share value "
-            "(usage / entitlement), rank among projects, members and queue.",
+            "(share used: its part of all usage over its entitlement), rank among projects, "
+            "members and queue.",
             content={"application/json": "ProjectList"},
         ),
         "put": Operation(

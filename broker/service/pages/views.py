@@ -19,7 +19,7 @@ from typing import Any
 from ...core.fairshare import entitlement_moves, entitlements_with
 from ...core.model import Account, Policy
 from ...errors import InvalidConfig, InvalidRequest
-from ...units import HOUR, gpu_hours, instead_text
+from ...units import HOUR, gpu_hours, instead_text, share_used
 from ..auth import Identity
 
 DAY = 24 * HOUR
@@ -126,13 +126,13 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
                 f"{lane} GPUs they may take from other work."
             )
     position = slice_.get("queue_position")
-    value = gpu_hours(slice_.get("fairshare_value"))
+    value = share_used(slice_.get("fairshare_value"))
     busy = sum(n["gpus_held"] for n in in_service)
     note = f" {len(out)} node(s) of this type are out of service." if out else ""
     if position and position > 1:
         return (
-            f"Fair share: {position - 1} request(s) go first, from projects with a lower "
-            f"fair-share value or submitted earlier (project {slice_['project']}: {value}); "
+            f"Fair share: {position - 1} request(s) go first, from projects that used less "
+            f"of their share or submitted earlier (project {slice_['project']}: {value}); "
             f"{busy} of {capacity} {kind}GPUs are in use.{note}"
         )
     return (
@@ -258,7 +258,7 @@ def queue_rows(cluster: Cluster, viewer: Identity) -> list[dict[str, Any]]:
                 "gpus": slice_["gpus"],
                 "gpu_type": slice_.get("gpu_type") or "any",
                 "kind": slice_["kind"],
-                "fairshare": gpu_hours(project.get("fairshare_value")),
+                "fairshare": share_used(project.get("fairshare_value"), words=False),
                 "waited": span(now - slice_["submitted_at"]),
                 "estimated_start": estimated_start_text(slice_, now),
             }
@@ -333,7 +333,7 @@ def project_rows(projects: Sequence[Mapping[str, Any]], policy: Policy) -> list[
                 "share": f"{project['share']:g}",
                 "entitlement": f"{100 * project['entitlement']:.1f}%",
                 "usage": gpu_hours(project["usage"]),
-                "fairshare": gpu_hours(project["fairshare_value"]),
+                "fairshare": share_used(project["fairshare_value"], words=False),
                 "rank": project["rank"] or "—",
                 "is_project": project["is_project"],
                 "users": ", ".join(project["users"]),
