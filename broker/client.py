@@ -251,6 +251,7 @@ class BrokerClient:
         user: str | None = None,
         groups: list[str] | None = None,
         idempotency_key: str | None = None,
+        restores: int | None = None,
     ) -> dict[str, Any]:
         """Request a slice (``POST /slices``); the new slice, ``pending``.
 
@@ -259,7 +260,8 @@ class BrokerClient:
         ``groups`` submit on someone's behalf (agents and admins only).
         ``idempotency_key`` (default: a new random one per call) is sent with
         every attempt; a caller that retries the call itself may pass the same
-        key again to get the slice its first call made.
+        key again to get the slice its first call made. ``restores`` brings back a
+        session a preemption ended, in its place in the queue.
         """
         body = {
             "project": project,
@@ -272,6 +274,7 @@ class BrokerClient:
             "priority": priority,
             "user": user,
             "groups": groups,
+            "restores": restores,
         }
         body = {key: value for key, value in body.items() if value is not None}
         key = idempotency_key or new_idempotency_key()

@@ -885,3 +885,25 @@ async def test_a_waiting_slice_is_replaced_by_an_alternative_in_one_step_or_not_
     # once not waiting, there is nothing to replace
     again = await api.call("POST", url, token=alice, json=one_gpu)
     assert "not waiting" in error_code_message(again, 409)
+
+
+async def test_a_restore_of_a_slice_no_preemption_ended_is_refused_with_json(api, alice, bob):
+    held = await submit(api, alice)
+    await granted(api, alice, held["id"])
+    released = await submit(api, alice)
+    ok(await api.call("DELETE", f"/slices/{released['id']}", token=alice))
+
+    def story(slices):  # what a refusal could have changed: slices, states, successors
+        return [(s["id"], s["state"], s["replaced_by"]) for s in slices]
+
+    before = story(ok(await api.call("GET", "/slices", token=alice))["slices"])
+    for token, restores, status, code in (
+        (alice, held["id"], 409, "conflict"),  # still live
+        (alice, released["id"], 409, "conflict"),  # released by its holder
+        (bob, held["id"], 404, "not_found"),  # another user's
+        (alice, "12", 400, "invalid_request"),
+    ):
+        body = {"project": "vision", "gpus": 1, "kind": "interactive", "restores": restores}
+        reply = await api.call("POST", "/slices", token=token, json=body)
+        assert error_code(reply, status) == code
+    assert story(ok(await api.call("GET", "/slices", token=alice))["slices"]) == before

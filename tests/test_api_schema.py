@@ -290,7 +290,7 @@ REQUEST = {"project": "vision", "gpus": 1, "kind": "batch"}
          "body.kind must be 'interactive' or 'batch', got 'serial'"),
         ("SliceRequest", {**REQUEST, "gpu": 1}, "body has an unknown key 'gpu'; expected: "
          "project, gpus, gpu_type, kind, min_runtime, resumable, max_runtime, priority, user, "
-         "groups"),
+         "groups, restores"),
         ("SliceRequest", {"gpus": 1, "kind": "batch"}, "body needs 'project'"),
         ("SliceRequest", {**REQUEST, "min_runtime": "15 pc"},
          "body.min_runtime has an invalid format: '15 pc'"),

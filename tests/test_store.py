@@ -960,3 +960,54 @@ def test_passes_driven_by_hand_leave_leases_alone(open_broker, clock):
     clock.advance(LEASE)
     broker.run_pass()
     assert broker.get_slice(held["id"])["end_reason"] == "lost"
+
+
+# ---- restoring a session -------------------------------------------------------------
+
+
+def preempted_session(open_broker, clock) -> tuple[Broker, dict]:
+    """alice's interactive session, granted, preempted and ended by the passes."""
+    script = Script(
+        Decisions(grants=(Grant(1, (Placement("h0", (0,)),)),)),
+        Decisions(preemptions=(Preemption(1, PreemptReason.FAIR_SHARE, clock.now + 60, 9),)),
+        Decisions(endings=(Ending(1, EndReason.PREEMPTED),)),
+    )
+    broker = open_broker(schedule=script)
+    made = ask(broker, kind="interactive", min_runtime=900)
+    for _ in range(2):
+        broker.run_pass()
+        clock.advance(60)
+    broker.run_pass()
+    assert broker.get_slice(made["id"])["end_reason"] == "preempted"
+    return broker, made
+
+
+def test_a_preempted_session_is_restored_once_in_its_place_in_the_queue(open_broker, clock):
+    broker, old = preempted_session(open_broker, clock)
+    clock.advance(30)
+    back = ask(broker, kind="interactive", min_runtime=900, restores=old["id"])
+    assert back["state"] == "pending" and back["id"] != old["id"]
+    assert back["submitted_at"] == old["submitted_at"]  # its place in vision's queue
+    assert back["preemptions"] == broker.get_slice(old["id"])["preemptions"] == 1
+    assert broker.get_slice(old["id"])["replaced_by"] == back["id"]
+    assert broker.events(back["id"])[0]["reason"] == f"submitted: restores slice {old['id']}"
+    with pytest.raises(Conflict, match="restored already"):
+        ask(broker, kind="interactive", restores=old["id"])
+
+
+def test_only_a_users_own_session_ended_by_a_preemption_is_restored(open_broker, clock):
+    broker, old = preempted_session(open_broker, clock)
+    released = ask(broker)
+    broker.release(released["id"])
+    live = ask(broker)
+    before = len(broker.list_slices())
+    with pytest.raises(NotFound):
+        ask(broker, user="bob", admin=True, restores=old["id"])  # not bob's
+    with pytest.raises(NotFound):
+        ask(broker, restores=10_000)
+    with pytest.raises(Conflict, match="not by a preemption"):
+        ask(broker, restores=released["id"])
+    with pytest.raises(Conflict, match="not ended"):
+        ask(broker, restores=live["id"])
+    assert len(broker.list_slices()) == before  # nothing written by a refusal
+    assert broker.get_slice(old["id"])["replaced_by"] is None

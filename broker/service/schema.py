@@ -264,6 +264,13 @@ class SliceRequest(ApiObject):
         description="the user's groups, for membership (agents and admins only; others "
         "may only repeat their own)",
     )
+    restores: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="a session brought back: the user's slice that a preemption (or its "
+        "node going down) ended. The request keeps that slice's place in its project's "
+        "queue and its preemptions so far; once per slice (409 after, and for a slice "
+        "still live or ended otherwise)",
+    )
 
 
 class Slice(ApiObject):
@@ -307,8 +314,9 @@ class Slice(ApiObject):
         "this checkpoint is preempted first"
     )
     replaced_by: int | None = Field(
-        description="for a slice withdrawn for one of its alternatives (POST "
-        "/slices/{id}/replace): the slice that took its place, for its holder to follow"
+        description="the slice that took its place: for a slice withdrawn for one of its "
+        "alternatives (POST /slices/{id}/replace), for its holder to follow; for an "
+        "ended session, the request that restores it (POST /slices with `restores`)"
     )
 
 

@@ -218,9 +218,16 @@ class Broker:
         priority: int = 0,
         admin: bool = False,
         idempotency_key: str | None = None,
+        restores: int | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """Queue a request for ``gpus`` GPUs charged to ``project``: the new slice,
         and whether it is new (``False``: a replay).
+
+        ``restores`` names a slice of ``user``'s that a preemption or a node going
+        down ended (a session brought back, design.md §3): the new request keeps its
+        place in its project's queue (its submit time) and its preemptions so far,
+        once; :class:`Conflict` for a slice that is still live, ended otherwise, or
+        was restored already.
 
         Contract terms left ``None`` come from the configuration's defaults for
         the kind. Raises :class:`InvalidRequest` for a request that can never be
@@ -241,6 +248,7 @@ class Broker:
             resumable=resumable,
             max_runtime=max_runtime,
             priority=priority,
+            **({} if restores is None else {"restores": restores}),
         )
         for name in (user, *groups):
             if not isinstance(name, str) or CONTROL_CHARACTERS.search(name):
@@ -277,6 +285,7 @@ class Broker:
             )
             _check_member(catalog, project, user, groups, admin)
             now = self._clock()
+            restored = None if restores is None else _restorable_row(session, restores, user)
             row = _pending_row(
                 project=project,
                 user=user,
@@ -287,13 +296,21 @@ class Broker:
                 resumable=resumable,
                 max_runtime=None if max_runtime is None else float(max_runtime),
                 priority=priority,
-                submitted_at=now,
+                submitted_at=now if restored is None else restored.submitted_at,
                 idempotency_key=idempotency_key,
                 request_digest=None if idempotency_key is None else digest,
             )
+            if restored is not None:
+                # Its place is kept; its wait before preempting counts from now, as a
+                # requeued victim's does, and its preemptions still count.
+                row.queued_at, row.preemptions = now, restored.preemptions
             session.add(row)
             session.flush()
-            _event(session, row, None, "submitted", now)
+            if restored is None:
+                _event(session, row, None, "submitted", now)
+            else:
+                _event(session, row, None, f"submitted: restores slice {restored.id}", now)
+                restored.replaced_by = row.id
             return _slice_dict(row, now, _Costs()), True
 
     def _with_defaults(
@@ -1231,6 +1248,24 @@ def _rows(session: Session, ids: Iterable[int]) -> dict[int, SliceRow]:
         query = select(SliceRow).where(SliceRow.id.in_(chunk))
         rows.update((row.id, row) for row in session.scalars(query))
     return rows
+
+
+def _restorable_row(session: Session, slice_id: int, user: str) -> SliceRow:
+    """``user``'s slice ``slice_id`` if a new request may restore it: ended by a
+    preemption (a drain's included) or its node going down, and not restored yet."""
+    row = session.get(SliceRow, slice_id)
+    if row is None or row.user != user:
+        raise NotFound(f"no slice {slice_id} of {user!r} to restore")
+    if row.state != SliceState.ENDED.value:
+        raise Conflict(f"slice {slice_id} is {row.state}, not ended: nothing to restore")
+    if row.preempt_reason is None and row.end_reason != EndReason.NODE_DOWN.value:
+        raise Conflict(
+            f"slice {slice_id} ended {row.end_reason}, not by a preemption or its node "
+            "going down: only those are restored"
+        )
+    if row.replaced_by is not None:
+        raise Conflict(f"slice {slice_id} was restored already, by slice {row.replaced_by}")
+    return row
 
 
 def _request_digest(**terms: Any) -> str:

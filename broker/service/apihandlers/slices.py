@@ -142,6 +142,7 @@ class SliceListHandler(APIHandler):
             priority=body.get("priority") or 0,
             admin=self.identity.admin,
             idempotency_key=key,
+            restores=body.get("restores"),
         )
         if replayed:
             self.set_header("Idempotent-Replayed", "true")
