@@ -71,7 +71,7 @@ from broker.client import URL_ENV, BrokerAPIError, BrokerClient
 from broker.config import format_duration, parse_duration
 from slicebroker_lab import CULL_ENV, session_env
 
-from . import notices
+from . import notices, restore
 from .brokerview import BrokerView
 from .culler import CullLimits, verdict, waiter_for
 from .lifecycle import Lifecycle, Phase
@@ -324,6 +324,15 @@ class SliceBrokerMixin(Configurable):
         ``last_activity`` of the server, which counts the browser's requests too.""",
     ).tag(config=True)
 
+    restore_sessions = Bool(
+        True,
+        help="""Offer "Bring it back after a preemption" on the form. A session that asked
+        for it is started again by the hub when a preemption (a drain's included) or its
+        node going down ends it: the same options, queued in the old request's place in
+        its project's queue, on the same files; its kernels start afresh. Off: the box is
+        not shown and such requests are refused with a message.""",
+    ).tag(config=True)
+
     cull_idle_busy = Union(
         [Unicode(), Float()],
         default_value="15m",
@@ -393,6 +402,10 @@ class SliceBrokerMixin(Configurable):
     granted_gpu_type: str | None = None
     #: Why the last session ended, when the broker ended it (see :mod:`spawner.notices`).
     notice: dict[str, Any] | None = None
+    #: Whether the session comes back after a preemption (the form's box, see restore_sessions).
+    restore_chosen: bool = False
+    #: The ended slice this session restores, as the broker showed it, or ``None``.
+    restored_from: dict[str, Any] | None = None
 
     _broker: BrokerClient | None = None
     _watch_task: asyncio.Task | None = None
@@ -402,6 +415,7 @@ class SliceBrokerMixin(Configurable):
     _update: asyncio.Event | None = None
     _options_seconds = 0.0
     _culling: asyncio.Future | None = None  # the stop of a session culled as idle
+    _bringing_back: asyncio.Future | None = None  # the hub asked to start it again
 
     @property
     def broker(self) -> BrokerClient:
@@ -451,6 +465,7 @@ class SliceBrokerMixin(Configurable):
             idle_protected=parse_duration(self.cull_idle_protected),
             idle_busy=parse_duration(self.cull_idle_busy),
             project_caps=dict(self.project_gpu_caps or limits.get("project_gpu_caps") or {}),
+            offer_restore=self.restore_sessions,
         )
 
     def cull_limits(self) -> CullLimits:
@@ -626,6 +641,8 @@ class SliceBrokerMixin(Configurable):
                 mine["granted_gpu_type"] = self.granted_gpu_type
         if self.notice:
             mine["notice"] = self.notice
+        if self.restore_chosen:
+            mine["restore"] = True
         if mine:
             state[notices.STATE_KEY] = mine
         return state
@@ -637,6 +654,7 @@ class SliceBrokerMixin(Configurable):
         self.slice = mine.get("slice")
         self.notice = mine.get("notice")
         self.granted_gpu_type = mine.get("granted_gpu_type")
+        self.restore_chosen = bool(mine.get("restore"))
         if self.slice_id is not None and not self.lifecycle.starting:
             # A hub restart: the first poll() asks the broker where the slice stands.
             self.lifecycle.move(Phase.RUNNING)
@@ -669,13 +687,19 @@ class SliceBrokerMixin(Configurable):
         s = self.slice
         if not s:
             return {}
-        return {
+        env = {
             "SLICEBROKER_SLICE_ID": str(s["id"]),
             "SLICEBROKER_PROJECT": str(s.get("project") or ""),
             "SLICEBROKER_PROTECTED_UNTIL": notices.iso_time(s.get("protected_until")),
             "SLICEBROKER_GPU_TYPE": str(s.get("gpu_type") or self.granted_gpu_type or ""),
             "SLICEBROKER_NODES": ",".join(p["node"] for p in s.get("placements") or ()),
         }
+        old = self.restored_from
+        if old:
+            # A session brought back: which slice it restores and when that one ended.
+            env["SLICEBROKER_RESTORES"] = str(old["id"])
+            env["SLICEBROKER_RESTORES_ENDED_AT"] = notices.iso_time(old.get("ended_at"))
+        return env
 
     def placement_problem(self, slice_: Mapping[str, Any]) -> str | None:
         """Why a backend cannot launch on this grant (``None``: it can). Backends override."""
@@ -692,6 +716,7 @@ class SliceBrokerMixin(Configurable):
             # Resolved here, not in apply_user_options (which stays the admin's): the hub
             # calls start() at once after it, as JupyterHub's own tests expect.
             request = await self.apply_slice_options(self.user_options or {})
+            self.restore_chosen = request.restore
             granted = await self._acquire(request)
             if self.lifecycle.cancelled:  # stop() came as the grant did
                 raise cancelled_error(granted.get("id"))
@@ -721,13 +746,15 @@ class SliceBrokerMixin(Configurable):
 
     async def _acquire(self, request: SliceRequest) -> dict[str, Any]:
         gpus = f"{request.gpus} {request.gpu_type or ''} GPU{'s' if request.gpus != 1 else ''}"
-        self._add_progress(
-            {
-                "progress": 5,
-                "message": f"Asking the GPU broker for {' '.join(gpus.split())} "
-                f"(project {request.project}, protected {format_duration(request.min_runtime)}).",
-            }
+        asking = (
+            f"Asking the GPU broker for {' '.join(gpus.split())} "
+            f"(project {request.project}, protected {format_duration(request.min_runtime)})"
         )
+        self.restored_from = None
+        if request.restores is not None:
+            self.restored_from = await self._ended_slice(request.restores)
+            asking = f"{notices.restoring_text(self.restored_from)} {asking}, in its place"
+        self._add_progress({"progress": 5, "message": f"{asking}."})
         max_runtime = self.session_max_runtime
         began = time.perf_counter()
         submit = asyncio.ensure_future(
@@ -740,6 +767,7 @@ class SliceBrokerMixin(Configurable):
                 max_runtime=None if max_runtime is None else parse_duration(max_runtime),
                 user=self.user.name,
                 groups=self._user_groups(),
+                restores=request.restores,
             )
         )
         try:
@@ -782,6 +810,13 @@ class SliceBrokerMixin(Configurable):
             )
             await asyncio.shield(self._release(self.slice_id))
             raise
+
+    async def _ended_slice(self, slice_id: int) -> dict[str, Any]:
+        """The slice a session restores, as far as the broker shows it (its id at least)."""
+        try:
+            return await self.broker.get_slice(slice_id)
+        except BrokerAPIError as err:
+            raise broker_error(err) from None
 
     async def _granted_type(self, granted: Mapping[str, Any]) -> str | None:
         """The GPU type of the granted node(s): the request's, else the node's."""
@@ -1043,6 +1078,9 @@ class SliceBrokerMixin(Configurable):
         await self._release(slice_id)
         self.lifecycle.move(Phase.STOPPED)
         await self.poll_and_notify()
+        if self.restore_chosen and self.restore_sessions and restore.ended_by_preemption(s):
+            options = restore.restart_options(self.user_options or {}, slice_id)
+            self._bringing_back = asyncio.ensure_future(restore.bring_back(self, options, self.log))
 
     async def _backend_stop(self, now: bool = False) -> None:
         """Stop the server with the spawner below this mixin (``now`` only when set: some

@@ -102,6 +102,15 @@ def iso_time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def restoring_text(ended: Mapping[str, Any]) -> str:
+    """The first words of a session brought back: "Bringing back your session (slice 12),
+    preempted at 12:40:07 UTC:"."""
+    why = "its node went down" if ended.get("end_reason") == "node_down" else "preempted"
+    at = ended.get("ended_at") or ended.get("preempt_deadline")
+    when = f" at {clock_time(at)}" if at else ""
+    return f"Bringing back your session (slice {ended.get('id')}), {why}{when}:"
+
+
 def notice_from_slice(
     slice_: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]] | None = None
 ) -> dict[str, Any] | None:

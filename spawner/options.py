@@ -36,7 +36,7 @@ from broker.units import duration_text, share_used
 from .notices import minutes
 
 #: The keys of ``user_options`` the spawner reads.
-OPTION_KEYS = ("project", "gpus", "gpu_type", "protected")
+OPTION_KEYS = ("project", "gpus", "gpu_type", "protected", "restore", "restores")
 
 
 class OptionsError(Exception):
@@ -64,6 +64,7 @@ class Choices:
     debug_max: float = 900.0  # protected lengths up to this are labelled "debug"
     idle_protected: float = 3600.0  # a protected session idle this long may be stopped; 0: never
     idle_busy: float = 900.0  # ... past its protection, while a waiting request could use it
+    offer_restore: bool = True  # "Bring it back after a preemption" on the form
     project_caps: Mapping[str, int] = field(default_factory=dict)  # most GPUs a project holds
 
     @property
@@ -117,15 +118,20 @@ class SliceRequest:
     gpus: int
     gpu_type: str | None
     min_runtime: float
+    restore: bool = False  # bring the session back after a preemption (design.md §3)
+    restores: int | None = None  # the ended slice this request brings back
 
     def as_user_options(self) -> dict[str, Any]:
         """The request as user options (what the hub's REST API shows for the server)."""
-        return {
+        options = {
             "project": self.project,
             "gpus": self.gpus,
             "gpu_type": self.gpu_type or "",
             "protected": format_duration(self.min_runtime),
         }
+        if self.restore:
+            options["restore"] = True
+        return options
 
 
 # ---- reading the broker's answers ------------------------------------------------
@@ -268,7 +274,33 @@ def resolve_request(
         )
     gpu_type = _gpu_type(options.get("gpu_type"), gpu_types, choices)
     min_runtime = _protected(options.get("protected"), choices)
-    return SliceRequest(project=project, gpus=gpus, gpu_type=gpu_type, min_runtime=min_runtime)
+    restore = _yes(options.get("restore"), "restore")
+    if restore and not choices.offer_restore:
+        raise OptionsError("restore", "This hub does not bring sessions back after a preemption.")
+    restores = options.get("restores")
+    if restores is not None:
+        restores = _whole(restores)
+        if restores is None or restores < 1:
+            raise OptionsError(
+                "restores", f"restores must name a slice, got {_show(options.get('restores'))}."
+            )
+    return SliceRequest(
+        project=project,
+        gpus=gpus,
+        gpu_type=gpu_type,
+        min_runtime=min_runtime,
+        restore=restore,
+        restores=restores,
+    )
+
+
+def _yes(value: object, name: str) -> bool:
+    """A yes/no option as a form (a checkbox's ``on``) or JSON (``true``) gives it."""
+    if value in (None, "", False, "off", "false", "no", "0", 0):
+        return False
+    if value in (True, "on", "true", "yes", "1", 1):
+        return True
+    raise OptionsError(name, f"{name} must be yes or no, got {_show(value)}.")
 
 
 def _project(value: object, projects: Sequence[ProjectView], choices: Choices) -> str:
@@ -507,9 +539,18 @@ def form_context(
         "gpu_type_options": _gpu_type_options(gpu_types, choices, previous),
         "protected_options": _protected_options(choices, previous),
         "idle_rule": idle_rule(choices),
+        "restore_checked": _restore_checked(previous),
         "choices": choices,
         "previous": previous,
     }
+
+
+def _restore_checked(previous: Mapping[str, Any]) -> bool:
+    """Whether the form's "bring it back" box starts checked: as the last session had it."""
+    try:
+        return _yes(previous.get("restore"), "restore")
+    except OptionsError:
+        return False
 
 
 def chosen_project(

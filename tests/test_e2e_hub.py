@@ -351,3 +351,41 @@ def test_a_batch_job_past_its_protection_is_preempted_for_a_notebook_of_an_under
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+def test_a_session_that_asked_to_come_back_is_started_again_in_its_place_after_a_preemption(
+    clean,
+):
+    hub = clean
+    hub.start_server("alice", project="vision", gpus=1, protected="15m")
+    hub.wait_ready("alice")
+    hub.start_server("bob", project="vision", gpus=1, protected="2s", restore=True)
+    hub.wait_ready("bob")
+    victim = hub.slice_of("bob")
+    hub.start_server("carol", project="nlp", gpus=1, protected="15m")
+    hub.wait_ready("carol")
+
+    # bob's server stops at the end of its grace, and the hub starts it again at once:
+    # a new request, queued in the old one's place, waiting for carol's GPU.
+    def restoring():
+        mine = hub.slices(user="bob", state="pending")
+        return mine[-1] if mine else None
+
+    back = wait_until(restoring, 60, "bob's session to be asked for again")
+    ended = hub.broker("GET", f"/slices/{victim['id']}")
+    assert (ended["state"], ended["preempt_reason"]) == ("ended", "fair_share")
+    assert ended["replaced_by"] == back["id"]
+    assert back["submitted_at"] == victim["submitted_at"]  # its place in vision's queue
+    events = hub.broker("GET", f"/slices/{back['id']}/events")["events"]
+    assert events[0]["reason"] == f"submitted: restores slice {victim['id']}"
+    server = wait_until(lambda: hub.server("bob"), 30, "bob's server to be pending again")
+    assert server["user_options"]["restores"] == victim["id"]
+    assert server["user_options"]["restore"] is True
+
+    # Once carol is done, bob's session runs again, on the same options, knowing what it is.
+    hub.stop_server("carol")
+    hub.wait_ready("bob")
+    env = hub.user_get("bob", "env").json()
+    assert env["SLICEBROKER_RESTORES"] == str(victim["id"])
+    assert env["SLICEBROKER_PROJECT"] == "vision"
+    assert hub.slice_of("bob")["id"] == back["id"]

@@ -141,6 +141,12 @@ def test_the_capacity_note_tells_the_truth_about_draining_and_down_nodes():
         ({"gpus": 4, "protected": 0}, SliceRequest("systems", 4, None, 0.0)),
         ({"protected": "8h", "gpu_type": "any"}, SliceRequest("systems", 1, None, 28800.0)),
         ({"protected": 7200}, SliceRequest("systems", 1, None, 7200.0)),
+        ({"restore": "on"}, SliceRequest("systems", 1, None, 900.0, restore=True)),
+        (
+            {"restore": True, "restores": "12"},
+            SliceRequest("systems", 1, None, 900.0, restore=True, restores=12),
+        ),
+        ({"restore": "", "restores": 12}, SliceRequest("systems", 1, None, 900.0, restores=12)),
     ],
 )
 def test_options_resolve_to_a_request(options, expected):
@@ -168,6 +174,9 @@ def test_the_admins_default_project_wins_when_the_user_may_charge_it():
         ({"gpu_type": "b200"}, "gpu_type"),
         ({"protected": "3h"}, "protected"),
         ({"protected": "soon"}, "protected"),
+        ({"restore": "maybe"}, "restore"),
+        ({"restores": 0}, "restores"),
+        ({"restores": "slice 12"}, "restores"),
     ],
 )
 def test_options_the_user_may_not_have_are_refused(options, reason):
@@ -181,6 +190,23 @@ def test_no_project_means_no_session_at_all():
     with pytest.raises(OptionsError) as raised:
         resolve_request({"protected": "0"}, projects=[], gpu_types=[], choices=CHOICES)
     assert raised.value.reason == "no_project"
+
+
+def test_a_hub_that_brings_no_session_back_refuses_the_option_and_shows_no_box():
+    choices = Choices(offer_restore=False)
+    with pytest.raises(OptionsError, match="does not bring sessions back") as raised:
+        resolve_request({"restore": "on"}, projects=views(), gpu_types=[], choices=choices)
+    assert raised.value.reason == "restore"
+    assert 'name="restore"' not in render_form(projects=views(), gpu_types=[], choices=choices)
+
+
+def test_the_bring_it_back_box_is_offered_and_keeps_the_last_choice():
+    fresh = render_form(projects=views(), gpu_types=[], choices=CHOICES)
+    again = render_form(projects=views(), gpu_types=[], choices=CHOICES, previous={"restore": True})
+    assert 'id="sb-restore" value="on">' in fresh  # unchecked
+    assert 'id="sb-restore" value="on" checked>' in again
+    assert "Bring it back after a preemption" in fresh
+    assert SliceRequest("a", 1, None, 60.0, restore=True).as_user_options()["restore"] is True
 
 
 def test_form_fields_become_options():
