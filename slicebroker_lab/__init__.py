@@ -44,6 +44,11 @@ CULL_ENV = {
     "busy": "SLICEBROKER_CULL_IDLE_BUSY",
     "protected": "SLICEBROKER_CULL_IDLE_PROTECTED",
 }
+#: A session that comes back after a preemption ("1"), and for a session brought back,
+#: the slice it restores and when that one ended (ISO 8601): Lab says so.
+RESTORE_ENV = "SLICEBROKER_RESTORE"
+RESTORES_ENV = "SLICEBROKER_RESTORES"
+RESTORES_ENDED_ENV = "SLICEBROKER_RESTORES_ENDED_AT"
 #: This package's Jupyter data and config folder.
 JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
 

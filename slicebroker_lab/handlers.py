@@ -51,7 +51,7 @@ from traitlets.config import Configurable
 from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from broker.units import duration_text, gpu_hours
 
-from . import CULL_ENV
+from . import CULL_ENV, RESTORE_ENV, RESTORES_ENDED_ENV, RESTORES_ENV
 from .activity import SessionActivity
 
 SLICE_ENV = "SLICEBROKER_SLICE_ID"
@@ -204,7 +204,17 @@ def session_view(
         "cull_warning": warning,
         "broker_pages": url_path_join(env.get("JUPYTERHUB_BASE_URL") or "/", PAGES_PATH),
         "activity": activity,
+        "comes_back": env.get(RESTORE_ENV) == "1",
+        "restored": _restored(env),
     }
+
+
+def _restored(env: Mapping[str, str]) -> dict[str, Any] | None:
+    """The ended slice a session brought back restores, as its spawner named it."""
+    slice_id = env.get(RESTORES_ENV, "")
+    if not slice_id.isdigit():
+        return None
+    return {"slice_id": int(slice_id), "ended_at": env.get(RESTORES_ENDED_ENV, "")}
 
 
 class _Handler(APIHandler):

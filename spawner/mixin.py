@@ -69,7 +69,13 @@ from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
 from broker.config import format_duration, parse_duration
-from slicebroker_lab import CULL_ENV, session_env
+from slicebroker_lab import (
+    CULL_ENV,
+    RESTORE_ENV,
+    RESTORES_ENDED_ENV,
+    RESTORES_ENV,
+    session_env,
+)
 
 from . import notices, restore
 from .brokerview import BrokerView
@@ -694,11 +700,13 @@ class SliceBrokerMixin(Configurable):
             "SLICEBROKER_GPU_TYPE": str(s.get("gpu_type") or self.granted_gpu_type or ""),
             "SLICEBROKER_NODES": ",".join(p["node"] for p in s.get("placements") or ()),
         }
+        if self.restore_chosen:
+            env[RESTORE_ENV] = "1"
         old = self.restored_from
         if old:
             # A session brought back: which slice it restores and when that one ended.
-            env["SLICEBROKER_RESTORES"] = str(old["id"])
-            env["SLICEBROKER_RESTORES_ENDED_AT"] = notices.iso_time(old.get("ended_at"))
+            env[RESTORES_ENV] = str(old["id"])
+            env[RESTORES_ENDED_ENV] = notices.iso_time(old.get("ended_at"))
         return env
 
     def placement_problem(self, slice_: Mapping[str, Any]) -> str | None:

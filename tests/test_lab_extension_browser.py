@@ -8,6 +8,7 @@ an admin's drain brings the countdown dialog with its Save-all button.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -164,5 +165,84 @@ def test_when_the_grace_period_is_over_lab_says_the_session_ended(tmp_path, brow
         )
         page.screenshot(path=str(screenshots / "lab-session-ended.png"))
         assert hub.slice_of("alice") is None  # the broker ended it: nothing live is left
+    finally:
+        hub.shutdown()
+
+
+NOTEBOOK = {
+    "type": "notebook",
+    "content": {
+        "cells": [{"cell_type": "code", "source": "", "metadata": {}, "outputs": []}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    },
+}
+
+
+def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_restored(
+    tmp_path, browser, screenshots
+):
+    cluster = TEST_CLUSTER.replace('grace_period = "2s"', 'grace_period = "20s"')
+    hub = HubProcess(tmp_path / "hub", cluster=cluster, extra_config=LAB_SESSIONS)
+    try:
+        hub.start()
+        hub.start_server("alice", project="vision", gpus=1, protected="0", restore=True)
+        hub.wait_ready("alice", timeout=90)
+        first = hub.slice_of("alice")
+        # The demo spawner's home is shared by every test's alice: a name of this test's.
+        name = f"work-{secrets.token_hex(4)}.ipynb"
+        contents = f"{hub.url}/user/alice/api/contents/{name}"
+        assert hub.http.put(contents, json=NOTEBOOK, timeout=10).status_code == 201
+        page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+        hub_login(page, hub, "alice")
+        page.goto(f"{hub.url}/user/alice/lab/tree/{name}")
+        expect(page.locator(".sb-status")).to_contain_text("not protected", timeout=90_000)
+        editor = page.locator(".jp-Notebook .jp-Cell .cm-content").first
+        editor.click()
+        page.keyboard.type("answer = 41 + 1")  # typed, not saved
+
+        # A drain takes the GPUs back: the notebook is saved at once, and Lab says the
+        # session comes back.
+        hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
+        dialog = page.locator(".jp-Dialog")
+        expect(dialog).to_contain_text("Your notebooks were saved", timeout=30_000)
+        expect(dialog).to_contain_text("comes back by itself")
+        page.screenshot(path=str(screenshots / "lab-restore-countdown.png"))
+        saved = wait_until(
+            lambda: "answer = 41 + 1" in str(hub.http.get(contents, timeout=10).json()),
+            30,
+            "the typed cell to be saved",
+        )
+        assert saved
+        # When the grace is over, Lab's own "Server unavailable" dialog may come first
+        # (the hub answers for the stopped server): ours follows it.
+        ended = page.locator(".jp-Dialog", has_text="GPU session ended")
+        lost = page.locator(".jp-Dialog", has_text="Server unavailable")
+        expect(ended.or_(lost).first).to_be_visible(timeout=60_000)
+        if lost.count():
+            lost.get_by_role("button", name="Dismiss").click()
+        expect(ended).to_contain_text("It comes back by itself", timeout=30_000)
+
+        # The hub asks again at once; the request waits while the node is drained.
+        back = wait_until(
+            lambda: hub.slices(user="alice", state="pending"), 60, "alice's session to queue"
+        )[-1]
+        assert back["submitted_at"] == first["submitted_at"]
+        hub.broker("POST", "/nodes/test-0/undrain")
+        hub.wait_ready("alice", timeout=90)
+
+        # Back on the same files, and Lab says what happened.
+        page.goto(f"{hub.url}/user/alice/lab/tree/{name}")
+        restored = page.locator(".jp-Dialog")
+        expect(restored).to_contain_text("GPU session brought back", timeout=90_000)
+        expect(restored).to_contain_text("after a preemption at")
+        expect(restored).to_contain_text(f"(slice {first['id']})")
+        expect(restored).to_contain_text("the kernels restarted")
+        expect(page.locator(".jp-Notebook")).to_contain_text("answer = 41 + 1")
+        page.screenshot(path=str(screenshots / "lab-session-restored.png"))
+        restored.get_by_role("button", name="Close").click()
+        expect(restored).to_have_count(0)
+        assert hub.http.delete(contents, timeout=10).status_code == 204
     finally:
         hub.shutdown()

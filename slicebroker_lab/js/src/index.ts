@@ -9,7 +9,9 @@
  *   for the idle warning "Keep my session" (activity now, which the server logs);
  * - the command "GPU session details" (palette, and a click on the status item):
  *   the slice's details and links to the broker's pages;
- * - when the session ends after a preemption, a notice of why.
+ * - when the session ends after a preemption, a notice of why; for a session that
+ *   comes back by itself ("Bring it back after a preemption"), its notebooks saved at
+ *   once, and once it is back, a notice of when it was restored.
  */
 import {
   JupyterFrontEnd,
@@ -50,6 +52,10 @@ interface ISession {
   activity: IActivity | null;
   /** Seconds "Extend protection" adds (0: not offered). */
   extend_protection_by: number;
+  /** Whether the hub starts this session again after a preemption. */
+  comes_back: boolean;
+  /** The ended slice this session restores, and when it ended (ISO 8601). */
+  restored: { slice_id: number; ended_at: string } | null;
 }
 
 /** What the session last did (``slicebroker/activity``): kernels, terminals, GPUs. */
@@ -408,6 +414,7 @@ function detailsBody(model: SessionModel): Widget {
 /** Shows the preemption and idle dialogs, once per event. */
 class Warnings {
   private shownPreemption: number | null = null;
+  private shownRestored: number | null = null;
   private shownCull = false;
   private ended = false;
   private lastPreempting: ISession | null = null;
@@ -430,15 +437,28 @@ class Warnings {
     if (!session) {
       return;
     }
+    if (session.restored && this.shownRestored !== session.slice_id) {
+      this.shownRestored = session.slice_id;
+      this.sayRestored(session);
+    }
     if (session.state === 'preempting' && session.preempt_deadline !== null) {
       this.lastPreempting = session;
       if (this.shownPreemption !== session.slice_id) {
         this.shownPreemption = session.slice_id;
+        const reason = preemptReason(session.preempt_reason);
+        if (session.comes_back) {
+          // Saved now, not when the user gets to it: the session comes back on these files.
+          void this.app.commands.execute(SAVE_ALL_COMMAND);
+        }
         void this.countdown(
           'Your GPU session is stopping',
-          `Your GPUs were taken back: ${preemptReason(session.preempt_reason)}. ` +
-            'This session stops when the time is up. Save your work now; ' +
-            'you can start a new session from the hub afterwards.',
+          session.comes_back
+            ? `Your GPUs were taken back: ${reason}. Your notebooks were saved. This ` +
+                'session stops when the time is up, then comes back by itself, in your ' +
+                "place in your project's queue, on the same files; its kernels start afresh."
+            : `Your GPUs were taken back: ${reason}. This session stops when the time ` +
+                'is up. Save your work now; you can start a new session from the hub ' +
+                'afterwards.',
           () => this.model.session?.preempt_deadline ?? null
         );
       }
@@ -477,15 +497,41 @@ class Warnings {
     body.node.append(
       document.createTextNode(
         'Your GPU session ended: its grace period after a preemption is over ' +
-          `(${preemptReason(last.preempt_reason)}). It cost ${last.cost}. `
+          `(${preemptReason(last.preempt_reason)}). It cost ${last.cost}. ` +
+          (last.comes_back
+            ? 'It comes back by itself: the hub is asking for GPUs again, in your place ' +
+              'in the queue. '
+            : '')
       ),
       link(last.broker_pages, 'My GPUs'),
       document.createTextNode(' · '),
-      link(hubHome(), 'Start a new one from the hub')
+      link(hubHome(), last.comes_back ? 'Follow it on the hub' : 'Start a new one from the hub')
     );
     void showDialog({
       title: 'GPU session ended',
       body,
+      buttons: [Dialog.okButton({ label: 'Close' })]
+    });
+  }
+
+  /** Once per restored slice and browser: when the session came back, and from what. */
+  private sayRestored(session: ISession): void {
+    const key = `slicebroker-restored-${session.slice_id}`;
+    if (window.localStorage.getItem(key) !== null) {
+      return;
+    }
+    window.localStorage.setItem(key, '1');
+    const restored = session.restored!;
+    const local = (epoch: number | null) =>
+      epoch === null ? '—' : new Date(epoch * 1000).toLocaleTimeString();
+    const ended = Date.parse(restored.ended_at);
+    void showDialog({
+      title: 'GPU session brought back',
+      body:
+        `This session was restored at ${local(session.granted_at)} after a preemption ` +
+        `at ${Number.isNaN(ended) ? '—' : local(ended / 1000)} (slice ${restored.slice_id}). ` +
+        'Your files and layout are as you left them; the kernels restarted, so run ' +
+        'again what you need.',
       buttons: [Dialog.okButton({ label: 'Close' })]
     });
   }
