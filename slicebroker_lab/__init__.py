@@ -97,6 +97,14 @@ def terminal_shell(shell: str, bin_dir: str) -> list[str] | None:
     return [shell, "-l", "-c", keep]
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext slicebroker_lab`` in a kernel: ``%slicebroker_keep`` and what a
+    preemption kept, restored (:mod:`slicebroker_lab.keep`)."""
+    from .keep import load_ipython_extension as load
+
+    load(ipython)
+
+
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     return [{"module": "slicebroker_lab"}]
 

@@ -169,15 +169,30 @@ def test_when_the_grace_period_is_over_lab_says_the_session_ended(tmp_path, brow
         hub.shutdown()
 
 
+#: A notebook that computes its variable only when no preemption kept it.
+KEEPING = (
+    "%load_ext slicebroker_lab\n"
+    "if 'answer' not in dir():\n"
+    "    answer = 41 + 1\n"
+    "    print('computed')\n"
+    "%slicebroker_keep answer"
+)
 NOTEBOOK = {
     "type": "notebook",
     "content": {
-        "cells": [{"cell_type": "code", "source": "", "metadata": {}, "outputs": []}],
+        "cells": [{"cell_type": "code", "source": KEEPING, "metadata": {}, "outputs": []}],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
         "nbformat": 4,
         "nbformat_minor": 5,
     },
 }
+
+
+def run_all_cells(page) -> None:
+    """Run → Run All Cells, as a person does it, once the notebook's kernel is idle."""
+    expect(page.locator(".jp-StatusBar-Widget")).to_contain_text(["| Idle"], timeout=60_000)
+    page.locator(".lm-MenuBar-itemLabel").get_by_text("Run", exact=True).click()
+    page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
 
 
 def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_restored(
@@ -187,32 +202,36 @@ def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_resto
     hub = HubProcess(tmp_path / "hub", cluster=cluster, extra_config=LAB_SESSIONS)
     try:
         hub.start()
-        hub.start_server("alice", project="vision", gpus=1, protected="0", restore=True)
-        hub.wait_ready("alice", timeout=90)
-        first = hub.slice_of("alice")
-        # The demo spawner's home is shared by every test's alice: a name of this test's.
+        hub.start_server("frank", project="systems", gpus=1, protected="0", restore=True)
+        hub.wait_ready("frank", timeout=90)
+        first = hub.slice_of("frank")
+        # The demo spawner's home (and so the Lab workspace, open tabs included) is shared by
+        # every test's frank: a name of this run's, and no other Lab test is frank's.
         name = f"work-{secrets.token_hex(4)}.ipynb"
-        contents = f"{hub.url}/user/alice/api/contents/{name}"
+        contents = f"{hub.url}/user/frank/api/contents/{name}"
         assert hub.http.put(contents, json=NOTEBOOK, timeout=10).status_code == 201
         page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
-        hub_login(page, hub, "alice")
-        page.goto(f"{hub.url}/user/alice/lab/tree/{name}")
+        hub_login(page, hub, "frank")
+        page.goto(f"{hub.url}/user/frank/lab/tree/{name}")
         expect(page.locator(".sb-status")).to_contain_text("not protected", timeout=90_000)
-        editor = page.locator(".jp-Notebook .jp-Cell .cm-content").first
-        editor.click()
-        page.keyboard.type("answer = 41 + 1")  # typed, not saved
+        # The Lab workspace (open tabs) is the user's, and stays: this notebook's tab.
+        notebook = page.locator(".jp-Notebook:visible")
+        output = notebook.locator(".jp-OutputArea-output")
+        run_all_cells(page)  # run, not saved: its outputs are only in the browser
+        expect(output.first).to_contain_text("computed", timeout=60_000)
+        expect(output.last).to_contain_text("kept across a preemption: answer")
 
-        # A drain takes the GPUs back: the notebook is saved at once, and Lab says the
-        # session comes back.
+        # A drain takes the GPUs back: the notebook and the kept variable are saved at
+        # once, and Lab says the session comes back.
         hub.broker("POST", "/nodes/test-0/drain", json={"reason": "maintenance"})
         dialog = page.locator(".jp-Dialog")
-        expect(dialog).to_contain_text("Your notebooks were saved", timeout=30_000)
+        expect(dialog).to_contain_text("were saved", timeout=30_000)
         expect(dialog).to_contain_text("comes back by itself")
         page.screenshot(path=str(screenshots / "lab-restore-countdown.png"))
         saved = wait_until(
-            lambda: "answer = 41 + 1" in str(hub.http.get(contents, timeout=10).json()),
+            lambda: "kept across a preemption" in str(hub.http.get(contents, timeout=10).json()),
             30,
-            "the typed cell to be saved",
+            "the notebook with its outputs to be saved",
         )
         assert saved
         # When the grace is over, Lab's own "Server unavailable" dialog may come first
@@ -226,23 +245,27 @@ def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_resto
 
         # The hub asks again at once; the request waits while the node is drained.
         back = wait_until(
-            lambda: hub.slices(user="alice", state="pending"), 60, "alice's session to queue"
+            lambda: hub.slices(user="frank", state="pending"), 60, "frank's session to queue"
         )[-1]
         assert back["submitted_at"] == first["submitted_at"]
         hub.broker("POST", "/nodes/test-0/undrain")
-        hub.wait_ready("alice", timeout=90)
+        hub.wait_ready("frank", timeout=90)
 
         # Back on the same files, and Lab says what happened.
-        page.goto(f"{hub.url}/user/alice/lab/tree/{name}")
+        page.goto(f"{hub.url}/user/frank/lab/tree/{name}")
         restored = page.locator(".jp-Dialog")
         expect(restored).to_contain_text("GPU session brought back", timeout=90_000)
         expect(restored).to_contain_text("after a preemption at")
         expect(restored).to_contain_text(f"(slice {first['id']})")
         expect(restored).to_contain_text("the kernels restarted")
-        expect(page.locator(".jp-Notebook")).to_contain_text("answer = 41 + 1")
+        expect(notebook).to_contain_text("kept across a preemption: answer")  # saved output
         page.screenshot(path=str(screenshots / "lab-session-restored.png"))
         restored.get_by_role("button", name="Close").click()
         expect(restored).to_have_count(0)
+        # The new kernel loads the kept variable back instead of computing it.
+        run_all_cells(page)
+        expect(output.first).to_contain_text("restored answer", timeout=60_000)
+        expect(notebook.locator(".jp-OutputArea").first).not_to_contain_text("computed")
         assert hub.http.delete(contents, timeout=10).status_code == 204
     finally:
         hub.shutdown()

@@ -78,6 +78,11 @@ interface IActivity {
 const DETAILS_COMMAND = 'slicebroker:details';
 const KEEP_COMMAND = 'slicebroker:keep';
 const SAVE_ALL_COMMAND = 'docmanager:save-all';
+/** Run silently in every kernel at a preemption: `%slicebroker_save` where the notebook
+ * loaded `%load_ext slicebroker_lab` (its kept variables to disk), nothing elsewhere. */
+const SAVE_KEPT_CODE =
+  'if "slicebroker_save" in get_ipython().magics_manager.magics["line"]:\n' +
+  '    get_ipython().run_line_magic("slicebroker_save", "")';
 /** Seconds between reads of the slice; shorter while a countdown runs. */
 const POLL_S = 15;
 const POLL_URGENT_S = 3;
@@ -449,11 +454,13 @@ class Warnings {
         if (session.comes_back) {
           // Saved now, not when the user gets to it: the session comes back on these files.
           void this.app.commands.execute(SAVE_ALL_COMMAND);
+          void this.saveKeptVariables();
         }
         void this.countdown(
           'Your GPU session is stopping',
           session.comes_back
-            ? `Your GPUs were taken back: ${reason}. Your notebooks were saved. This ` +
+            ? `Your GPUs were taken back: ${reason}. Your notebooks (and the variables ` +
+                'marked with %slicebroker_keep) were saved. This ' +
                 'session stops when the time is up, then comes back by itself, in your ' +
                 "place in your project's queue, on the same files; its kernels start afresh."
             : `Your GPUs were taken back: ${reason}. This session stops when the time ` +
@@ -512,6 +519,26 @@ class Warnings {
       body,
       buttons: [Dialog.okButton({ label: 'Close' })]
     });
+  }
+
+  /** Ask every running kernel to write the variables it keeps (`%slicebroker_keep`). */
+  private async saveKeptVariables(): Promise<void> {
+    const sessions = this.app.serviceManager.sessions;
+    await sessions.refreshRunning();
+    for (const model of Array.from(sessions.running())) {
+      const connection = sessions.connectTo({ model });
+      try {
+        await connection.kernel?.requestExecute({
+          code: SAVE_KEPT_CODE,
+          silent: true,
+          store_history: false
+        }).done;
+      } catch (reason) {
+        console.warn('slicebroker: a kernel did not save its kept variables', reason);
+      } finally {
+        connection.dispose();
+      }
+    }
   }
 
   /** Once per restored slice and browser: when the session came back, and from what. */
