@@ -5,6 +5,7 @@ for it; one pass serves every submission of a group."""
 from __future__ import annotations
 
 import asyncio
+import time
 import tomllib
 from collections.abc import AsyncIterator
 
@@ -81,3 +82,37 @@ async def test_readers_of_a_shared_read_wait_for_one_computation(runner):
     answers = await asyncio.gather(*(runner.read_between_passes(projects) for _ in range(20)))
     assert len(calls) == 2  # one failed computation, not kept; then one for twenty readers
     assert all(answer == answers[0] for answer in answers)
+
+
+async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_last_computed(
+    tmp_path,
+):
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        single_writer=True,
+    )
+    now = [1000.0]
+    # A 1 s interval of which what-ifs may take a tenth: 100 ms.
+    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=0.1, clock=lambda: now[0])
+    calls: list[str] = []
+
+    def what_if(name: str, seconds: float):
+        def compute() -> str:
+            calls.append(name)
+            time.sleep(seconds)  # the work itself, on the database thread
+            return f"{name} #{calls.count(name)}"
+
+        return compute
+
+    try:
+        assert await runner.read_what_if(what_if("a", 0.15), "a") == ("a #1", False)
+        await runner.run_pass()  # a pass: nothing is shared any more
+        # The share is spent: "a" is answered again as it was, "b" (never asked) computed.
+        assert await runner.read_what_if(what_if("a", 0.0), "a") == ("a #1", True)
+        assert await runner.read_what_if(what_if("b", 0.0), "b") == ("b #1", False)
+        assert calls == ["a", "b"]
+        now[0] += 1.0  # the next interval: a share of its own
+        assert await runner.read_what_if(what_if("a", 0.0), "a") == ("a #2", False)
+    finally:
+        await runner.stop()

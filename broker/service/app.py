@@ -314,6 +314,23 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    what_if_share = Float(
+        0.1,
+        help="""Share of each pass interval that what-if reads (a waiting request's
+        alternatives, the form's expected starts) may take on the database thread,
+        0-1 (default 0.1). Each is a few passes, shared until the next pass or change;
+        past the share, one asked before is answered again as last computed (marked
+        ``Slicebroker-Stale: true``) until the next interval, and one never asked is
+        still computed. Higher: fresher alternatives for more waiting users, and less
+        of the thread for submissions and passes.""",
+    ).tag(config=True)
+
+    @validate("what_if_share")
+    def _check_what_if_share(self, proposal):
+        if not 0 < proposal.value <= 1:
+            raise TraitError(f"what_if_share must be in (0, 1], got {proposal.value!r}")
+        return proposal.value
+
     lease = Float(
         120.0,
         help="""How long a heartbeat keeps a slice alive, in seconds (default 120).
@@ -560,6 +577,7 @@ class BrokerApp(Application):
             pass_interval=self.pass_interval,
             db_timeout=self.db_timeout,
             grant_at_once=True,
+            what_if_share=self.what_if_share,
         )
         try:
             inventory = self.make_inventory()

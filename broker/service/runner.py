@@ -50,6 +50,7 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ USUAL_GAP_PASSES = 3
 #: How much longer than ``db_timeout`` a request waits for the database thread: the
 #: database's own timeout, when it has one, then fails the statement first.
 DB_TIMEOUT_SLACK_S = 1.0
+#: What-if answers kept to answer again once the what-if budget is spent: the most
+#: recently asked, so one per waiting request and asker of even a large queue.
+WHAT_IF_KEPT = 4096
 #: Keys of a slice that are deadlines at which a pass may have something to do.
 DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
@@ -214,6 +218,8 @@ class BrokerRunner:
         metrics: BrokerMetrics | None = None,
         db_timeout: float | None = None,
         grant_at_once: bool = False,
+        what_if_share: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.broker = broker
         self.grant_at_once = grant_at_once
@@ -235,6 +241,13 @@ class BrokerRunner:
         self._first_pass = asyncio.Event()
         # Reads shared until the next pass or change: fn -> its computation.
         self._between_passes: dict[Hashable, asyncio.Future] = {}
+        # What-if reads: their share of each pass interval, the window being counted
+        # (its number) and the seconds spent in it, and each key's last answer.
+        self.what_if_share = what_if_share
+        self._clock = clock
+        self._what_if_window = -1
+        self._what_if_spent = 0.0
+        self._what_if_last: OrderedDict[Hashable, Any] = OrderedDict()
         # Writes waiting for the next group commit; the lock guards them and the flag.
         self._writes: list[_Write] = []
         self._writes_lock = threading.Lock()
@@ -309,6 +322,37 @@ class BrokerRunner:
             self._between_passes[key] = shared
             shared.add_done_callback(functools.partial(self._forget_failed, key))
         return await asyncio.shield(shared)
+
+    async def read_what_if(self, fn: Callable[[], T], key: Hashable) -> tuple[T, bool]:
+        """A what-if read (alternatives, expected starts: design.md §5.8) and whether its
+        answer is stale.
+
+        Shared until the next pass or change, as :meth:`read_between_passes`, and
+        bounded: once what-if reads have taken ``what_if_share`` of the current
+        ``pass_interval`` on the database thread, a key answered before gets its last
+        answer again (stale) instead of a new computation, until the next interval. A
+        key never answered is always computed: every request gets an answer.
+        """
+        window = int(self._clock() // self.pass_interval)
+        if window != self._what_if_window:
+            self._what_if_window, self._what_if_spent = window, 0.0
+        spent = self._what_if_spent >= self.what_if_share * self.pass_interval
+        if key not in self._between_passes and key in self._what_if_last and spent:
+            return self._what_if_last[key], True
+
+        def timed() -> T:
+            began = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self._what_if_spent += time.perf_counter() - began
+
+        answer = await self.read_between_passes(timed, key=key)
+        self._what_if_last[key] = answer
+        self._what_if_last.move_to_end(key)
+        if len(self._what_if_last) > WHAT_IF_KEPT:
+            self._what_if_last.popitem(last=False)  # the longest unasked: its slice is gone
+        return answer, False
 
     def _forget_failed(self, key: Hashable, shared: asyncio.Future) -> None:
         if (shared.cancelled() or shared.exception()) and self._between_passes.get(key) is shared:

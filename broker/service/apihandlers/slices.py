@@ -380,7 +380,10 @@ class SliceAlternativesHandler(_OwnedSliceHandler):
     }
 
     async def get(self, id: str) -> None:
-        self.write_json(await read_alternatives(self.runner, self.identity, self.slice_id(id)))
+        answer, stale = await read_alternatives(self.runner, self.identity, self.slice_id(id))
+        if stale:
+            self.set_header("Slicebroker-Stale", "true")
+        self.write_json(answer)
 
 
 class SliceReplaceHandler(_OwnedSliceHandler):
@@ -410,17 +413,21 @@ class SliceReplaceHandler(_OwnedSliceHandler):
         self.write_json(new, status=201)
 
 
-async def read_alternatives(runner: Any, identity: Identity, slice_id: int) -> dict[str, Any]:
-    """``GET /slices/{id}/alternatives`` for ``identity`` (the API's and the pages').
+async def read_alternatives(
+    runner: Any, identity: Identity, slice_id: int
+) -> tuple[dict[str, Any], bool]:
+    """``GET /slices/{id}/alternatives`` for ``identity`` (the API's and the pages'), and
+    whether the answer is stale.
 
     Several passes each: computed once per slice and caller until the next pass,
-    however often a pending page polls (design.md §5.8). Another user's slice is
-    not found.
+    however often a pending page polls, within the what-if budget (design.md §5.8,
+    :meth:`~broker.service.runner.BrokerRunner.read_what_if`). Another user's slice
+    is not found.
     """
     caller = owner_filter(identity)["caller"]
     compute = functools.partial(runner.broker.alternatives, slice_id, caller=caller)
     try:
-        return await runner.read_between_passes(compute, key=("alternatives", slice_id, caller))
+        return await runner.read_what_if(compute, key=("alternatives", slice_id, caller))
     except Forbidden:
         raise NotFound(f"no slice {slice_id}") from None
 
@@ -511,7 +518,10 @@ class ExpectedStartsHandler(APIHandler):
             **terms,
         )
         key = ("expected_starts", actor, self.identity.admin, tuple(sorted(terms.items())))
-        self.write_json(await self.runner.read_between_passes(compute, key=key))
+        answer, stale = await self.runner.read_what_if(compute, key=key)
+        if stale:
+            self.set_header("Slicebroker-Stale", "true")
+        self.write_json(answer)
 
 
 default_handlers = [

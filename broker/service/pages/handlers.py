@@ -242,7 +242,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             waiting = {s["id"]: s for s in mine if s["state"] == "pending"}
             for row in live:
                 if row["id"] in waiting:
-                    found = await read_alternatives(self.runner, self.identity, row["id"])
+                    found, _ = await read_alternatives(self.runner, self.identity, row["id"])
                     row["sooner"] = views.sooner_choices(found, waiting[row["id"]])
             return {"live": live, "ended": ended}
         if page == "queue":
