@@ -8,7 +8,6 @@ an admin's drain brings the countdown dialog with its Save-all button.
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -199,22 +198,22 @@ def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_resto
     tmp_path, browser, screenshots
 ):
     cluster = TEST_CLUSTER.replace('grace_period = "2s"', 'grace_period = "20s"')
-    hub = HubProcess(tmp_path / "hub", cluster=cluster, extra_config=LAB_SESSIONS)
+    # A home of this test's own: the session's files and Lab workspace (its open tabs)
+    # are what comes back, so nothing of another run may be there.
+    home = f'c.SimpleLocalProcessSpawner.home_dir_template = "{tmp_path}/{{username}}"\n'
+    hub = HubProcess(tmp_path / "hub", cluster=cluster, extra_config=LAB_SESSIONS + home)
     try:
         hub.start()
         hub.start_server("frank", project="systems", gpus=1, protected="0", restore=True)
         hub.wait_ready("frank", timeout=90)
         first = hub.slice_of("frank")
-        # The demo spawner's home (and so the Lab workspace, open tabs included) is shared by
-        # every test's frank: a name of this run's, and no other Lab test is frank's.
-        name = f"work-{secrets.token_hex(4)}.ipynb"
+        name = "work.ipynb"
         contents = f"{hub.url}/user/frank/api/contents/{name}"
         assert hub.http.put(contents, json=NOTEBOOK, timeout=10).status_code == 201
         page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
         hub_login(page, hub, "frank")
         page.goto(f"{hub.url}/user/frank/lab/tree/{name}")
         expect(page.locator(".sb-status")).to_contain_text("not protected", timeout=90_000)
-        # The Lab workspace (open tabs) is the user's, and stays: this notebook's tab.
         notebook = page.locator(".jp-Notebook:visible")
         output = notebook.locator(".jp-OutputArea-output")
         run_all_cells(page)  # run, not saved: its outputs are only in the browser
@@ -259,13 +258,14 @@ def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_resto
         expect(restored).to_contain_text(f"(slice {first['id']})")
         expect(restored).to_contain_text("the kernels restarted")
         expect(notebook).to_contain_text("kept across a preemption: answer")  # saved output
+        expect(restored).to_contain_text(f"The last cell you ran was cell 1 of {name}.")
         page.screenshot(path=str(screenshots / "lab-session-restored.png"))
-        restored.get_by_role("button", name="Close").click()
+        restored.get_by_role("button", name="Go to the last cell run").click()
         expect(restored).to_have_count(0)
+        expect(notebook.locator(".jp-Cell.jp-mod-active")).to_contain_text("%slicebroker_keep")
         # The new kernel loads the kept variable back instead of computing it.
         run_all_cells(page)
         expect(output.first).to_contain_text("restored answer", timeout=60_000)
         expect(notebook.locator(".jp-OutputArea").first).not_to_contain_text("computed")
-        assert hub.http.delete(contents, timeout=10).status_code == 204
     finally:
         hub.shutdown()

@@ -11,7 +11,8 @@
  *   the slice's details and links to the broker's pages;
  * - when the session ends after a preemption, a notice of why; for a session that
  *   comes back by itself ("Bring it back after a preemption"), its notebooks saved at
- *   once, and once it is back, a notice of when it was restored.
+ *   once, and once it is back, a notice of when it was restored, with a way to the
+ *   last cell run.
  */
 import {
   JupyterFrontEnd,
@@ -20,6 +21,7 @@ import {
 import { Dialog, ICommandPalette, showDialog } from '@jupyterlab/apputils';
 import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
+import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
@@ -83,6 +85,38 @@ const SAVE_ALL_COMMAND = 'docmanager:save-all';
 const SAVE_KEPT_CODE =
   'if "slicebroker_save" in get_ipython().magics_manager.magics["line"]:\n' +
   '    get_ipython().run_line_magic("slicebroker_save", "")';
+/** Where the last cell run is remembered, per server (a session brought back has the
+ * same base URL, so the same browser finds it). */
+const LAST_CELL_KEY = `slicebroker-last-cell:${PageConfig.getBaseUrl()}`;
+
+/** The last cell run in this session's notebooks: its notebook and index. */
+interface ILastCell {
+  path: string;
+  index: number;
+}
+
+/** Remember each cell run, so that a session brought back can lead to the last one. */
+function rememberCellsRun(tracker: INotebookTracker): void {
+  NotebookActions.executed.connect((_, { notebook, cell }) => {
+    const panel = tracker.find(candidate => candidate.content === notebook);
+    if (panel) {
+      const last: ILastCell = {
+        path: panel.context.path,
+        index: notebook.widgets.indexOf(cell)
+      };
+      window.localStorage.setItem(LAST_CELL_KEY, JSON.stringify(last));
+    }
+  });
+}
+
+function lastCellRun(): ILastCell | null {
+  try {
+    return JSON.parse(window.localStorage.getItem(LAST_CELL_KEY) ?? 'null');
+  } catch {
+    return null;
+  }
+}
+
 /** Seconds between reads of the slice; shorter while a countdown runs. */
 const POLL_S = 15;
 const POLL_URGENT_S = 3;
@@ -552,15 +586,36 @@ class Warnings {
     const local = (epoch: number | null) =>
       epoch === null ? '—' : new Date(epoch * 1000).toLocaleTimeString();
     const ended = Date.parse(restored.ended_at);
+    const last = lastCellRun();
     void showDialog({
       title: 'GPU session brought back',
       body:
         `This session was restored at ${local(session.granted_at)} after a preemption ` +
         `at ${Number.isNaN(ended) ? '—' : local(ended / 1000)} (slice ${restored.slice_id}). ` +
         'Your files and layout are as you left them; the kernels restarted, so run ' +
-        'again what you need.',
-      buttons: [Dialog.okButton({ label: 'Close' })]
+        'again what you need.' +
+        (last ? ` The last cell you ran was cell ${last.index + 1} of ${last.path}.` : ''),
+      buttons: [
+        Dialog.cancelButton({ label: 'Close' }),
+        ...(last ? [Dialog.okButton({ label: 'Go to the last cell run' })] : [])
+      ]
+    }).then(result => {
+      if (last && result.button.accept) {
+        void this.goTo(last);
+      }
     });
+  }
+
+  /** Open the notebook of ``last`` with that cell active and in view. */
+  private async goTo(last: ILastCell): Promise<void> {
+    const panel = await this.app.commands.execute('docmanager:open', { path: last.path });
+    if (panel instanceof NotebookPanel) {
+      await panel.context.ready;
+      panel.content.activeCellIndex = last.index;
+      if (panel.content.activeCell) {
+        await panel.content.scrollToCell(panel.content.activeCell);
+      }
+    }
   }
 
   private async countdown(
@@ -628,11 +683,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'slicebroker-lab:plugin',
   description: 'The GPU slice of this session: status bar, warnings, details.',
   autoStart: true,
-  optional: [IStatusBar, ICommandPalette],
+  optional: [IStatusBar, ICommandPalette, INotebookTracker],
   activate: (
     app: JupyterFrontEnd,
     statusBar: IStatusBar | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    notebooks: INotebookTracker | null
   ) => {
     const model = new SessionModel(app.serviceManager.serverSettings);
     app.commands.addCommand(DETAILS_COMMAND, {
@@ -670,6 +726,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
         rank: 101,
         isActive: () => gpuUseText(model.session?.activity ?? null) !== null
       });
+    }
+    if (notebooks) {
+      rememberCellsRun(notebooks);
     }
     new Warnings(app, model);
     model.start();
