@@ -846,6 +846,30 @@ async def test_before_a_request_is_made_it_is_told_when_each_size_would_start(ap
         assert error_code(bad, 400)
 
 
+async def test_past_the_what_if_budget_answers_are_stale_and_the_checks_still_hold(
+    api, alice, bob, carol
+):
+    for gpus in (3, 4):
+        held = await submit(api, alice, gpus=gpus, min_runtime="8h")
+        await granted(api, alice, held["id"])
+    waiting = await submit(api, alice, gpus=2, min_runtime="1h")
+    await settled(api)
+    api.runner.what_if_share = 1e-9  # the first computation spends the whole share
+    url = f"/slices/{waiting['id']}/alternatives"
+    first = await api.call("GET", url, token=alice)
+    assert ok(first)["alternatives"] and first.headers.get("Slicebroker-Stale") is None
+    await api.runner.run_pass()  # the shared answer is dropped; the share stays spent
+    again = await api.call("GET", url, token=alice)
+    assert again.headers["Slicebroker-Stale"] == "true"
+    assert ok(again) == ok(first)  # the last answer, not a new computation
+    assert error_code(await api.call("GET", url, token=bob), 404) == "not_found"
+    form = await api.call("GET", "/expected-starts?project=vision&kind=batch", token=alice)
+    assert form.headers["Slicebroker-Stale"] == "true"
+    assert ok(form)["starts"] == []  # never asked: checked, nothing computed
+    refused = await api.call("GET", "/expected-starts?project=vision", token=carol)
+    assert error_code(refused, 403) == "forbidden"
+
+
 async def test_a_waiting_slice_is_replaced_by_an_alternative_in_one_step_or_not_at_all(
     api, alice, bob
 ):

@@ -105,14 +105,23 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
 
         return compute
 
+    def checks(name: str):
+        return lambda: f"{name}: checked, nothing computed"
+
     try:
-        assert await runner.read_what_if(what_if("a", 0.15), "a") == ("a #1", False)
+        answer = await runner.read_what_if(what_if("a", 0.15), "a", checks("a"))
+        assert answer == ("a #1", False)
         await runner.run_pass()  # a pass: nothing is shared any more
-        # The share is spent: "a" is answered again as it was, "b" (never asked) computed.
-        assert await runner.read_what_if(what_if("a", 0.0), "a") == ("a #1", True)
-        assert await runner.read_what_if(what_if("b", 0.0), "b") == ("b #1", False)
-        assert calls == ["a", "b"]
+        # The share is spent: "a" is answered again as it was, "b" (never asked) is
+        # checked only; neither is computed.
+        assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #1", True)
+        assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == (
+            "b: checked, nothing computed",
+            True,
+        )
+        assert calls == ["a"]
         now[0] += 1.0  # the next interval: a share of its own
-        assert await runner.read_what_if(what_if("a", 0.0), "a") == ("a #2", False)
+        assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", False)
+        assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #2", False)
     finally:
         await runner.stop()

@@ -1,4 +1,5 @@
-"""``python -m broker.bench [pass|api|failover|spawn|kube|pages] ...``: figures as JSON."""
+"""``python -m broker.bench [pass|api|failover|spawn|kube|pages|whatif] ...``: figures as
+JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import sys
 
 from ..orm import SCRATCH_POSTGRES_URL
-from . import api, failover, kube, pages, scheduling, spawn
+from . import api, failover, kube, pages, scheduling, spawn, whatif
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     web.add_argument("--slices", type=int, default=1000, help="live slices")
     web.add_argument("--nodes", type=int, default=128, help="nodes of 8 GPUs")
     web.add_argument("--repeat", type=int, default=10, help="loads timed per page")
+    what_if = sub.add_parser(
+        "whatif", help="alternatives polled at a fixed rate: the broker's CPU, bounded and not"
+    )
+    what_if.add_argument("--rate", type=float, default=50.0, help="polls per second")
+    what_if.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    what_if.add_argument("--waiting", type=int, default=200, help="waiting requests polled")
     args = parser.parse_args(argv)
-    if args.which == "pages":
+    if args.which == "whatif":
+        report = whatif.run(rate=args.rate, seconds=args.seconds, waiting=args.waiting)
+    elif args.which == "pages":
         report = pages.run(slices=args.slices, nodes=args.nodes, repeat=args.repeat)
     elif args.which == "kube":
         report = kube.run(nodes=args.nodes)

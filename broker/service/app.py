@@ -319,10 +319,11 @@ class BrokerApp(Application):
         help="""Share of each pass interval that what-if reads (a waiting request's
         alternatives, the form's expected starts) may take on the database thread,
         0-1 (default 0.1). Each is a few passes, shared until the next pass or change;
-        past the share, one asked before is answered again as last computed (marked
-        ``Slicebroker-Stale: true``) until the next interval, and one never asked is
-        still computed. Higher: fresher alternatives for more waiting users, and less
-        of the thread for submissions and passes.""",
+        past the share, one asked before is answered again as last computed, and one
+        never asked with its checks only (nothing computed), both marked
+        ``Slicebroker-Stale: true``, until the next interval. Higher: fresher
+        alternatives for more waiting users, and less of the thread for submissions
+        and passes.""",
     ).tag(config=True)
 
     @validate("what_if_share")

@@ -246,7 +246,8 @@ class BrokerRunner:
         self.what_if_share = what_if_share
         self._clock = clock
         self._what_if_window = -1
-        self._what_if_spent = 0.0
+        self._what_if_spent = 0.0  # seconds, computations queued counted at their estimate
+        self._what_if_cost = 0.0  # seconds the last one took: the next one's estimate
         self._what_if_last: OrderedDict[Hashable, Any] = OrderedDict()
         # Writes waiting for the next group commit; the lock guards them and the flag.
         self._writes: list[_Write] = []
@@ -323,29 +324,41 @@ class BrokerRunner:
             shared.add_done_callback(functools.partial(self._forget_failed, key))
         return await asyncio.shield(shared)
 
-    async def read_what_if(self, fn: Callable[[], T], key: Hashable) -> tuple[T, bool]:
+    async def read_what_if(
+        self, fn: Callable[[], T], key: Hashable, checks_only: Callable[[], T]
+    ) -> tuple[T, bool]:
         """A what-if read (alternatives, expected starts: design.md §5.8) and whether its
         answer is stale.
 
         Shared until the next pass or change, as :meth:`read_between_passes`, and
         bounded: once what-if reads have taken ``what_if_share`` of the current
         ``pass_interval`` on the database thread, a key answered before gets its last
-        answer again (stale) instead of a new computation, until the next interval. A
-        key never answered is always computed: every request gets an answer.
+        answer again, and one never answered the answer of ``checks_only`` (the same
+        read's permission checks, with nothing computed), both stale, until the next
+        interval.
         """
         window = int(self._clock() // self.pass_interval)
         if window != self._what_if_window:
             self._what_if_window, self._what_if_spent = window, 0.0
-        spent = self._what_if_spent >= self.what_if_share * self.pass_interval
-        if key not in self._between_passes and key in self._what_if_last and spent:
-            return self._what_if_last[key], True
+        if key not in self._between_passes:  # else it shares one computed or queued
+            if self._what_if_spent >= self.what_if_share * self.pass_interval:
+                if key in self._what_if_last:
+                    return self._what_if_last[key], True
+                return await self.read(checks_only), True
+            # Counted from now at its estimate: reads queued behind it on the database
+            # thread see the share as it will be, not as before any of them ran.
+            estimate = self._what_if_cost
+            self._what_if_spent += estimate
+        else:
+            estimate = 0.0
 
         def timed() -> T:
             began = time.perf_counter()
             try:
                 return fn()
             finally:
-                self._what_if_spent += time.perf_counter() - began
+                self._what_if_cost = time.perf_counter() - began
+                self._what_if_spent += self._what_if_cost - estimate
 
         answer = await self.read_between_passes(timed, key=key)
         self._what_if_last[key] = answer

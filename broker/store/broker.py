@@ -543,17 +543,20 @@ class Broker:
                 for r in rows
             ]
 
-    def alternatives(self, slice_id: int, *, caller: Caller | None = None) -> dict[str, Any]:
+    def alternatives(
+        self, slice_id: int, *, caller: Caller | None = None, compute: bool = True
+    ) -> dict[str, Any]:
         """What would start pending slice ``slice_id`` sooner (design.md §5.8):
         ``{slice_id, now, starts_at, alternatives: [{change, fields, starts_at,
         gpu_hours}]}``, computed on the live state as the next pass would see it;
-        an empty list for a slice that does not wait. :class:`Forbidden` if
+        an empty list for a slice that does not wait, and with ``compute`` off (the
+        service's what-if budget is spent: the checks alone). :class:`Forbidden` if
         ``caller`` may not see it."""
         with self.journal.read() as session:
             row = _owned_row(session, slice_id, caller)
             now = self._clock()
             answer: dict[str, Any] = {"slice_id": slice_id, "now": now, "starts_at": None}
-            if row.state != SliceState.PENDING.value:
+            if row.state != SliceState.PENDING.value or not compute:
                 return {**answer, "alternatives": []}
             catalog = self.journal.catalog(session)
             snapshot = self._live_snapshot(session, catalog, now)
@@ -587,13 +590,15 @@ class Broker:
         min_runtime: float | None = None,
         groups: Iterable[str] = (),
         admin: bool = False,
+        compute: bool = True,
     ) -> dict[str, Any]:
         """When a new request of ``user``'s for ``project`` would start, for each GPU
         type and each size up to the type's largest node (1, 2, 4, …), before it is
         made (design.md §5.8): ``{now, project, kind, min_runtime, starts: [{gpu_type,
-        gpus, starts_at}]}``. Terms left out come from the kind's defaults. Raises
-        :class:`Forbidden` unless ``user`` may charge ``project``, and
-        :class:`InvalidRequest` for terms no request may have."""
+        gpus, starts_at}]}``; no starts with ``compute`` off (the service's what-if
+        budget is spent: the checks alone). Terms left out come from the kind's
+        defaults. Raises :class:`Forbidden` unless ``user`` may charge ``project``,
+        and :class:`InvalidRequest` for terms no request may have."""
         min_runtime, resumable, max_runtime = self._with_defaults(kind, min_runtime)
         resumable = bool(resumable)  # a kind without defaults: not resumable
         with self.journal.read() as session:
@@ -611,7 +616,16 @@ class Broker:
             )
             _check_member(catalog, project, user, groups, admin)
             now = self._clock()
-            snapshot = self._live_snapshot(session, catalog, now)
+            snapshot = self._live_snapshot(session, catalog, now) if compute else None
+        answer = {
+            "now": now,
+            "project": project,
+            "kind": SliceKind(kind).value,
+            "min_runtime": float(min_runtime),  # type: ignore[arg-type]  # validated
+            "starts": [],
+        }
+        if snapshot is None:
+            return answer
         request = Slice(
             id=max((s.id for s in snapshot.slices), default=0) + 1,
             project=project,
@@ -623,15 +637,10 @@ class Broker:
         found = whatif.expected_starts(
             snapshot, request, whatif.request_shapes(catalog.nodes), tree=catalog.tree
         )
-        return {
-            "now": now,
-            "project": project,
-            "kind": SliceKind(kind).value,
-            "min_runtime": float(min_runtime),  # type: ignore[arg-type]  # validated
-            "starts": [
-                {"gpu_type": e.gpu_type, "gpus": e.gpus, "starts_at": e.starts_at} for e in found
-            ],
-        }
+        answer["starts"] = [
+            {"gpu_type": e.gpu_type, "gpus": e.gpus, "starts_at": e.starts_at} for e in found
+        ]
+        return answer
 
     def _live_snapshot(self, session: Session, catalog: _Catalog, now: float) -> Snapshot:
         """The live state as the next pass would see it, for questions asked of it."""

@@ -426,8 +426,9 @@ async def read_alternatives(
     """
     caller = owner_filter(identity)["caller"]
     compute = functools.partial(runner.broker.alternatives, slice_id, caller=caller)
+    checks = functools.partial(compute, compute=False)
     try:
-        return await runner.read_what_if(compute, key=("alternatives", slice_id, caller))
+        return await runner.read_what_if(compute, ("alternatives", slice_id, caller), checks)
     except Forbidden:
         raise NotFound(f"no slice {slice_id}") from None
 
@@ -518,7 +519,8 @@ class ExpectedStartsHandler(APIHandler):
             **terms,
         )
         key = ("expected_starts", actor, self.identity.admin, tuple(sorted(terms.items())))
-        answer, stale = await self.runner.read_what_if(compute, key=key)
+        checks = functools.partial(compute, compute=False)
+        answer, stale = await self.runner.read_what_if(compute, key, checks)
         if stale:
             self.set_header("Slicebroker-Stale", "true")
         self.write_json(answer)
