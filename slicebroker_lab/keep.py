@@ -105,10 +105,15 @@ class KeepMagics(Magics):
         """Load the kept variables of this notebook, once, if a preemption saved any."""
         if not self.path.exists():
             return
-        with open(self.path, "rb") as kept:
-            saved = dill.load(kept)
+        try:
+            with open(self.path, "rb") as kept:
+                saved = dill.load(kept)
+            values = dill.loads(saved["values"])
+        except Exception as err:  # a file cut short, or of code that changed since
+            self.path.replace(self.path.with_suffix(".unreadable"))
+            print(f"slicebroker: the kept variables could not be read back ({err}); kept aside")
+            return
         self.path.replace(self.path.with_suffix(".restored"))  # loaded once, not every start
-        values = dill.loads(saved["values"])
         self.shell.user_ns.update(values)
         self.kept = list(values)
         when = time.strftime("%H:%M:%S", time.localtime(saved["saved_at"]))

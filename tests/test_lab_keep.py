@@ -86,3 +86,13 @@ class _GpuTensor:
 def test_a_tensor_on_a_gpu_is_kept_as_its_cpu_copy():
     assert cpu_copy(_GpuTensor()) == "on the CPU"
     assert cpu_copy([1, 2]) == [1, 2]
+
+
+def test_a_kept_file_that_cannot_be_read_is_set_aside_with_a_line_not_a_traceback(tmp_path):
+    kept = keep_file("work/analysis.ipynb", str(tmp_path))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(b"cut short")
+    with kernel(tmp_path) as fresh:
+        said = run(fresh, "%load_ext slicebroker_lab")
+    assert said.startswith("slicebroker: the kept variables could not be read back (")
+    assert not kept.exists() and kept.with_suffix(".unreadable").exists()
