@@ -72,11 +72,15 @@ async def bring_back(
     ends it (the user can start the session from the hub as always).
     """
     user = spawner.user.name
-    token = spawner.user.new_api_token(
-        note=f"slicebroker: bring back {spawner._log_name} after a preemption",
-        expires_in=TOKEN_LIFETIME_S,
-        scopes=[f"servers!user={user}"],
-    )
+    try:
+        token = spawner.user.new_api_token(
+            note=f"slicebroker: bring back {spawner._log_name} after a preemption",
+            expires_in=TOKEN_LIFETIME_S,
+            scopes=[f"servers!user={user}"],
+        )
+    except Exception as err:  # the hub's database, or roles that do not allow the scope
+        log.error("The hub did not start %s again: no token for it (%s)", spawner._log_name, err)
+        return False
     url = spawner.hub.api_url.rstrip("/") + server_path(user, spawner.name)
     body = json.dumps({"user_options": dict(options)})
     backoff = Backoff(initial=0.5, maximum=10.0)
@@ -101,6 +105,9 @@ async def bring_back(
             if waited >= retry_for:
                 log.error("The hub did not start %s again: %s", spawner._log_name, err)
                 return False
+        except Exception as err:  # nothing to retry: say so, as the task's only report
+            log.error("The hub did not start %s again: %s", spawner._log_name, err)
+            return False
         pause = backoff.next()
         waited += pause
         await asyncio.sleep(pause)

@@ -96,3 +96,13 @@ async def test_a_refusal_other_than_a_pending_stop_ends_it_with_a_log_line(hub, 
     assert not await bring_back(hub.spawner, {"restores": 7}, logging.getLogger("test"))
     assert len(hub.seen) == 1
     assert "did not start bob again: HTTP 403" in caplog.text
+
+
+async def test_a_token_the_hub_will_not_make_ends_it_with_a_log_line(hub, caplog):
+    def refuse(**_):
+        raise ValueError("Not assigning requested scopes servers!user=bob")
+
+    hub.spawner.user.new_api_token = refuse
+    assert not await bring_back(hub.spawner, {"restores": 7}, logging.getLogger("test"))
+    assert hub.seen == []
+    assert "did not start bob again: no token for it (Not assigning" in caplog.text
