@@ -160,7 +160,9 @@ class _Server:
         return usage.ru_utime + usage.ru_stime
 
 
-def _start_broker(url: str, directory: Path) -> _Server:
+def _start_broker(url: str, directory: Path, *options: str) -> _Server:
+    """A broker on ``directory``'s cluster file and database ``url``; ``options`` are
+    more of its command line (``--BrokerApp.what_if_share=1``)."""
     config = directory / "cluster.toml"
     port = _free_port()
     return _start_server(
@@ -172,6 +174,7 @@ def _start_broker(url: str, directory: Path) -> _Server:
             f"--port={port}",
             "--max-wait=30",
             "--log-level=WARN",
+            *options,
         ],
         port,
         directory / "broker.log",
@@ -549,6 +552,21 @@ def _owners(count: int) -> list[tuple[str, str]]:
     return [users[i % len(users)] for i in range(count)]
 
 
+def pending_rows(count: int, gpus: int = 1, min_runtime: float = 3600.0) -> list:
+    """``count`` waiting interactive requests of ``gpus`` each, spread over every project
+    and user (:func:`_owners`), as rows to write straight to the database."""
+    from ..orm import SliceRow
+
+    now = time.time()
+    return [
+        SliceRow(project=project, user=user, gpus=gpus, gpu_type=None, kind="interactive",
+                 min_runtime=min_runtime, resumable=False, max_runtime=None, priority=0,
+                 submitted_at=now, state="pending", placements=[], promised=[],
+                 charged_gpu_seconds=0.0)
+        for project, user in _owners(count)
+    ]  # fmt: skip
+
+
 def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held], dict[str, str]]:
     """The cluster file, a token per user, and the sessions' and the release pool's
     slices written straight to the database and granted by one pass (submitting
@@ -556,7 +574,7 @@ def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held]
     from sqlalchemy.orm import Session
 
     from ..config import load_config
-    from ..orm import SliceRow, make_engine
+    from ..orm import make_engine
     from ..service.auth import TokenStore
     from ..store import Broker
 
@@ -573,26 +591,7 @@ def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held]
     broker = Broker(url, load_config(directory / "cluster.toml"))
     engine = make_engine(url)
     try:
-        now = time.time()
-        rows = [
-            SliceRow(
-                project=project,
-                user=user,
-                gpus=1,
-                gpu_type=None,
-                kind="interactive",
-                min_runtime=3600.0,
-                resumable=False,
-                max_runtime=None,
-                priority=0,
-                submitted_at=now,
-                state="pending",
-                placements=[],
-                promised=[],
-                charged_gpu_seconds=0.0,
-            )
-            for project, user in _owners(live)
-        ]
+        rows = pending_rows(live)
         with Session(engine) as session, session.begin():
             session.add_all(rows)
             session.flush()

@@ -43,7 +43,7 @@ def _seed(url: str, directory: Path, gpus: int, waiting: int) -> tuple[list, dic
     from sqlalchemy.orm import Session
 
     from ..config import load_config
-    from ..orm import SliceRow, make_engine
+    from ..orm import make_engine
     from ..service.auth import TokenStore
     from ..store import Broker
 
@@ -55,22 +55,12 @@ def _seed(url: str, directory: Path, gpus: int, waiting: int) -> tuple[list, dic
         store.close()
     broker = Broker(url, load_config(directory / "cluster.toml"))
     engine = make_engine(url)
-
-    def rows(count: int, size: int, protected: float) -> list[SliceRow]:
-        return [
-            SliceRow(project=project, user=user, gpus=size, gpu_type=None, kind="interactive",
-                     min_runtime=protected, resumable=False, max_runtime=None, priority=0,
-                     submitted_at=time.time(), state="pending", placements=[], promised=[],
-                     charged_gpu_seconds=0.0)
-            for project, user in api._owners(count)
-        ]  # fmt: skip
-
     try:
         with Session(engine) as session, session.begin():
-            session.add_all(rows(gpus, 1, 3600.0))
+            session.add_all(api.pending_rows(gpus))
         broker.run_pass()
         with Session(engine) as session, session.begin():
-            queued = rows(waiting, 2, 4 * 3600.0)
+            queued = api.pending_rows(waiting, gpus=2, min_runtime=4 * 3600.0)
             session.add_all(queued)
             session.flush()
             asked = [(row.id, row.user) for row in queued]
@@ -125,13 +115,7 @@ def _phase(share: float, path: str, rate: float, seconds: float, waiting: int) -
         directory = Path(tmp)
         url = f"sqlite:///{directory / 'broker.sqlite'}"
         asked, tokens = _seed(url, directory, 1024, waiting)
-        server = api._start_server(
-            ["broker.service", f"--config-file={directory / 'cluster.toml'}", f"--db-url={url}",
-             "--ip=127.0.0.1", f"--port={(port := api._free_port())}", "--log-level=WARN",
-             f"--BrokerApp.what_if_share={share}"],
-            port,
-            directory / "broker.log",
-        )  # fmt: skip
+        server = api._start_broker(url, directory, f"--BrokerApp.what_if_share={share}")
         try:
             before, began = _cpu_seconds(server.process.pid), time.perf_counter()
             figures = asyncio.run(_poll(server.url, path, asked, tokens, rate, seconds))
