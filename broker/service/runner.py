@@ -340,19 +340,28 @@ class BrokerRunner:
         window = int(self._clock() // self.pass_interval)
         if window != self._what_if_window:
             self._what_if_window, self._what_if_spent = window, 0.0
-        if key not in self._between_passes:  # else it shares one computed or queued
-            if self._what_if_spent >= self.what_if_share * self.pass_interval:
-                if key in self._what_if_last:
-                    return self._what_if_last[key], True
-                return await self.read(checks_only), True
-            # Counted from now at its estimate: reads queued behind it on the database
-            # thread see the share as it will be, not as before any of them ran.
-            estimate = self._what_if_cost
-            self._what_if_spent += estimate
+        if key in self._between_passes:  # computed or queued since the last pass: shared
+            answer = await self.read_between_passes(fn, key=key)
+        elif self._what_if_spent >= self.what_if_share * self.pass_interval:
+            if key in self._what_if_last:
+                return self._what_if_last[key], True
+            return await self.read(checks_only), True
         else:
-            estimate = 0.0
+            answer = await self.read_between_passes(self._counted(fn), key=key)
+        self._what_if_last[key] = answer
+        self._what_if_last.move_to_end(key)
+        if len(self._what_if_last) > WHAT_IF_KEPT:
+            self._what_if_last.popitem(last=False)  # the longest unasked: its slice is gone
+        return answer, False
 
-        def timed() -> T:
+    def _counted(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` counted against the what-if share: at the last computation's cost from
+        now (reads queued behind it on the database thread see the share as it will be,
+        not as before any of them ran), corrected to its own once it has run."""
+        estimate = self._what_if_cost
+        self._what_if_spent += estimate
+
+        def counted() -> T:
             began = time.perf_counter()
             try:
                 return fn()
@@ -360,12 +369,7 @@ class BrokerRunner:
                 self._what_if_cost = time.perf_counter() - began
                 self._what_if_spent += self._what_if_cost - estimate
 
-        answer = await self.read_between_passes(timed, key=key)
-        self._what_if_last[key] = answer
-        self._what_if_last.move_to_end(key)
-        if len(self._what_if_last) > WHAT_IF_KEPT:
-            self._what_if_last.popitem(last=False)  # the longest unasked: its slice is gone
-        return answer, False
+        return counted
 
     def _forget_failed(self, key: Hashable, shared: asyncio.Future) -> None:
         if (shared.cancelled() or shared.exception()) and self._between_passes.get(key) is shared:
