@@ -121,18 +121,6 @@ class SliceRequest:
     restore: bool = False  # bring the session back after a preemption (design.md §3)
     restores: int | None = None  # the ended slice this request brings back
 
-    def as_user_options(self) -> dict[str, Any]:
-        """The request as user options (what the hub's REST API shows for the server)."""
-        options = {
-            "project": self.project,
-            "gpus": self.gpus,
-            "gpu_type": self.gpu_type or "",
-            "protected": format_duration(self.min_runtime),
-        }
-        if self.restore:
-            options["restore"] = True
-        return options
-
 
 # ---- reading the broker's answers ------------------------------------------------
 

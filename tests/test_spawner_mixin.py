@@ -29,6 +29,7 @@ from spawner import mixin as mixin_module
 from spawner.brokerview import BrokerView
 from spawner.local import SliceBrokerSpawner
 from spawner.mixin import SliceBrokerMixin
+from spawner.options import SliceRequest
 
 PROJECTS = [
     {
@@ -686,12 +687,7 @@ async def test_applied_options_resolve_the_request_and_leave_the_user_options_as
     spawner.user_options = {"s": ["value"], "i": 5}
     await spawner.apply_slice_options(spawner.user_options)
     # No project given: the user's best-ranked project; the admin's defaults for the rest.
-    assert spawner.slice_request.as_user_options() == {
-        "project": "nlp",
-        "gpus": 1,
-        "gpu_type": "",
-        "protected": "15m",
-    }
+    assert spawner.slice_request == SliceRequest("nlp", 1, None, 900.0)
     assert spawner.user_options == {"s": ["value"], "i": 5}  # round-trips, as the hub has it
 
 

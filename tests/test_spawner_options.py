@@ -206,7 +206,6 @@ def test_the_bring_it_back_box_is_offered_and_keeps_the_last_choice():
     assert 'id="sb-restore" value="on">' in fresh  # unchecked
     assert 'id="sb-restore" value="on" checked>' in again
     assert "Bring it back after a preemption" in fresh
-    assert SliceRequest("a", 1, None, 60.0, restore=True).as_user_options()["restore"] is True
 
 
 def test_form_fields_become_options():
