@@ -197,3 +197,30 @@ def test_a_leader_whose_lock_session_outlived_its_connection_ends_it_and_leads_a
             with contextlib.suppress(Exception):
                 connection.close()
         engine.dispose()
+
+
+def test_the_lock_of_a_broker_of_another_database_on_the_server_is_not_this_ones(
+    scratch_postgres,
+):
+    """Advisory locks are per database, but pg_locks lists every database's: a broker
+    must not take another database's holder for its own lock's holder (two suites, or
+    staging and production, on one server), nor end that session as its own."""
+    databases = _postgres_database()
+    elsewhere = make_engine(next(databases), poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    other_broker = elsewhere.connect()
+    leader = PostgresLeaderLock(scratch_postgres, timeout=5)
+    try:
+        assert other_broker.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY)))
+        other_pid = other_broker.scalar(select(func.pg_backend_pid()))
+        leader._connection = leader._engine.connect()  # connected, holding nothing yet
+        assert leader._holder() is None  # nobody holds this database's lock
+        # A leader that took the other broker's session for its own old one leaves it be.
+        leader._backend_pid = other_pid
+        assert leader.try_acquire()
+        assert other_broker.scalar(select(1)) == 1
+        leader.release()
+    finally:
+        with contextlib.suppress(Exception):
+            other_broker.close()
+        elsewhere.dispose()
+        databases.close()  # drops the other database

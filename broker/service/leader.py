@@ -137,13 +137,15 @@ class PostgresLeaderLock(LeaderLock):
         return bool(self._connection.scalar(select(func.pg_try_advisory_lock(LEADER_LOCK_KEY))))
 
     def _holder(self) -> int | None:
-        """The backend pid holding the leader lock, if any (pg_locks splits a bigint
-        key into its high and low 32 bits)."""
+        """The backend pid holding this database's leader lock, if any (pg_locks splits a
+        bigint key into its high and low 32 bits, and lists every database's locks: a
+        broker of another database on the same server holds a lock of the same key)."""
         assert self._connection is not None
         return self._connection.scalar(
             text(
                 "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                "AND classid = :high AND objid = :low AND objsubid = 1"
+                "AND classid = :high AND objid = :low AND objsubid = 1 AND database = "
+                "(SELECT oid FROM pg_database WHERE datname = current_database())"
             ),
             {"high": LEADER_LOCK_KEY >> 32, "low": LEADER_LOCK_KEY & 0xFFFFFFFF},
         )
