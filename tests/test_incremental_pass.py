@@ -1,8 +1,9 @@
-"""The pass from kept state (broker/core/incremental.py) decides exactly what a
-pass from scratch decides on the same snapshot, whatever changed in between
-(design.md §5); and since both share the walk, its decisions also pass the checks
-written from the rules (tests/passchecks.py), so a mistake in the walk cannot hide
-behind the same mistake in its oracle."""
+"""The pass's index kept from pass to pass (broker/core/incremental.py) decides
+exactly what a fresh index decides on the same snapshot, whatever changed in
+between (design.md §5). Since both share the walk, the index's answers are also
+checked against their definitions over the snapshot's slices, and the decisions
+against the checks written from the rules (tests/passchecks.py), so a mistake in
+the walk or the index cannot hide behind the same mistake in its oracle."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from passchecks import check_pass
 
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
-from broker.core.model import Account, Node, NodeState, Policy, SliceKind, SliceState
+from broker.core.model import Account, Node, NodeState, Policy, SliceKind, SliceState, Snapshot
+from broker.core.ordering import queue_order
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply
 
@@ -105,6 +107,38 @@ def change(rng: random.Random, kind: str, now: float, live: dict, nodes: dict, u
     return now
 
 
+def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
+    """The index's answers are their definitions over ``snap``'s slices."""
+    slices = snap.slices
+    assert [s.id for s in kept.holding()] == sorted(s.id for s in slices if s.holds_gpus)
+    waiting = [s for s in slices if not s.holds_gpus]
+    assert sorted(s.id for s in kept.pending()) == sorted(s.id for s in waiting)
+    ranked = list(PROJECTS)
+    rng.shuffle(ranked)
+    ordered = queue_order(waiting, {name: rank for rank, name in enumerate(ranked)})
+    for allocated in (True, False):
+        expected = [s.id for s in ordered if s.allocated is allocated]
+        assert [s.id for s in kept.backlog(iter(ranked), allocated)] == expected
+    nodes = {n.name: n for n in snap.nodes}
+    now = snap.now
+
+    def due(s) -> bool:
+        if s.lease_expires_at is not None and now >= s.lease_expires_at:
+            return True
+        if not s.holds_gpus:
+            return False
+        gone = any(
+            p.node not in nodes or nodes[p.node].state is NodeState.DOWN for p in s.placements
+        )
+        max_runtime = s.contract.max_runtime
+        started = now if s.granted_at is None else s.granted_at
+        expired = max_runtime is not None and now >= started + max_runtime
+        leaving = s.preempt_deadline is not None and now >= s.preempt_deadline
+        return gone or expired or leaving
+
+    assert kept.due(now, nodes) == sorted(s.id for s in slices if due(s))
+
+
 CHANGES = ("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock")
 
 
@@ -142,7 +176,8 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             now=now,
             weights=WEIGHTS,
         )
-        decisions = kept.schedule(snap)
+        decisions = schedule(snap, index=kept)
+        check_index(kept, snap, rng)
         assert decisions == schedule(snap, tree)
         check_pass(snap, decisions)
         for what, count in (
@@ -167,7 +202,7 @@ def test_the_kept_state_follows_slices_through_their_life():
     seen = []
     for _ in range(4):
         snap = snapshot(list(nodes.values()), ACCOUNTS, list(live.values()), now=now)
-        decisions = kept.schedule(snap)
+        decisions = schedule(snap, index=kept)
         assert decisions == schedule(snap, tree)
         check_pass(snap, decisions)
         live = apply(live, nodes, decisions, now, WEIGHTS).slices
@@ -180,5 +215,5 @@ def test_the_kept_state_follows_slices_through_their_life():
     assert seen[0][wanting.id] is SliceState.GRANTED
     del live[wanting.id]
     snap = snapshot(list(nodes.values()), ACCOUNTS, list(live.values()), now=now)
-    assert kept.schedule(snap) == schedule(snap, tree)
+    assert schedule(snap, index=kept) == schedule(snap, tree)
     assert wanting.id not in {s.id for s in kept.holding()}

@@ -201,7 +201,7 @@ def time_passes(snapshot: Snapshot, repeat: int) -> dict:
     tree = ProjectTree(snapshot.accounts)
     changed = one_change_at_a_time(snapshot, repeat)
     kept = PassState(tree)
-    kept.schedule(snapshot)
+    schedule(snapshot, index=kept)
     decisions = schedule(snapshot, tree)
     # Everything built so far lives for the whole run: out of the collector's
     # way, as the service does after start-up.
@@ -214,10 +214,10 @@ def time_passes(snapshot: Snapshot, repeat: int) -> dict:
         for after_one_change in changed:
             _timed(partial(schedule, snapshot, tree), *full)
             _timed(partial(minimal_pass, snapshot), *minimal)
-            _timed(partial(kept.schedule, after_one_change), *incremental)
+            _timed(partial(schedule, after_one_change, index=kept), *incremental)
     finally:
         gc.unfreeze()
-    same = kept.schedule(changed[-1]) == schedule(changed[-1], tree)
+    same = schedule(changed[-1], index=kept) == schedule(changed[-1], tree)
     result = {
         "gpus": sum(n.gpu_count for n in snapshot.nodes),
         "nodes": len(snapshot.nodes),

@@ -25,13 +25,12 @@ from bisect import bisect_left, insort
 from collections.abc import Iterator, Mapping
 
 from .fairshare import ProjectTree
-from .model import Decisions, Node, NodeState, Slice, Snapshot
+from .model import Node, NodeState, Slice, Snapshot
 from .ordering import within_project_key
-from .scheduler import _Pass
 
 
 class PassState:
-    """What the scheduling pass keeps between passes; :meth:`schedule` runs one."""
+    """The pass's index of the live slices, brought up to date by :meth:`update`."""
 
     def __init__(self, tree: ProjectTree | None = None):
         """``tree`` may be given to reuse a validated tree, as for ``schedule``;
@@ -48,17 +47,15 @@ class PassState:
         self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
 
-    def schedule(self, snapshot: Snapshot) -> Decisions:
-        """One pass on ``snapshot``, after taking in what changed since the last."""
-        self.update(snapshot)
-        assert self.tree is not None
-        return _Pass(snapshot, self.tree, self).run()
-
-    def update(self, snapshot: Snapshot) -> None:
-        """Take in ``snapshot``: file its new and changed slices, forget the gone."""
+    def update(self, snapshot: Snapshot) -> ProjectTree:
+        """Take in ``snapshot``: file its new and changed slices, forget the gone.
+        Returns the project tree of its accounts."""
         if not self.fixed_tree and (self.tree is None or self.accounts != snapshot.accounts):
             self.tree = ProjectTree(snapshot.accounts)
             self.accounts = snapshot.accounts
+        if not self.slices:
+            self._build(snapshot.slices)
+            return self.tree
         known = self.slices
         current: dict[int, Slice] = {}
         added = 0
@@ -77,6 +74,29 @@ class PassState:
             for gone in known.keys() - current.keys():
                 self._forget(known[gone])
         self.slices = current
+        return self.tree
+
+    def _build(self, slices: tuple[Slice, ...]) -> None:
+        """File ``slices`` into an empty index: each list sorted once, not kept
+        sorted one insertion at a time."""
+        self.slices = {s.id: s for s in slices}
+        holding = []
+        pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
+        deadlines = []
+        for slice_ in self.slices.values():
+            if slice_.holds_gpus:
+                holding.append(slice_.id)
+                for placement in slice_.placements:
+                    self.holders.setdefault(placement.node, set()).add(slice_.id)
+            else:
+                where = (slice_.allocated, slice_.project)
+                pending.setdefault(where, []).append((_queue_key(slice_), slice_))
+            deadlines += ((at, slice_.id) for at in _deadlines(slice_))
+        self.holding_ids = sorted(holding)
+        self.deadlines = sorted(deadlines)
+        for where, keyed in pending.items():
+            keyed.sort(key=lambda pair: pair[0])
+            self.queues[where] = ([key for key, _ in keyed], [s for _, s in keyed])
 
     # -- what a pass asks ----------------------------------------------------
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 from . import backfill
 from .fairshare import ProjectTree
+from .incremental import PassState
 from .model import (
     Decisions,
     Ending,
@@ -50,27 +50,31 @@ from .preemption import (
 from .standing import Standings
 from .transitions import granted, requeued
 
-if TYPE_CHECKING:
-    from .incremental import PassState
 
-
-def schedule(snapshot: Snapshot, tree: ProjectTree | None = None) -> Decisions:
+def schedule(
+    snapshot: Snapshot, tree: ProjectTree | None = None, *, index: PassState | None = None
+) -> Decisions:
     """Run one scheduling pass. ``tree`` may be given to reuse a validated tree.
 
-    :class:`~broker.core.incremental.PassState` gives the same decisions while
-    keeping, between passes, what this finds anew each time.
+    ``index``: the pass's index of the live slices kept from the last pass by a
+    long-running caller (:class:`~broker.core.incremental.PassState`, which has
+    its own tree); it is brought up to date with ``snapshot`` and decides as a
+    fresh one, built here when none is given.
     """
-    return _Pass(snapshot, tree or ProjectTree(snapshot.accounts)).run()
+    if index is None:
+        index = PassState(tree)
+    elif tree is not None:
+        raise ValueError("an index brings its own project tree")
+    return _Pass(snapshot, index.update(snapshot), index).run()
 
 
 class _Pass:
     """The working state of one pass; :meth:`run` lists its phases in order.
 
-    ``kept``: the state kept between passes, already updated to ``snapshot``;
-    it spares the walks and sorts of every live slice, never changes a decision.
+    ``kept``: the index of the live slices, already updated to ``snapshot``.
     """
 
-    def __init__(self, snapshot: Snapshot, tree: ProjectTree, kept: PassState | None = None):
+    def __init__(self, snapshot: Snapshot, tree: ProjectTree, kept: PassState):
         self.snap = snapshot
         self.kept = kept
         self.now = snapshot.now
@@ -84,9 +88,7 @@ class _Pass:
         self.node_changes: list[NodeChange] = []
         self.queue: list[QueueEntry] = []
         self.timings: dict[str, float] = {}
-        self.live: dict[int, Slice] = (
-            dict(kept.slices) if kept is not None else {s.id: s for s in snapshot.slices}
-        )
+        self.live: dict[int, Slice] = dict(kept.slices)
         self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
         # Slices preempted in this pass -> their grace deadline (when their GPUs are free)
@@ -172,8 +174,7 @@ class _Pass:
 
     def end_finished(self) -> None:
         now = self.now
-        due = self.ids if self.kept is None else self.kept.due(now, self.nodes)
-        for slice_ in map(self.live.__getitem__, due):
+        for slice_ in map(self.live.__getitem__, self.kept.due(now, self.nodes)):
             if slice_.holds_gpus:
                 if any(
                     self.nodes.get(p.node) is None or self.nodes[p.node].state is NodeState.DOWN
@@ -244,12 +245,12 @@ class _Pass:
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        # One walk over the live slices, in id order, sorts them out for the
-        # phases that follow; the kept state has them sorted out already unless
-        # the first phase ended or requeued some.
+        # The index has the live slices sorted out for the phases that follow,
+        # unless the first phase ended or requeued some: then one walk over them,
+        # in id order, does it.
         self.holding: list[Slice] = []
         self.pending: list[Slice] = []
-        if self.kept is not None and not self.endings:
+        if not self.endings:
             self.holding = list(self.kept.holding())
             self.pending = list(self.kept.pending())
         else:
@@ -342,8 +343,8 @@ class _Pass:
     def _sort_backlog(self) -> None:
         """The queue, less kept promises: allocated slices for :meth:`allocate`,
         unallocated ones after them for :meth:`backfill_unallocated`."""
-        if self.kept is not None and not self.endings:
-            # The kept queues hold exactly this pass's pending slices.
+        if not self.endings:
+            # The index's queues hold exactly this pass's pending slices.
             allocated = self.kept.backlog(iter(self.project_rank), True)
             unallocated = self.kept.backlog(iter(self.project_rank), False)
             if self.promised:

@@ -49,6 +49,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.placement import FreeGpus
+from ..core.scheduler import schedule
 
 
 class Scheduler(Protocol):
@@ -73,7 +74,7 @@ class FairShare:
         self.kept = PassState(self.tree)
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
-        return self.kept.schedule(snapshot)
+        return schedule(snapshot, index=self.kept)
 
 
 # ---- what every baseline does ----------------------------------------------------

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Set
+from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -132,7 +133,7 @@ class Broker:
         if single_writer and schedule is default_schedule:
             # The same decisions, with what the pass finds by walking every live
             # slice kept between passes (design.md §5).
-            schedule = PassState().schedule
+            schedule = partial(default_schedule, index=PassState())
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
