@@ -19,6 +19,7 @@ from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
 from broker.core.model import Account, Node, NodeState, Policy, SliceKind, SliceState, Snapshot
 from broker.core.ordering import queue_order
+from broker.core.preemption import is_debug
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply
 
@@ -38,6 +39,8 @@ NODES = [
     Node("n3", "b200", 8),
 ]
 POLICY = Policy(debug_lane_fraction=0.2, max_reservations=3, project_gpu_caps={"c": 12})
+# A changed policy (here: which sessions count as debug) refiles every holder.
+POLICIES = (POLICY, replace(POLICY, debug_max_gpus=1), replace(POLICY, debug_max_gpus=4))
 
 
 def a_pending(rng: random.Random, now: float):
@@ -100,6 +103,9 @@ def change(rng: random.Random, kind: str, now: float, live: dict, nodes: dict, u
             del nodes[name]
         else:
             nodes[name] = replace(nodes[name], state=state)
+    elif kind == "retype":  # an admin changes a node's GPU type under its slices
+        name = rng.choice(sorted(nodes))
+        nodes[name] = replace(nodes[name], gpu_type=rng.choice(sorted(WEIGHTS)))
     elif kind == "usage":
         usage[rng.choice(PROJECTS)] = rng.uniform(0, 1e6)
     elif kind == "clock":
@@ -121,6 +127,20 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
         assert [s.id for s in kept.backlog(iter(ranked), allocated)] == expected
     nodes = {n.name: n for n in snap.nodes}
     now = snap.now
+    gpus: dict[str, int] = {}
+    allocated: dict[tuple[str, str], int] = {}
+    debug: dict[str, int] = {}
+    for s in slices:
+        if not s.holds_gpus:
+            continue
+        gpus[s.project] = gpus.get(s.project, 0) + s.gpus
+        for p in s.placements if s.allocated else ():
+            where = (s.project, nodes[p.node].gpu_type if p.node in nodes else "")
+            allocated[where] = allocated.get(where, 0) + len(p.gpu_indices)
+        if is_debug(s, snap.policy):
+            debug[s.user] = debug.get(s.user, 0) + s.gpus
+    held = kept.holdings()
+    assert (held.gpus, held.allocated, held.debug) == (gpus, allocated, debug)
 
     def due(s) -> bool:
         if s.lease_expires_at is not None and now >= s.lease_expires_at:
@@ -139,7 +159,10 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     assert kept.due(now, nodes) == sorted(s.id for s in slices if due(s))
 
 
-CHANGES = ("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock")
+CHANGES = (
+    *("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock"),
+    *("retype", "policy"),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -154,11 +177,15 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
     nodes = {n.name: n for n in NODES}
     usage = {p: rng.uniform(0, 1e6) for p in PROJECTS}
     now = NOW
+    policy = POLICY
     decisions = None
     for changes in steps:
         for kind in changes:
             if kind == "apply" and decisions is not None:
                 live = apply(live, nodes, decisions, now, WEIGHTS).slices
+                decisions = None
+            elif kind == "policy":
+                policy = rng.choice(POLICIES)
                 decisions = None
             elif kind != "apply":
                 now = change(rng, kind, now, live, nodes, usage)
@@ -172,7 +199,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             ACCOUNTS,
             slices,
             usage=dict(usage),
-            policy=POLICY,
+            policy=policy,
             now=now,
             weights=WEIGHTS,
         )

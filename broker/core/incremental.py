@@ -9,6 +9,9 @@ otherwise find by walking or sorting every live slice:
   sorted by the project's own order, submit time and id; a pass joins them in
   the projects' rank instead of sorting the whole backlog;
 - the slices that hold GPUs, in id order, and on which nodes;
+- what they hold, in whole GPUs (:class:`Holdings`): per project, per project
+  and GPU type for fair share, per user in the debug lane — integers, so that
+  an index kept for weeks adds up exactly as a fresh one;
 - when each slice is due to end (max runtime, grace, lease), so that the first
   phase looks only at slices that are due or on a node that went away.
 
@@ -22,11 +25,44 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
-from .model import Node, NodeState, Slice, Snapshot
+from .model import Node, NodeState, Policy, Slice, Snapshot
 from .ordering import within_project_key
+from .preemption import is_debug
+
+
+@dataclass
+class Holdings:
+    """GPUs held by the live slices, in whole GPUs."""
+
+    gpus: dict[str, int] = field(default_factory=dict)  # project -> GPUs (its cap)
+    # (project, GPU type) -> GPUs of its allocated slices (its fair share)
+    allocated: dict[tuple[str, str], int] = field(default_factory=dict)
+    debug: dict[str, int] = field(default_factory=dict)  # user -> GPUs of debug sessions
+
+    def add(self, slice_: Slice, node_types: Mapping[str, str], policy: Policy, sign: int) -> None:
+        """Count ``slice_``'s GPUs in (``sign`` 1) or out (-1)."""
+        _add(self.gpus, slice_.project, sign * slice_.gpus)
+        if slice_.allocated:
+            for placement in slice_.placements:
+                where = (slice_.project, node_types.get(placement.node, ""))
+                _add(self.allocated, where, sign * len(placement.gpu_indices))
+        if is_debug(slice_, policy):
+            _add(self.debug, slice_.user, sign * slice_.gpus)
+
+    def copy(self) -> Holdings:
+        return Holdings(dict(self.gpus), dict(self.allocated), dict(self.debug))
+
+
+def _add(counts: dict, key: object, change: int) -> None:
+    total = counts.get(key, 0) + change
+    if total:
+        counts[key] = total
+    else:
+        del counts[key]  # absent and zero are one state, whatever the history
 
 
 class PassState:
@@ -38,6 +74,10 @@ class PassState:
         self.tree = tree
         self.fixed_tree = tree is not None
         self.accounts: tuple = ()
+        # What filing a holder reads besides the slice: a change refiles them all.
+        self.node_types: dict[str, str] = {}
+        self.policy: Policy | None = None
+        self.held = Holdings()
         self.slices: dict[int, Slice] = {}
         # (allocated, project) -> that project's pending slices in its queue
         # order, and their sort keys (kept apart so that a pass joins the
@@ -53,6 +93,10 @@ class PassState:
         if not self.fixed_tree and (self.tree is None or self.accounts != snapshot.accounts):
             self.tree = ProjectTree(snapshot.accounts)
             self.accounts = snapshot.accounts
+        node_types = {node.name: node.gpu_type for node in snapshot.nodes}
+        if node_types != self.node_types or snapshot.policy != self.policy:
+            self._clear()
+            self.node_types, self.policy = node_types, snapshot.policy
         if not self.slices:
             self._build(snapshot.slices)
             return self.tree
@@ -76,6 +120,11 @@ class PassState:
         self.slices = current
         return self.tree
 
+    def _clear(self) -> None:
+        self.slices = {}
+        self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
+        self.held = Holdings()
+
     def _build(self, slices: tuple[Slice, ...]) -> None:
         """File ``slices`` into an empty index: each list sorted once, not kept
         sorted one insertion at a time."""
@@ -88,6 +137,7 @@ class PassState:
                 holding.append(slice_.id)
                 for placement in slice_.placements:
                     self.holders.setdefault(placement.node, set()).add(slice_.id)
+                self.held.add(slice_, self.node_types, self.policy, 1)
             else:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
@@ -118,6 +168,14 @@ class PassState:
         """The slices that hold GPUs, in id order."""
         return map(self.slices.__getitem__, self.holding_ids)
 
+    def holdings(self, without: Iterable[Slice] = ()) -> Holdings:
+        """What the holders hold, less the slices ``without`` (a copy to change)."""
+        held = self.held.copy()
+        for slice_ in without:
+            if slice_.holds_gpus:
+                held.add(slice_, self.node_types, self.policy, -1)
+        return held
+
     def pending(self) -> Iterator[Slice]:
         """The pending slices, in no particular order."""
         for _, slices in self.queues.values():
@@ -140,6 +198,7 @@ class PassState:
             insort(self.holding_ids, slice_.id)
             for placement in slice_.placements:
                 self.holders.setdefault(placement.node, set()).add(slice_.id)
+            self.held.add(slice_, self.node_types, self.policy, 1)
         else:
             keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
             key = _queue_key(slice_)
@@ -157,6 +216,7 @@ class PassState:
                 held.discard(slice_.id)
                 if not held:
                     del self.holders[placement.node]
+            self.held.add(slice_, self.node_types, self.policy, -1)
         else:
             where = (slice_.allocated, slice_.project)
             keys, slices = self.queues[where]

@@ -272,13 +272,17 @@ class _Pass:
         # project_rank's); fair share now decides who may take running GPUs from whom.
         self.values = self.tree.share_used(self.snap.usage)
         capacity = sum(node.gpu_count * self.snap.weight(node.gpu_type) for node in ready)
-        wanting = {s.project for s in self.holding if s.allocated}
+        # What the holders hold, from the index's counts: not a walk over them.
+        held = self.kept.holdings(self.kept.slices[e.slice_id] for e in self.endings)
+        wanting = {project for project, _ in held.allocated}
         wanting.update(s.project for s in self.pending if s.allocated)
         self.standings = Standings.now(self.tree, capacity, wanting)
+        # In one fixed order, so that the same counts always give the same floats.
+        for (project, gpu_type), gpus in sorted(held.allocated.items()):
+            self.standings.record(project, gpus * self.snap.weight(gpu_type))
         self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
-        self.project_gpus: dict[str, int] = {}
-        for slice_ in self.holding:
-            self._count(slice_, slice_.placements)
+        self.lane.held, self.lane.held_by_user = sum(held.debug.values()), held.debug
+        self.project_gpus: dict[str, int] = held.gpus
         self.preemptor = Preemptor(
             now=self.now,
             policy=self.policy,
