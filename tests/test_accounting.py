@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -10,11 +11,13 @@ from hypothesis import strategies as st
 
 from broker.core.accounting import (
     LedgerEntry,
+    RunningCharges,
     charge,
     clip,
     decayed_usage,
     entry_usage,
     ledger_entry,
+    running_interval,
     usage_by_project,
     usage_rows,
     window_usage,
@@ -228,3 +231,86 @@ def test_adjacent_periods_add_up_to_their_union(items, cut):
 
     assert total(0, cut) + total(cut, 200) == pytest.approx(total(0, 200))
     assert total(0, 200) == pytest.approx(sum(e.weighted_gpu_seconds for e in entries))
+
+
+# ---- what held slices accrued, kept between calls ------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["grant", "grant", "end", "preempt", "wait", "weights"]),
+            st.integers(0, 7),
+            st.floats(0, 3 * HOUR),
+        ),
+        max_size=40,
+    )
+)
+def test_running_charges_kept_between_calls_equal_fresh_ones_and_the_per_slice_sum(steps):
+    """Grants, ends, preemptions (a new value of the same slice), time passing the
+    window's edge and a change of weights: a kept RunningCharges answers what a
+    fresh one answers, to the bit, and what the per-slice sum of usage_by_project
+    answers, but for start times rounded to the microsecond."""
+    window = 2 * HOUR
+    node_types = {"n0": "h100", "n1": "b200"}
+    weights = {"h100": 1.0, "b200": 2.5}
+    kept = RunningCharges()
+    live: dict[int, Slice] = {}
+    now = NOW
+    for what, which, amount in steps:
+        if what == "grant":
+            slice_id = 100 + which
+            node = "n0" if which % 2 else "n1"
+            live[slice_id] = Slice(
+                id=slice_id,
+                project=f"p{which % 3}",
+                user="u",
+                gpus=which % 4 + 1,
+                kind=SliceKind.BATCH,
+                contract=Contract(HOUR, True, None),
+                state=SliceState.GRANTED,
+                placements=(Placement(node, tuple(range(which % 4 + 1))),),
+                granted_at=now - amount,
+                submitted_at=now - amount - 1,
+            )
+        elif what == "end" and live:
+            del live[sorted(live)[which % len(live)]]
+        elif what == "preempt" and live:
+            slice_id = sorted(live)[which % len(live)]
+            live[slice_id] = replace(live[slice_id], state=SliceState.PREEMPTING)
+        elif what == "wait":
+            now += amount
+        elif what == "weights":
+            weights = {**weights, "b200": 2.5 + which / 8}
+        slices = list(live.values())
+        got = kept.usage(slices, node_types, weights, now, window)
+        assert got == RunningCharges().usage(slices, node_types, weights, now, window)
+        running = [running_interval(s, node_types, weights) for s in slices]
+        expected = usage_by_project((), [r for r in running if r], now, window)
+        assert got.keys() <= expected.keys()
+        for project, amount_expected in expected.items():
+            assert got.get(project, 0.0) == pytest.approx(amount_expected, rel=1e-9, abs=1e-4)
+
+
+def test_running_charges_start_again_when_the_clock_goes_back():
+    """A clock stepped back (a service's wall clock can be) refiles everything
+    instead of moving slices back out of the window by hand."""
+    slice_ = Slice(
+        id=1,
+        project="p",
+        user="u",
+        gpus=2,
+        kind=SliceKind.BATCH,
+        contract=Contract(HOUR, True, None),
+        state=SliceState.GRANTED,
+        placements=(Placement("n0", (0, 1)),),
+        granted_at=NOW - HOUR,
+        submitted_at=NOW - HOUR,
+    )
+    kept = RunningCharges()
+    types, weights = {"n0": "h100"}, {"h100": 1.0}
+    assert kept.usage([slice_], types, weights, NOW + 2 * HOUR, HOUR) == {"p": 2 * HOUR}
+    assert kept.usage([slice_], types, weights, NOW, HOUR) == {"p": 2 * HOUR}
+    # half an hour after its grant: 2 GPUs for half an hour, not the whole window
+    assert kept.usage([slice_], types, weights, NOW - HOUR / 2, HOUR) == {"p": HOUR}

@@ -1,4 +1,4 @@
-"""``python -m broker.bench [pass|api|failover|spawn|kube|pages|whatif] ...``: figures as
+"""``python -m broker.bench [pass|storepass|api|failover|spawn|kube|pages|whatif] ...``: figures as
 JSON."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..orm import SCRATCH_POSTGRES_URL
-from . import api, failover, kube, pages, scheduling, spawn, whatif
+from . import api, failover, kube, pages, scheduling, spawn, storepass, whatif
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     passes.add_argument(
         "--factors", default="1,8", help="sizes as multiples of 1,024 GPUs / 3,000 slices"
     )
+    stored = sub.add_parser(
+        "storepass", help="the service's pass (database included) with many running slices"
+    )
+    stored.add_argument("--live", type=int, default=10_000, help="running slices")
+    stored.add_argument("--repeat", type=int, default=40, help="passes timed")
     load = sub.add_parser("api", help="the HTTP API under load from concurrent clients")
     load.add_argument(
         "--db",
@@ -87,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     what_if.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     what_if.add_argument("--waiting", type=int, default=200, help="waiting requests polled")
     args = parser.parse_args(argv)
-    if args.which == "whatif":
+    if args.which == "storepass":
+        report = storepass.run(live=args.live, repeat=args.repeat)
+    elif args.which == "whatif":
         report = whatif.run(rate=args.rate, seconds=args.seconds, waiting=args.waiting)
     elif args.which == "pages":
         report = pages.run(slices=args.slices, nodes=args.nodes, repeat=args.repeat)

@@ -9,6 +9,7 @@ weighted GPU-seconds it accrues per second.
 from __future__ import annotations
 
 import csv
+import heapq
 import io
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -119,6 +120,124 @@ def usage_by_project(
         amount = interval_usage(start, now, rate, now, window, half_life)
         usage[project] = usage.get(project, 0.0) + amount
     return usage
+
+
+class RunningCharges:
+    """What the held slices have accrued in a hard window, per project, kept from
+    one call to the next (design.md §4): the running part of
+    :func:`usage_by_project` at a cost that follows what changed.
+
+    A held slice adds ``rate × (now − max(start, now − window))``. Slices are
+    kept in groups of (project, rate) as integer sums — how many, and their start
+    times in microseconds — for those that started inside the window, and a count
+    for those that started before it (each adds ``rate × window``); a heap of
+    start times moves slices to the second group as the window passes them. The
+    sums are exact, so a kept one answers as a fresh one, to the bit; each differs
+    from the per-slice sum only by rounding the start times to the microsecond.
+
+    Slices are compared by identity with those of the last call, as the pass's
+    index does (:mod:`broker.core.incremental`): only new, changed or gone ones
+    are filed again; another window, other GPU types or weights, or a clock that
+    went back refile all.
+    """
+
+    def __init__(self) -> None:
+        self._clear()
+        self.terms: tuple = ()
+
+    def _clear(self) -> None:
+        # slice id -> (the slice, (project, rate), its start in µs) or None if it accrues nothing
+        self.slices: dict[int, tuple[Slice, tuple[str, float] | None, int]] = {}
+        self.young: dict[tuple[str, float], list[int]] = {}  # group -> [count, Σ start µs]
+        self.old: dict[tuple[str, float], int] = {}  # group -> count
+        self.aged: set[int] = set()  # ids counted in ``old``
+        self.starts: list[tuple[int, int]] = []  # (start µs, id) of young slices, a heap
+        self.now_us = -math.inf
+
+    def usage(
+        self,
+        slices: Iterable[Slice],
+        node_types: Mapping[str, str],
+        weights: Mapping[str, float],
+        now: float,
+        window: float,
+    ) -> dict[str, float]:
+        """Each project's usage at ``now`` accrued by the held ones of ``slices``."""
+        now_us, window_us = round(now * 1e6), round(window * 1e6)
+        terms = (dict(node_types), dict(weights), window_us)
+        if terms != self.terms or now_us < self.now_us:
+            self._clear()
+            self.terms = terms
+        self.now_us = now_us
+        boundary = now_us - window_us
+        known = self.slices
+        current: dict[int, tuple] = {}
+        for slice_ in slices:
+            before = known.get(slice_.id)
+            if before is not None and before[0] is slice_:
+                current[slice_.id] = before
+                continue
+            if before is not None:
+                self._forget(slice_.id, before)
+            current[slice_.id] = self._file(slice_, node_types, weights, boundary)
+        for gone in known.keys() - current.keys():
+            self._forget(gone, known[gone])
+        self.slices = current
+        while self.starts and self.starts[0][0] <= boundary:
+            start, slice_id = heapq.heappop(self.starts)
+            entry = current.get(slice_id)
+            if entry is None or entry[1] is None or entry[2] != start or slice_id in self.aged:
+                continue  # gone or filed again since it was pushed
+            self._move(self.young, entry[1], -1, -start)
+            self.old[entry[1]] = self.old.get(entry[1], 0) + 1
+            self.aged.add(slice_id)
+        usage: dict[str, float] = {}
+        for (project, rate), (count, starts) in sorted(self.young.items()):
+            seconds = (count * now_us - starts) / 1e6
+            usage[project] = usage.get(project, 0.0) + rate * seconds
+        for (project, rate), count in sorted(self.old.items()):
+            usage[project] = usage.get(project, 0.0) + rate * count * window
+        return usage
+
+    def _file(
+        self,
+        slice_: Slice,
+        node_types: Mapping[str, str],
+        weights: Mapping[str, float],
+        boundary: int,
+    ) -> tuple[Slice, tuple[str, float] | None, int]:
+        interval = running_interval(slice_, node_types, weights) if slice_.holds_gpus else None
+        if interval is None:
+            return slice_, None, 0
+        project, start, rate = interval
+        group, start_us = (project, rate), round(start * 1e6)
+        if start_us <= boundary:
+            self.old[group] = self.old.get(group, 0) + 1
+            self.aged.add(slice_.id)
+        else:
+            self._move(self.young, group, 1, start_us)
+            heapq.heappush(self.starts, (start_us, slice_.id))
+        return slice_, group, start_us
+
+    def _forget(self, slice_id: int, entry: tuple[Slice, tuple[str, float] | None, int]) -> None:
+        group = entry[1]
+        if group is None:
+            return
+        if slice_id in self.aged:
+            self.aged.discard(slice_id)
+            self.old[group] -= 1
+            if not self.old[group]:
+                del self.old[group]
+        else:
+            self._move(self.young, group, -1, -entry[2])
+
+    @staticmethod
+    def _move(groups: dict[tuple[str, float], list[int]], group, count: int, starts: int) -> None:
+        totals = groups.setdefault(group, [0, 0])
+        totals[0] += count
+        totals[1] += starts
+        if not totals[0]:
+            del groups[group]
 
 
 def running_interval(

@@ -130,6 +130,7 @@ class Broker:
     ):
         self.config = config
         self.single_writer = single_writer
+        self._running_charges = accounting.RunningCharges() if single_writer else None
         if single_writer and schedule is default_schedule:
             # The same decisions, with what the pass finds by walking every live
             # slice kept between passes (design.md §5).
@@ -1082,6 +1083,14 @@ class Broker:
             accounting.LedgerEntry(slice_id, project, user, start, end, gpus * weight, gpus)
             for slice_id, project, user, start, end, gpus, weight in session.execute(ledger)
         )
+        if policy.half_life is None:
+            usage = accounting.usage_by_project(closed, (), now, policy.window)
+            # A single writer keeps what held slices accrued from one pass to the next.
+            charges = self._running_charges or accounting.RunningCharges()
+            running_usage = charges.usage(live, costs.node_types, costs.weights, now, policy.window)
+            for project, amount in running_usage.items():
+                usage[project] = usage.get(project, 0.0) + amount
+            return usage
         running = [costs.running(slice_) for slice_ in live if slice_.state in HELD_STATES]
         return accounting.usage_by_project(
             closed,
