@@ -62,3 +62,13 @@ def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
         assert figures["live_slices_at_start"] == work.sessions + work.churn
     ratios = point["broker_over_reference"]
     assert set(ratios) == {"achieved_rate", "p99"} and ratios["achieved_rate"] > 0
+
+
+def test_the_store_pass_bench_times_the_service_pass_with_every_slice_running(capsys):
+    assert main(["storepass", "--live=60", "--repeat=4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["benchmark"] == "store_pass"
+    assert report["running"] == 60  # each submitted request withdrawn again
+    for figures in (report["service_pass"], report["minimal"]):
+        assert 0 < figures["median_ms"] <= figures["p99_ms"]
+    assert report["ratio_to_minimal_median"] > 0
