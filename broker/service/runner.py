@@ -51,7 +51,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -109,6 +109,26 @@ def next_deadline(live: Iterable[Mapping[str, Any]], now: float) -> float | None
             if at is not None and at > now and (earliest is None or at < earliest):
                 earliest = at
     return earliest
+
+
+class _Keys(Mapping[int, SliceKey]):
+    """Each live slice's key (:func:`slice_key`), made only for the slices asked
+    about: a pass tells the few watched slices of thousands live."""
+
+    def __init__(self, live: Mapping[int, Mapping[str, Any]]):
+        self._live = live
+
+    def __getitem__(self, slice_id: int) -> SliceKey:
+        return slice_key(self._live[slice_id])
+
+    def __contains__(self, slice_id: object) -> bool:
+        return slice_id in self._live
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
 
 
 class SliceWatchers:
@@ -592,7 +612,7 @@ class BrokerRunner:
         self._between_passes.clear()
         self.metrics.record_pass(decisions, live, seconds)
         self.next_wake = next_deadline(live.values(), time.time())
-        self.watchers.publish({i: slice_key(s) for i, s in live.items()}, complete=True)
+        self.watchers.publish(_Keys(live), complete=True)
         self._live = live  # the pass's own map: nothing else keeps it
         if decisions.grants or decisions.preemptions or decisions.endings:
             log.info(
