@@ -152,7 +152,10 @@ class Preemptor:
         nodes: Mapping[str, Node],
         weights: Mapping[str, float],
         running: Iterable[Slice],
+        standing: Mapping[str, float] | None = None,
     ):
+        """``standing``: each project's standing to order victims by, if not the
+        ``standings``' of now."""
         self.now = now
         self.policy = policy
         self.standings = standings
@@ -184,7 +187,8 @@ class Preemptor:
         # hold on each node. A search visits only the nodes of the groups the
         # rule could take from, instead of asking it about every candidate.
         self.nodes_of: dict[_Group, Counter[str]] = {}
-        standing = {project: standings.standing(project) for project in standings.tree.projects}
+        if standing is None:
+            standing = {p: standings.standing(p) for p in standings.tree.projects}
         for node_name, entries in self.candidates.items():
             entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
             self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)

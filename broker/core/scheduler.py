@@ -261,13 +261,7 @@ class _Pass:
             ready, self.snap.gpu_type_weights, (p for s in self.holding for p in s.placements)
         )
         self.largest_node = max(self.free.largest.values(), default=0)
-        # node -> (slice, GPUs it holds there)
-        self.holders: dict[str, list[tuple[Slice, int]]] = {}
-        for slice_ in self.holding:
-            for placement in slice_.placements:
-                self.holders.setdefault(placement.node, []).append(
-                    (slice_, len(placement.gpu_indices))
-                )
+        self._holders: dict[str, list[tuple[Slice, int]]] = {}  # see _holders_on
         # The window's share used is what the queue shows (the order itself is
         # project_rank's); fair share now decides who may take running GPUs from whom.
         self.values = self.tree.share_used(self.snap.usage)
@@ -283,18 +277,45 @@ class _Pass:
         self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
         self.lane.held, self.lane.held_by_user = sum(held.debug.values()), held.debug
         self.project_gpus: dict[str, int] = held.gpus
-        self.preemptor = Preemptor(
-            now=self.now,
-            policy=self.policy,
-            standings=self.standings,
-            lane=self.lane,
-            nodes=self.free.nodes,
-            weights=self.snap.gpu_type_weights,
-            running=[s for s in self.holding if s.id not in self.leaving],
-        )
+        # The victim indexes are built when a search first needs them (many passes
+        # make none), from what holds and stands at this point of the pass.
+        self._preemptor: Preemptor | None = None
+        self._start_standing = {p: self.standings.standing(p) for p in self.tree.projects}
+        self._left_before = set(self.leaving)  # drained in phase 2
         self.project_rank = project_rank(
             self.tree.project_order(self.snap.usage), self.standings.over_share()
         )
+
+    @property
+    def preemptor(self) -> Preemptor:
+        if self._preemptor is None:
+            self._preemptor = Preemptor(
+                now=self.now,
+                policy=self.policy,
+                standings=self.standings,
+                lane=self.lane,
+                nodes=self.free.nodes,
+                weights=self.snap.gpu_type_weights,
+                running=[s for s in self.holding if s.id not in self._left_before],
+                standing=self._start_standing,
+            )
+        return self._preemptor
+
+    def _holders_on(self, node: str) -> list[tuple[Slice, int]]:
+        """The slices holding GPUs on ``node`` at the start of phase 3, in id order,
+        with how many GPUs each holds there; from the index, per node asked."""
+        found = self._holders.get(node)
+        if found is None:
+            found = []
+            for slice_id in sorted(self.kept.holders.get(node, ())):
+                slice_ = self.live[slice_id]
+                if slice_id in self.ended or not slice_.holds_gpus:
+                    continue  # ended or requeued in phase 1
+                for placement in slice_.placements:
+                    if placement.node == node:
+                        found.append((slice_, len(placement.gpu_indices)))
+            self._holders[node] = found
+        return found
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
         """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""
@@ -633,7 +654,7 @@ class _Pass:
         victims: list[tuple[Slice, PreemptReason]] = []
         for name in names:
             weight = self.snap.weight(self.free.nodes[name].gpu_type)
-            for holder, _ in self.holders.get(name, ()):
+            for holder, _ in self._holders_on(name):
                 if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
                     continue  # already leaving
                 reason = self.preemptor.reason(slice_, holder, weight, gang=True)
@@ -682,7 +703,7 @@ class _Pass:
             found = self._releases.get(key)
             if found is None:
                 found = []
-                for holder, gpus in self.holders.get(node, ()):
+                for holder, gpus in self._holders_on(node):
                     at = self._release_at(holder, requester)
                     if at is not None:
                         found.append((at, gpus))
