@@ -224,6 +224,25 @@ def test_promised_gpus_go_to_the_requester_once_the_grace_period_ends():
     assert granted_ids(d) == {requester.id}
 
 
+@pytest.mark.parametrize(
+    "now_the_node",
+    [
+        pytest.param({"gpu_type": "b200"}, id="of another GPU type"),
+        pytest.param({"gpu_count": 4}, id="with fewer GPUs"),
+    ],
+)
+def test_a_promise_is_not_kept_on_a_node_an_admin_changed_under_it(now_the_node):
+    """A promise made on an h100 node is not granted once the node's GPU type (or
+    count) changed: the request queues again and goes where it fits."""
+    requester = replace(
+        pending("starving", 8, gpu_type="h100"), promised=(Placement("n0", tuple(range(8))),)
+    )
+    changed = replace(nodes(1)[0], **now_the_node)
+    spare = nodes(1, prefix="m")[0]  # an h100 node with 8 free GPUs
+    d = schedule(snapshot([changed, spare], flat_tree("starving"), [requester]))
+    assert [(g.slice_id, g.placements[0].node) for g in d.grants] == [(requester.id, "m0")]
+
+
 def test_debug_slice_of_under_used_project_preempts_past_protection_batch_of_over_used():
     batch = running("heavy", "n0", (0, 1, 2, 3), granted_ago=3 * HOUR, min_runtime=HOUR)
     more = running("heavy", "n0", (4, 5, 6, 7), granted_ago=3 * HOUR, min_runtime=4 * HOUR)

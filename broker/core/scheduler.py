@@ -346,7 +346,7 @@ class _Pass:
         leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
         leaving |= self.leaving.keys()
         for slice_ in promised:
-            nodes_ok = all(p.node in self.free.nodes for p in slice_.promised)
+            nodes_ok = all(self._still_fits(slice_, p) for p in slice_.promised)
             gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
             found = (holder_of[g] for g in gpus if g in holder_of)
             blockers = list({s.id: s for s in found}.values())
@@ -362,6 +362,17 @@ class _Pass:
                 self.reservations.append(Reservation(slice_.id, slice_.promised, True, deadline))
                 value = self.values[slice_.project]
                 self.queue.append(QueueEntry(slice_.id, len(self.queue) + 1, value, deadline))
+
+    def _still_fits(self, slice_: Slice, placement: Placement) -> bool:
+        """Whether a promised placement still suits ``slice_``: its node is ready
+        and, since an admin may have changed it meanwhile, of the GPU type asked
+        for and with those GPUs."""
+        node = self.free.nodes.get(placement.node)
+        return (
+            node is not None
+            and slice_.gpu_type in (None, node.gpu_type)
+            and all(i < node.gpu_count for i in placement.gpu_indices)
+        )
 
     # -- phase 5 -----------------------------------------------------------
 
