@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.core.accounting import (
+    ClosedCharges,
     LedgerEntry,
     RunningCharges,
     charge,
@@ -314,3 +315,53 @@ def test_running_charges_start_again_when_the_clock_goes_back():
     assert kept.usage([slice_], types, weights, NOW, HOUR) == {"p": 2 * HOUR}
     # half an hour after its grant: 2 GPUs for half an hour, not the whole window
     assert kept.usage([slice_], types, weights, NOW - HOUR / 2, HOUR) == {"p": HOUR}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["charge", "charge", "wait"]),
+            st.integers(0, 5),
+            st.floats(0, 3 * HOUR),
+            st.floats(0, 3 * HOUR),
+        ),
+        max_size=40,
+    )
+)
+def test_closed_charges_kept_as_the_window_moves_equal_fresh_ones_and_the_per_entry_sum(steps):
+    """Charges added one by one while the window moves on (entries straddling its
+    start, then leaving it) give the usage of the same charges added at once, to
+    the bit, and the per-entry sum of usage_by_project but for the rounding of
+    times to the microsecond."""
+    window = 2 * HOUR
+    kept = ClosedCharges(window)
+    entries: list[LedgerEntry] = []
+    now = NOW
+    for what, which, ago, length in steps:
+        if what == "charge":
+            end = now - ago / 4
+            added = entry(end - length, end, rate=(which % 3 + 1) * 1.25, project=f"p{which % 2}")
+            entries.append(added)
+            kept.add(added)
+        else:
+            now += ago
+        got = kept.usage(now)
+        fresh = ClosedCharges(window)
+        for each in entries:
+            fresh.add(each)
+        assert got == fresh.usage(now)
+        expected = usage_by_project(entries, (), now, window)
+        for project in set(got) | set(expected):
+            assert got.get(project, 0.0) == pytest.approx(
+                expected.get(project, 0.0), rel=1e-9, abs=1e-4
+            )
+
+
+def test_closed_charges_cannot_say_the_usage_before_their_last_move_or_of_a_later_end():
+    charges = ClosedCharges(HOUR)
+    charges.add(entry(NOW - 2 * HOUR, NOW - HOUR / 2, rate=2.0))
+    assert charges.usage(NOW) == {"p": HOUR}  # the half hour inside the window, 2 GPUs
+    assert charges.usage(NOW - 60) is None  # the window went back: build again
+    charges.add(entry(NOW - 60, NOW + 60))
+    assert charges.usage(NOW) is None  # an entry ending after now

@@ -65,10 +65,10 @@ def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
 
 
 def test_the_store_pass_bench_times_the_service_pass_with_every_slice_running(capsys):
-    assert main(["storepass", "--live=60", "--repeat=4"]) == 0
+    assert main(["storepass", "--live=60", "--repeat=4", "--ledger=100"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["benchmark"] == "store_pass"
-    assert report["running"] == 60  # each submitted request withdrawn again
+    assert (report["running"], report["ledger"]) == (60, 100)  # each submission withdrawn
     for figures in (report["service_pass"], report["minimal"]):
         assert 0 < figures["median_ms"] <= figures["p99_ms"]
     assert report["ratio_to_minimal_median"] > 0

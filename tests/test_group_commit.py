@@ -135,3 +135,46 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
         assert runner.remembered(held["id"])["state"] == "granted"
     finally:
         await runner.stop()
+
+
+async def test_a_charge_undone_in_its_savepoint_leaves_no_trace_in_the_kept_usage(tmp_path):
+    """The window's closed charges follow the live slices' rule: a release whose
+    charge was flushed and then undone is not counted by the single writer, whose
+    usage stays that of a Broker reading everything from the database."""
+    url = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    config = parse_config(tomllib.loads(TEST_CONFIG))
+    clock = [1_700_000_000.0]
+    broker = Broker(url, config, lambda: clock[0], single_writer=True)
+    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
+    reader = Broker(url, config, lambda: clock[0])
+    try:
+        held = await runner.submit(
+            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+        )
+        ended = await runner.submit(
+            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+        )
+        clock[0] += 600.0
+        await runner.write(broker.release, ended["id"])  # a charge kept by the writer
+        clock[0] += 600.0
+        failures = [RuntimeError("the disk is full")]
+
+        def fails_once(_session, _context) -> None:
+            if failures:
+                raise failures.pop()
+
+        event.listen(broker.journal.sessions, "after_flush", fails_once)
+        release = runner.write(broker.release, held["id"])
+        answers = await while_busy(runner, [release])
+        assert str(answers[0]) == "the disk is full"
+        await runner.run_pass()
+
+        def usage(of: Broker) -> dict:
+            return {p["name"]: p["usage"] for p in of.projects()}
+
+        # 600 s charged for the first slice, 1,200 s accrued by the one still held
+        assert usage(broker)["vision"] == pytest.approx(1800.0)
+        assert usage(broker) == usage(reader)
+    finally:
+        await runner.stop()
+        reader.close()

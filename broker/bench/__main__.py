@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     stored.add_argument("--live", type=int, default=10_000, help="running slices")
     stored.add_argument("--repeat", type=int, default=40, help="passes timed")
+    stored.add_argument("--ledger", type=int, default=50_000, help="charges in the window's ledger")
     load = sub.add_parser("api", help="the HTTP API under load from concurrent clients")
     load.add_argument(
         "--db",
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     what_if.add_argument("--waiting", type=int, default=200, help="waiting requests polled")
     args = parser.parse_args(argv)
     if args.which == "storepass":
-        report = storepass.run(live=args.live, repeat=args.repeat)
+        report = storepass.run(live=args.live, repeat=args.repeat, ledger=args.ledger)
     elif args.which == "whatif":
         report = whatif.run(rate=args.rate, seconds=args.seconds, waiting=args.waiting)
     elif args.which == "pages":

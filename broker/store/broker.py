@@ -57,7 +57,7 @@ from ..orm import (
 from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Caller, _check_member, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
-from .journal import Journal, _Catalog, _LiveSlice, not_durable
+from .journal import Journal, _Catalog, _LiveSlice, ledger_since, not_durable
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -1066,31 +1066,16 @@ class Broker:
         """Each project's charged usage at ``now``: the ledger plus the ``live`` slices
         that hold GPUs."""
         policy = self.config.policy
-        horizon = accounting.usage_horizon(policy.window, policy.half_life)
-        # Plain rows, not ORM objects: the window's ledger is the largest thing a pass
-        # or GET /projects reads (an entry per slice ended in it), and building an
-        # object per entry cost more than the rest of the read.
-        ledger = select(
-            LedgerRow.slice_id,
-            LedgerRow.project,
-            LedgerRow.user,
-            LedgerRow.start,
-            LedgerRow.end,
-            LedgerRow.gpus,
-            LedgerRow.weight,
-        ).where(LedgerRow.end > now - horizon)
-        closed = (
-            accounting.LedgerEntry(slice_id, project, user, start, end, gpus * weight, gpus)
-            for slice_id, project, user, start, end, gpus, weight in session.execute(ledger)
-        )
         if policy.half_life is None:
-            usage = accounting.usage_by_project(closed, (), now, policy.window)
+            usage = self.journal.closed_usage(session, now, policy.window)
             # A single writer keeps what held slices accrued from one pass to the next.
             charges = self._running_charges or accounting.RunningCharges()
             running_usage = charges.usage(live, costs.node_types, costs.weights, now, policy.window)
             for project, amount in running_usage.items():
                 usage[project] = usage.get(project, 0.0) + amount
             return usage
+        horizon = accounting.usage_horizon(policy.window, policy.half_life)
+        closed = ledger_since(session, now - horizon)
         running = [costs.running(slice_) for slice_ in live if slice_.state in HELD_STATES]
         return accounting.usage_by_project(
             closed,

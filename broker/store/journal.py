@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from sqlalchemy import event, select
 from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
+from ..core.accounting import ClosedCharges, LedgerEntry, usage_by_project
 from ..core.fairshare import ProjectTree
 from ..core.model import Slice
 from ..orm import (
@@ -32,6 +33,7 @@ from ..orm import (
     DatabaseNotInitialized,
     DatabaseOutOfDate,
     GpuTypeRow,
+    LedgerRow,
     MemberRow,
     NodeRow,
     SliceRow,
@@ -40,7 +42,16 @@ from ..orm import (
     migrate,
     take_write_lock,
 )
-from .rows import LIVE_STATES, _accounts, _Costs, _members, _nodes, _to_slice, _weights
+from .rows import (
+    LIVE_STATES,
+    _accounts,
+    _Costs,
+    _ledger_entry,
+    _members,
+    _nodes,
+    _to_slice,
+    _weights,
+)
 from .views import _row_view
 
 #: The rows the catalog is read from: writing any of them changes it.
@@ -96,6 +107,9 @@ class Journal:
         # kept between transactions by a single writer, else loaded once per pass.
         # Every flush of a slice updates it; any rollback drops it.
         self._live: dict[int, _LiveSlice] | None = None
+        # What the window's closed charges add to usage, kept by a single writer
+        # under the same rule: every flushed charge is added, any rollback drops it.
+        self._closed: ClosedCharges | None = None
         self.engine = make_engine(url, timeout=db_timeout)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._reads = sessionmaker(self.engine.execution_options(**{READ_ONLY_OPTION: True}))
@@ -133,7 +147,7 @@ class Journal:
                 with self._group.begin_nested():
                     yield self._group
             except BaseException:
-                self._live = None
+                self._live = self._closed = None
                 raise
             return
         sessions = self.sessions if durable else self._not_durable
@@ -143,7 +157,7 @@ class Journal:
                 take_write_lock(session.connection())
                 yield session
         except BaseException:
-            self._live = None
+            self._live = self._closed = None
             raise
         finally:
             self._transaction_depth -= 1
@@ -189,6 +203,26 @@ class Journal:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
         return self._live
 
+    def closed_usage(self, session: Session, now: float, window: float) -> dict[str, float]:
+        """What the charges of ended holdings add to each project's usage at ``now``
+        in a hard ``window``: kept by a single writer, else read now."""
+        session.flush()  # the transaction's own charges count
+        kept = self._closed
+        if kept is not None and kept.window_us == round(window * 1e6):
+            usage = kept.usage(now)
+            if usage is not None:
+                return usage
+        entries = ledger_since(session, now - window)
+        charges = ClosedCharges(window)
+        for entry in entries:
+            charges.add(entry)
+        usage = charges.usage(now)
+        if usage is None:  # an entry ends after now (a clock gone back): entry by entry
+            self._closed = None
+            return usage_by_project(entries, (), now, window)
+        self._closed = charges if self.single_writer else None
+        return usage
+
     def live_values(self, session: Session) -> list[Slice]:
         """The live slices' values as ``session`` sees them, oldest first: from memory
         where they are kept (a single writer, a write under way), else read now."""
@@ -207,7 +241,10 @@ class Journal:
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
         for row in (*session.new, *session.dirty):
-            if isinstance(row, SliceRow):
+            if isinstance(row, LedgerRow):
+                if self._closed is not None:
+                    self._closed.add(_ledger_entry(row))
+            elif isinstance(row, SliceRow):
                 if self._live is None:
                     continue
                 if row.state in LIVE_STATES:
@@ -228,6 +265,8 @@ class Journal:
             self.catalog_changes()
         if SliceRow in classes:
             self._live = None
+        if LedgerRow in classes:
+            self._closed = None
 
     def _settle_catalog(self) -> None:
         # Committed or rolled back, the change is settled once the outermost
@@ -244,6 +283,28 @@ class Journal:
             return
         with self._reads() as session:
             yield session
+
+
+def ledger_since(session: Session, since: float) -> list[LedgerEntry]:
+    """The charges of holdings that ended after ``since``."""
+    # Plain rows, not ORM objects: the window's ledger is the largest thing read (an
+    # entry per holding ended in it), and an object per entry cost more than the
+    # rest of the read.
+    rows = session.execute(
+        select(
+            LedgerRow.slice_id,
+            LedgerRow.project,
+            LedgerRow.user,
+            LedgerRow.start,
+            LedgerRow.end,
+            LedgerRow.gpus,
+            LedgerRow.weight,
+        ).where(LedgerRow.end > since)
+    )
+    return [
+        LedgerEntry(slice_id, project, user, start, end, gpus * weight, gpus)
+        for slice_id, project, user, start, end, gpus, weight in rows
+    ]
 
 
 class _Catalog:
