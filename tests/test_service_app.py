@@ -8,6 +8,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from servicefixtures import TEST_CONFIG, make_service, service_env
 from traitlets import TraitError
 
@@ -30,7 +32,7 @@ from broker.service.auth import (
     revoke_token,
     revoke_user_tokens,
 )
-from broker.service.runner import SliceWatchers, next_deadline
+from broker.service.runner import Deadlines, SliceWatchers, next_deadline
 from broker.service.schema import COMPONENTS, ref, validate
 from broker.slurm.inventory import SlurmInventory
 
@@ -82,9 +84,9 @@ def test_options_from_the_command_line_are_checked(clean_env):
 
 def test_the_inventory_is_chosen_by_entry_point_name_or_by_class(clean_env):
     assert BrokerApp().inventory_class is StaticInventory
-    for given in ("kubernetes", "Kubernetes", "broker.kube.inventory.KubernetesInventory"):
+    for named in ("kubernetes", "Kubernetes", "broker.kube.inventory.KubernetesInventory"):
         app = BrokerApp()
-        app.parse_command_line([f"--BrokerApp.inventory_class={given}"])
+        app.parse_command_line([f"--BrokerApp.inventory_class={named}"])
         assert app.inventory_class is KubernetesInventory
     assert BrokerApp(inventory_class="nvidia-smi").inventory_class is LocalInventory
     app = BrokerApp(inventory_class=KubernetesInventory)
@@ -482,6 +484,40 @@ def _slice(**fields):
 )  # fmt: skip
 def test_the_next_deadline(slices, expected):
     assert next_deadline(slices, now=100) == expected
+
+
+DEADLINE_FIELDS = ["protected_until", "preempt_deadline", "lease_expires_at", "granted_at"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["new view", "new view", "gone", "time"]),
+            st.integers(0, 6),
+            st.sampled_from(
+                ["protected_until", "preempt_deadline", "lease_expires_at", "granted_at"]
+            ),
+            st.integers(0, 60),
+        ),
+        max_size=30,
+    )
+)
+def test_deadlines_kept_between_passes_answer_as_next_deadline(steps):
+    """Views replaced (a slice the pass changed), slices gone and time passing:
+    the kept heap answers what a walk over every live slice answers."""
+    kept = Deadlines()
+    live: dict[int, dict] = {}
+    now = 100.0
+    for what, slice_id, field, at in steps:
+        live = dict(live)  # each pass hands over a map of its own
+        if what == "new view":  # with max_runtime, granted_at makes a deadline too
+            live[slice_id] = _slice(**{field: now + at - 10}, max_runtime=20)
+        elif what == "gone":
+            live.pop(slice_id, None)
+        else:
+            now += at
+        assert kept.next_after(live, now) == next_deadline(live.values(), now)
 
 
 async def test_waiters_wake_on_news_only():

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
 import threading
 import time
@@ -102,13 +103,48 @@ def next_deadline(live: Iterable[Mapping[str, Any]], now: float) -> float | None
     """
     earliest: float | None = None
     for slice_ in live:
-        times = [slice_.get(key) for key in DEADLINE_KEYS]
-        if slice_.get("granted_at") is not None and slice_.get("max_runtime") is not None:
-            times.append(slice_["granted_at"] + slice_["max_runtime"])
-        for at in times:
-            if at is not None and at > now and (earliest is None or at < earliest):
+        for at in _deadlines(slice_):
+            if at > now and (earliest is None or at < earliest):
                 earliest = at
     return earliest
+
+
+def _deadlines(slice_: Mapping[str, Any]) -> list[float]:
+    times = [at for at in map(slice_.get, DEADLINE_KEYS) if at is not None]
+    if slice_.get("granted_at") is not None and slice_.get("max_runtime") is not None:
+        times.append(slice_["granted_at"] + slice_["max_runtime"])
+    return times
+
+
+class Deadlines:
+    """:func:`next_deadline` of one pass's live slices after another, reading only
+    the slices whose view is new since the last pass (a pass keeps the view of
+    every slice it did not change): a heap of their deadlines, where one of a view
+    replaced or gone is skipped when it comes up."""
+
+    def __init__(self) -> None:
+        self._seen: Mapping[int, Mapping[str, Any]] = {}
+        # (deadline, n, slice id, the view it was read from); n breaks ties
+        self._heap: list[tuple[float, int, int, Mapping[str, Any]]] = []
+        self._pushed = 0
+
+    def next_after(self, live: Mapping[int, Mapping[str, Any]], now: float) -> float | None:
+        if len(self._heap) > 4 * len(live) + 64:  # mostly views replaced since: start again
+            self._seen, self._heap = {}, []
+        seen = self._seen
+        for slice_id, view in live.items():
+            if seen.get(slice_id) is not view:
+                for at in _deadlines(view):
+                    self._pushed += 1
+                    heapq.heappush(self._heap, (at, self._pushed, slice_id, view))
+        self._seen = live
+        heap = self._heap
+        while heap:
+            at, _, slice_id, view = heap[0]
+            if at > now and live.get(slice_id) is view:
+                return at
+            heapq.heappop(heap)  # past (time only moves on), or of a view replaced or gone
+        return None
 
 
 class _Keys(Mapping[int, SliceKey]):
@@ -250,6 +286,7 @@ class BrokerRunner:
         self.db_timeout = db_timeout
         # The live slices as the last pass (or a later change) left them, by id.
         self._live: dict[int, dict[str, Any]] = {}
+        self._deadlines = Deadlines()
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
@@ -611,7 +648,7 @@ class BrokerRunner:
         self.passes += 1
         self._between_passes.clear()
         self.metrics.record_pass(decisions, live, seconds)
-        self.next_wake = next_deadline(live.values(), time.time())
+        self.next_wake = self._deadlines.next_after(live, time.time())
         self.watchers.publish(_Keys(live), complete=True)
         self._live = live  # the pass's own map: nothing else keeps it
         if decisions.grants or decisions.preemptions or decisions.endings:
