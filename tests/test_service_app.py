@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from broker.service.auth import (
     AGENT_SCOPE,
     HubAuthenticator,
     Identity,
+    TokenAuthenticator,
     TokenStore,
     Unavailable,
     create_token,
@@ -451,6 +453,35 @@ async def test_hub_tokens_become_identities_by_scope():
         await auth.authenticate("other")
     with pytest.raises(Unavailable):
         await auth.authenticate("hub-down")
+
+
+async def test_requests_with_one_token_wait_for_one_look_up(tmp_path):
+    """A client's requests miss the cache together once its answer is too old:
+    they share one look-up on the database thread instead of queueing one each."""
+    store = TokenStore(f"sqlite:///{tmp_path / 'tokens.sqlite'}")
+    token = store.create("erin")
+    looked_up: list[str] = []
+    go = asyncio.Event()
+
+    async def run(verify):
+        looked_up.append("look-up")
+        await go.wait()  # the database thread is busy meanwhile
+        return verify()
+
+    auth = TokenAuthenticator(store, run, cache_max_age=0.0)
+    try:
+        asking = [asyncio.ensure_future(auth.authenticate(token)) for _ in range(10)]
+        asking += [asyncio.ensure_future(auth.authenticate("sb_1_forged")) for _ in range(3)]
+        await asyncio.sleep(0)
+        go.set()
+        answers = await asyncio.gather(*asking)
+        assert answers == [Identity("erin")] * 10 + [None] * 3
+        assert looked_up == ["look-up", "look-up"]  # one per token
+        # once answered, a later request looks up again (nothing cached: max age 0)
+        assert await auth.authenticate(token) == Identity("erin")
+        assert len(looked_up) == 3
+    finally:
+        auth.close()
 
 
 # ---- the scheduling loop's helpers -----------------------------------------------------------

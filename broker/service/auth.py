@@ -18,6 +18,7 @@ token ever leaves this module.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -326,20 +327,31 @@ class TokenAuthenticator(Authenticator):
         self._run = run
         self.admins = frozenset(admins)
         self._cache = _Cache(cache_max_age)
+        # Look-ups under way, by token key: requests that arrive with the same token
+        # while its answer is looked up wait for that one look-up (a client's
+        # requests all miss the cache together once its answer is too old).
+        self._looking_up: dict[str, asyncio.Future] = {}
 
     async def authenticate(self, token: str) -> Identity | None:
         key = token_key(token)
         found, identity = self._cache.get(key)
-        if not found:
-            info = await self._run(lambda: self.store.verify(token))
-            identity = None
-            if info is not None:
-                identity = Identity(
-                    name=info.user,
-                    admin=info.admin or info.user in self.admins,
-                    agent=info.agent,
-                )
-            self._cache.put(key, identity)
+        if found:
+            return identity
+        looking_up = self._looking_up.get(key)
+        if looking_up is None:
+            looking_up = asyncio.ensure_future(self._look_up(key, token))
+            self._looking_up[key] = looking_up
+            looking_up.add_done_callback(lambda _: self._looking_up.pop(key, None))
+        return await asyncio.shield(looking_up)
+
+    async def _look_up(self, key: str, token: str) -> Identity | None:
+        info = await self._run(lambda: self.store.verify(token))
+        identity = None
+        if info is not None:
+            identity = Identity(
+                name=info.user, admin=info.admin or info.user in self.admins, agent=info.agent
+            )
+        self._cache.put(key, identity)
         return identity
 
     def close(self) -> None:
