@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from broker.config import parse_config
 from broker.core.model import Node, NodeState
 from broker.errors import BrokerError
 from broker.store import Broker
+from broker.store.access import Caller, NotYours
 from tests.test_store import ask, cluster
 
 USERS = ("alice", "bob", "carol")
@@ -132,3 +134,39 @@ def test_a_pass_that_drains_a_node_is_seen_by_the_next_request(broker):
     assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "drained"
     broker.sync_inventory([Node("h0", "h100", 4, NodeState.DOWN), Node("b0", "b200", 4)])
     assert {n["name"]: n["state"] for n in broker.nodes()}["h0"] == "down"
+
+
+def test_a_kept_slice_s_heartbeat_is_one_write_that_others_read(broker, db_url, clock):
+    """A single writer renews a live slice's lease from its own copy (no read of the
+    row): what it writes is what a Broker reading the database sees, and another
+    user's heartbeat is refused before anything is written."""
+    held = ask(broker)
+    broker.run_pass()
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        clock.advance(120)
+        statements: list[str] = []
+        record = _record(statements)
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        before = reader.get_slice(held["id"])["lease_expires_at"]
+        answer = broker.heartbeat(held["id"], caller=Caller("alice"))
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert answer == reader.get_slice(held["id"])  # charged to now, as read
+        assert answer["lease_expires_at"] == clock() + broker.lease > before
+        slice_reads = [s for s in statements if s.startswith("SELECT") and "FROM slices" in s]
+        assert slice_reads == [] and sum(s.startswith("UPDATE slices") for s in statements) == 1
+        clock.advance(broker.lease - 90)  # past the lease of the grant, not the renewed one
+        broker.run_pass()
+        assert broker.get_slice(held["id"])["state"] == "granted"
+        with pytest.raises(NotYours):
+            broker.heartbeat(held["id"], caller=Caller("bob"))
+        assert reader.get_slice(held["id"])["lease_expires_at"] == answer["lease_expires_at"]
+    finally:
+        reader.close()
+
+
+def _record(statements: list[str]):
+    def before_cursor_execute(_conn, _cursor, statement, *_args) -> None:
+        statements.append(" ".join(statement.split()))
+
+    return before_cursor_execute

@@ -33,9 +33,14 @@ def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceR
     row = session.get(SliceRow, slice_id)
     if row is None:
         raise NotFound(f"no slice {slice_id}")
-    if caller is not None and not caller.admin and row.user != caller.name:
-        raise NotYours(f"slice {slice_id} belongs to another user")
+    _check_owner(slice_id, row.user, caller)
     return row
+
+
+def _check_owner(slice_id: int, user: str, caller: Caller | None) -> None:
+    """:class:`NotYours` unless ``caller`` (if any) is ``user`` or an admin."""
+    if caller is not None and not caller.admin and user != caller.name:
+        raise NotYours(f"slice {slice_id} belongs to another user")
 
 
 def _check_member(

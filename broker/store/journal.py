@@ -17,10 +17,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from sqlalchemy import event, select
+from sqlalchemy import event, select, update
 from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from ..core.accounting import ClosedCharges, LedgerEntry, usage_by_project
@@ -56,6 +56,10 @@ from .views import _row_view
 
 #: The rows the catalog is read from: writing any of them changes it.
 CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
+
+#: Execution option of a statement whose effect on the live slices the journal
+#: applies itself (:meth:`Journal.renew_lease`), so they are not read again.
+FOLLOWED_OPTION = "slicebroker_followed"
 
 #: The live slices' rows, oldest first.
 LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
@@ -203,6 +207,29 @@ class Journal:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
         return self._live
 
+    def kept_live(self, session: Session, slice_id: int) -> _LiveSlice | None:
+        """Live slice ``slice_id`` as a single writer keeps it; None where it is not
+        live or not kept (the caller reads its row)."""
+        if not self.single_writer:
+            return None
+        return self.live_slices(session).get(slice_id)
+
+    def renew_lease(self, session: Session, slice_id: int, expires_at: float) -> _LiveSlice:
+        """Write a kept live slice's new lease expiry in one statement (no row read)
+        and keep it; returns the slice as now kept."""
+        session.execute(
+            update(SliceRow).where(SliceRow.id == slice_id).values(lease_expires_at=expires_at),
+            execution_options={FOLLOWED_OPTION: True},
+        )
+        assert self._live is not None  # kept_live answered it
+        entry = self._live[slice_id]
+        renewed = _LiveSlice(
+            replace(entry.slice, lease_expires_at=expires_at),
+            {**entry.view, "lease_expires_at": expires_at},
+        )
+        self._live[slice_id] = renewed
+        return renewed
+
     def closed_usage(self, session: Session, now: float, window: float) -> dict[str, float]:
         """What the charges of ended holdings add to each project's usage at ``now``
         in a hard ``window``: kept by a single writer, else read now."""
@@ -259,6 +286,8 @@ class Journal:
         ``delete``): of catalog rows, it changes the catalog; of slices, the live
         slices are read again."""
         if not (state.is_insert or state.is_update or state.is_delete):
+            return
+        if state.execution_options.get(FOLLOWED_OPTION, False):
             return
         classes = {mapper.class_ for mapper in state.all_mappers}
         if classes.intersection(CATALOG_ROWS):

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from ..config import ClusterConfig
+from ..core.model import Slice
 from ..orm import NodeRow, ProjectEventRow, SliceRow
 from .rows import HELD_STATES, _accounts, _Costs, _members, _to_slice
 
@@ -17,9 +18,21 @@ def _slice_dict(row: SliceRow, now: float, costs: _Costs) -> dict[str, Any]:
     """A slice as design.md §8 shows it; a held allocated slice's charge accrues to ``now``."""
     view = _row_view(row)
     if row.state in HELD_STATES:
-        entry = costs.entry(_to_slice(row), now)
-        view["charged_gpu_seconds"] += entry.weighted_gpu_seconds if entry else 0.0
+        _accrue(view, _to_slice(row), now, costs)
     return view
+
+
+def _kept_dict(view: dict[str, Any], slice_: Slice, now: float, costs: _Costs) -> dict[str, Any]:
+    """:func:`_slice_dict` of a live slice kept in memory: its view and its value."""
+    answer = dict(view)
+    if slice_.holds_gpus:
+        _accrue(answer, slice_, now, costs)
+    return answer
+
+
+def _accrue(view: dict[str, Any], slice_: Slice, now: float, costs: _Costs) -> None:
+    entry = costs.entry(slice_, now)
+    view["charged_gpu_seconds"] += entry.weighted_gpu_seconds if entry else 0.0
 
 
 def _row_view(row: SliceRow) -> dict[str, Any]:
