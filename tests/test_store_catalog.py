@@ -161,6 +161,13 @@ def test_a_kept_slice_s_heartbeat_is_one_write_that_others_read(broker, db_url, 
         with pytest.raises(NotYours):
             broker.heartbeat(held["id"], caller=Caller("bob"))
         assert reader.get_slice(held["id"])["lease_expires_at"] == answer["lease_expires_at"]
+        # Refused before it wrote anything: what is kept still holds, nothing is read
+        # again (a stream of refused requests cannot make every pass reload the slices).
+        statements.clear()
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        broker.heartbeat(held["id"], caller=Caller("alice"))
+        broker.run_pass()
+        assert [s for s in statements if "FROM slices" in s and s.startswith("SELECT")] == []
     finally:
         reader.close()
 

@@ -114,6 +114,11 @@ class Journal:
         # What the window's closed charges add to usage, kept by a single writer
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
+        # Writes the journal saw reach the database (flushes and statements): a
+        # rollback of a transaction or savepoint that saw none leaves what is kept
+        # as the database has it, so a refused request does not make the next pass
+        # read every live slice again.
+        self._writes_seen = 0
         self.engine = make_engine(url, timeout=db_timeout)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._reads = sessionmaker(self.engine.execution_options(**{READ_ONLY_OPTION: True}))
@@ -145,13 +150,14 @@ class Journal:
         """
         if durable is None:
             durable = _DURABLE.get()
+        seen = self._writes_seen
         if self._group is not None:
             # Inside a group commit: a savepoint, so that a refusal undoes only its own.
             try:
                 with self._group.begin_nested():
                     yield self._group
             except BaseException:
-                self._live = self._closed = None
+                self._rolled_back(seen)
                 raise
             return
         sessions = self.sessions if durable else self._not_durable
@@ -161,7 +167,7 @@ class Journal:
                 take_write_lock(session.connection())
                 yield session
         except BaseException:
-            self._live = self._closed = None
+            self._rolled_back(seen)
             raise
         finally:
             self._transaction_depth -= 1
@@ -206,6 +212,12 @@ class Journal:
         if self._live is None:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
         return self._live
+
+    def _rolled_back(self, seen: int) -> None:
+        """A transaction or savepoint that began when ``seen`` writes had been seen
+        was rolled back: what it wrote is gone, so is what is kept of it."""
+        if self._writes_seen != seen:
+            self._live = self._closed = None
 
     def kept_live(self, session: Session, slice_id: int) -> _LiveSlice | None:
         """Live slice ``slice_id`` as a single writer keeps it; None where it is not
@@ -262,6 +274,7 @@ class Journal:
         slices go last and the order stays oldest first); a catalog row written
         changes the catalog. One walk over what the flush wrote: a pass's flush
         writes every slice it decided about."""
+        self._writes_seen += 1
         for row in session.deleted:
             if isinstance(row, SliceRow):
                 self._live = None
@@ -287,6 +300,7 @@ class Journal:
         slices are read again."""
         if not (state.is_insert or state.is_update or state.is_delete):
             return
+        self._writes_seen += 1
         if state.execution_options.get(FOLLOWED_OPTION, False):
             return
         classes = {mapper.class_ for mapper in state.all_mappers}
