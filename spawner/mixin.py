@@ -1068,7 +1068,7 @@ class SliceBrokerMixin(Configurable):
         except BrokerAPIError as err:
             self.log.debug("No alternatives for slice %s: %s", slice_id, err.message)
             return
-        self._sooner = notices.sooner_text(found, s)
+        self._sooner = notices.sooner_text(found, s, asked_at=time.time())
 
     async def _end_session(self, slice_id: int, why: str | None = None) -> None:
         """The slice is over (or the session ``why``, e.g. idle): stop the server and let

@@ -385,9 +385,20 @@ def wait_reason(
     return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
 
 
-def sooner_text(found: Mapping[str, Any], slice_: Mapping[str, Any], most: int = 3) -> str:
+#: An answer on alternatives older than this (s) says when it was worked out: a busy
+#: broker answers again what it last computed (design.md §5.8).
+SOONER_STALE_AFTER_S = 60.0
+
+
+def sooner_text(
+    found: Mapping[str, Any],
+    slice_: Mapping[str, Any],
+    most: int = 3,
+    asked_at: float | None = None,
+) -> str:
     """What would start a waiting request sooner (``GET /slices/{id}/alternatives``), in
-    words: "Start sooner with 1 GPU instead of 2: now (1.00 GPU-h protected) · …"."""
+    words: "Start sooner with 1 GPU instead of 2: now (1.00 GPU-h protected) · …";
+    with ``asked_at``, an answer worked out well before it says when."""
     now = found.get("now") or 0.0
     items = []
     for alternative in list(found.get("alternatives") or ())[:most]:
@@ -395,7 +406,12 @@ def sooner_text(found: Mapping[str, Any], slice_: Mapping[str, Any], most: int =
         when = "now" if starts <= now else f"in about {minutes(starts - now)}"
         what = instead_text(alternative["change"], alternative["fields"], slice_)
         items.append(f"{what}: {when} ({alternative['gpu_hours']:.2f} GPU-h protected)")
-    return f"Start sooner with {' · '.join(items)}." if items else ""
+    if not items:
+        return ""
+    text = f"Start sooner with {' · '.join(items)}."
+    if asked_at is not None and asked_at - now > SOONER_STALE_AFTER_S:
+        text += f" (As the broker worked it out at {clock_time(now)}; it may have changed.)"
+    return text
 
 
 def queue_event(

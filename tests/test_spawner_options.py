@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from spawner.notices import (
+    clock_time,
     describe,
     notice_from_slice,
     notices_for,
@@ -593,6 +594,12 @@ def test_the_pending_message_says_what_would_start_the_request_sooner():
     assert 'id="sb-sooner"' in event["html_message"]
     # nothing sooner: nothing said
     assert sooner_text({"now": NOON, "alternatives": []}, request_) == ""
+    # an answer a busy broker gave again (past its what-if budget) says when it is from
+    assert sooner_text(found, request_, asked_at=NOON + 30) == sooner
+    later = sooner_text(found, request_, asked_at=NOON + 600)
+    assert later.startswith(sooner) and later.endswith(
+        f"(As the broker worked it out at {clock_time(NOON)}; it may have changed.)"
+    )
 
 
 def test_the_expected_start_line_follows_the_project_chosen_in_the_browser(browser):
