@@ -19,6 +19,7 @@ from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
 from broker.core.model import Account, Node, NodeState, Policy, SliceKind, SliceState, Snapshot
 from broker.core.ordering import queue_order
+from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply
@@ -141,6 +142,10 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
             debug[s.user] = debug.get(s.user, 0) + s.gpus
     held = kept.holdings()
     assert (held.gpus, held.allocated, held.debug) == (gpus, allocated, debug)
+    ready = [n for n in snap.nodes if n.state is NodeState.READY]
+    taken = [p for s in slices if s.holds_gpus for p in s.placements]
+    fresh, kept_map = FreeGpus(ready, snap.gpu_type_weights, taken), kept.free_map(ready, WEIGHTS)
+    assert (kept_map.free, kept_map._buckets) == (fresh.free, fresh._buckets)
 
     def due(s) -> bool:
         if s.lease_expires_at is not None and now >= s.lease_expires_at:

@@ -12,6 +12,8 @@ otherwise find by walking or sorting every live slice:
 - what they hold, in whole GPUs (:class:`Holdings`): per project, per project
   and GPU type for fair share, per user in the debug lane — integers, so that
   an index kept for weeks adds up exactly as a fresh one;
+- the free map of the ``ready`` nodes as the holders leave it, which a pass
+  copies instead of building it from every holder;
 - when each slice is due to end (max runtime, grace, lease), so that the first
   phase looks only at slices that are due or on a node that went away.
 
@@ -29,8 +31,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
-from .model import Node, NodeState, Policy, Slice, Snapshot
+from .model import Node, NodeState, Placement, Policy, Slice, Snapshot
 from .ordering import within_project_key
+from .placement import FreeGpus
 from .preemption import is_debug
 
 
@@ -78,6 +81,12 @@ class PassState:
         self.node_types: dict[str, str] = {}
         self.policy: Policy | None = None
         self.held = Holdings()
+        # The free map of the ready nodes, built when a pass first asks for it and
+        # then moved by each holder filed or forgotten; (node, GPU) -> how many
+        # holders hold it, so that a GPU is free again only once none does.
+        self._free: FreeGpus | None = None
+        self._free_for: tuple = ()  # the ready nodes and weights it is for
+        self._holding_gpu: dict[tuple[str, int], int] = {}
         self.slices: dict[int, Slice] = {}
         # (allocated, project) -> that project's pending slices in its queue
         # order, and their sort keys (kept apart so that a pass joins the
@@ -124,6 +133,7 @@ class PassState:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self.held = Holdings()
+        self._free, self._holding_gpu = None, {}
 
     def _build(self, slices: tuple[Slice, ...]) -> None:
         """File ``slices`` into an empty index: each list sorted once, not kept
@@ -138,6 +148,7 @@ class PassState:
                 for placement in slice_.placements:
                     self.holders.setdefault(placement.node, set()).add(slice_.id)
                 self.held.add(slice_, self.node_types, self.policy, 1)
+                self._hold(slice_.placements, 1)
             else:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
@@ -176,6 +187,45 @@ class PassState:
                 held.add(slice_, self.node_types, self.policy, -1)
         return held
 
+    def free_map(
+        self, ready: list[Node], weights: Mapping[str, float], without: Iterable[Slice] = ()
+    ) -> FreeGpus:
+        """The free GPUs of the ``ready`` nodes as the holders, less the slices
+        ``without``, leave them: a copy to change."""
+        key = (tuple(ready), tuple(sorted(weights.items())))
+        if self._free is None or key != self._free_for:
+            taken = [Placement(node, (gpu,)) for node, gpu in self._holding_gpu]
+            self._free, self._free_for = FreeGpus(ready, weights, taken), key
+        free = self._free.copy()
+        leaving: dict[tuple[str, int], int] = {}
+        for slice_ in without:
+            if slice_.holds_gpus:
+                for placement in slice_.placements:
+                    for gpu in placement.gpu_indices:
+                        leaving[placement.node, gpu] = leaving.get((placement.node, gpu), 0) + 1
+        free.give(
+            Placement(node, (gpu,))
+            for (node, gpu), count in leaving.items()
+            if self._holding_gpu.get((node, gpu), 0) <= count
+        )
+        return free
+
+    def _hold(self, placements: tuple[Placement, ...], step: int) -> None:
+        """Count ``placements``' GPUs as held (``step`` 1) or given back (-1), and move
+        the free map where a GPU's first holder comes or last one goes."""
+        counts = self._holding_gpu
+        for placement in placements:
+            for gpu in placement.gpu_indices:
+                key = (placement.node, gpu)
+                count = counts.get(key, 0) + step
+                if count:
+                    counts[key] = count
+                else:
+                    del counts[key]
+                if self._free is not None and count == (1 if step > 0 else 0):
+                    change = self._free.take if step > 0 else self._free.give
+                    change((Placement(placement.node, (gpu,)),))
+
     def pending(self) -> Iterator[Slice]:
         """The pending slices, in no particular order."""
         for _, slices in self.queues.values():
@@ -199,6 +249,7 @@ class PassState:
             for placement in slice_.placements:
                 self.holders.setdefault(placement.node, set()).add(slice_.id)
             self.held.add(slice_, self.node_types, self.policy, 1)
+            self._hold(slice_.placements, 1)
         else:
             keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
             key = _queue_key(slice_)
@@ -217,6 +268,7 @@ class PassState:
                 if not held:
                     del self.holders[placement.node]
             self.held.add(slice_, self.node_types, self.policy, -1)
+            self._hold(slice_.placements, -1)
         else:
             where = (slice_.allocated, slice_.project)
             keys, slices = self.queues[where]

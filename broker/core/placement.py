@@ -50,6 +50,17 @@ class FreeGpus:
         # Any type, cheapest first; the set of types is fixed once built.
         self._cheapest_first = sorted(self._buckets, key=lambda t: (weights.get(t, 1.0), t))
 
+    def copy(self) -> FreeGpus:
+        """A free map of its own to change, as this one is now (nodes and weights shared)."""
+        other = FreeGpus.__new__(FreeGpus)
+        other.nodes, other.weights = self.nodes, self.weights
+        other.free = {name: set(free) for name, free in self.free.items()}
+        other.free_total = self.free_total
+        other.largest, other.total = dict(self.largest), dict(self.total)
+        other._buckets = {t: [list(b) for b in buckets] for t, buckets in self._buckets.items()}
+        other._cheapest_first = self._cheapest_first
+        return other
+
     def _bucket(self, gpu_type: str, count: int) -> list[str]:
         buckets = self._buckets.setdefault(gpu_type, [])
         while len(buckets) <= count:

@@ -37,7 +37,6 @@ from .model import (
     Snapshot,
 )
 from .ordering import lane_first, project_rank, queue_order, within_project_key
-from .placement import FreeGpus
 from .preemption import (
     DebugLane,
     Preemptor,
@@ -257,9 +256,8 @@ class _Pass:
             for slice_ in map(self.live.__getitem__, self.ids):
                 if slice_.id not in self.ended:
                     (self.holding if slice_.holds_gpus else self.pending).append(slice_)
-        self.free = FreeGpus(
-            ready, self.snap.gpu_type_weights, (p for s in self.holding for p in s.placements)
-        )
+        ended = [self.kept.slices[e.slice_id] for e in self.endings]
+        self.free = self.kept.free_map(ready, self.snap.gpu_type_weights, ended)
         self.largest_node = max(self.free.largest.values(), default=0)
         self._holders: dict[str, list[tuple[Slice, int]]] = {}  # see _holders_on
         # The window's share used is what the queue shows (the order itself is
@@ -267,7 +265,7 @@ class _Pass:
         self.values = self.tree.share_used(self.snap.usage)
         capacity = sum(node.gpu_count * self.snap.weight(node.gpu_type) for node in ready)
         # What the holders hold, from the index's counts: not a walk over them.
-        held = self.kept.holdings(self.kept.slices[e.slice_id] for e in self.endings)
+        held = self.kept.holdings(ended)
         wanting = {project for project, _ in held.allocated}
         wanting.update(s.project for s in self.pending if s.allocated)
         self.standings = Standings.now(self.tree, capacity, wanting)
