@@ -53,6 +53,17 @@ async def while_busy(runner: BrokerRunner, writes) -> list:
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def fail_the_next_flush(broker: Broker, error: Exception) -> None:
+    """The next flush of a durable write raises ``error`` once it has written."""
+    failures = [error]
+
+    def fails_once(_session, _context) -> None:
+        if failures:
+            raise failures.pop()
+
+    event.listen(broker.journal.sessions, "after_flush", fails_once)
+
+
 def submit(runner: BrokerRunner, user: str = "alice", project: str = "vision"):
     return runner.write(runner.broker.submit, user=user, project=project, gpus=1, kind="batch")
 
@@ -116,15 +127,9 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
             broker.submit, user="alice", project="vision", gpus=1, kind="batch"
         )
         assert held["state"] == "granted"
-        failures = [RuntimeError("the disk is full")]
-
-        def fails_once(_session, _context) -> None:
-            if failures:
-                raise failures.pop()
-
         # The release is written and flushed, then its flush fails: its savepoint is
         # undone, and the slice still holds its GPU.
-        event.listen(broker.journal.sessions, "after_flush", fails_once)
+        fail_the_next_flush(broker, RuntimeError("the disk is full"))
         release = runner.write(broker.release, held["id"])
         again = runner.submit(broker.submit, user="alice", project="vision", gpus=1, kind="batch")
         answers = await while_busy(runner, [release, again])
@@ -157,13 +162,7 @@ async def test_a_charge_undone_in_its_savepoint_leaves_no_trace_in_the_kept_usag
         clock[0] += 600.0
         await runner.write(broker.release, ended["id"])  # a charge kept by the writer
         clock[0] += 600.0
-        failures = [RuntimeError("the disk is full")]
-
-        def fails_once(_session, _context) -> None:
-            if failures:
-                raise failures.pop()
-
-        event.listen(broker.journal.sessions, "after_flush", fails_once)
+        fail_the_next_flush(broker, RuntimeError("the disk is full"))
         release = runner.write(broker.release, held["id"])
         answers = await while_busy(runner, [release])
         assert str(answers[0]) == "the disk is full"
