@@ -104,9 +104,10 @@ def change(rng: random.Random, kind: str, now: float, live: dict, nodes: dict, u
             del nodes[name]
         else:
             nodes[name] = replace(nodes[name], state=state)
-    elif kind == "retype":  # an admin changes a node's GPU type under its slices
+    elif kind == "retype":  # an admin changes a node's GPU type or size under its slices
         name = rng.choice(sorted(nodes))
-        nodes[name] = replace(nodes[name], gpu_type=rng.choice(sorted(WEIGHTS)))
+        gpus = rng.choice([nodes[name].gpu_count, 4, 8])
+        nodes[name] = replace(nodes[name], gpu_type=rng.choice(sorted(WEIGHTS)), gpu_count=gpus)
     elif kind == "usage":
         usage[rng.choice(PROJECTS)] = rng.uniform(0, 1e6)
     elif kind == "clock":

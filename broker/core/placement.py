@@ -77,8 +77,17 @@ class FreeGpus:
         self._change(placements, set.difference_update)
 
     def give(self, placements: Iterable[Placement]) -> None:
-        """Mark GPUs as free again."""
-        self._change(placements, set.update)
+        """Mark GPUs as free again: only GPUs their node has (a node may have been
+        made smaller under the slices that held them)."""
+        nodes = self.nodes
+        self._change(
+            (
+                Placement(p.node, tuple(i for i in p.gpu_indices if i < nodes[p.node].gpu_count))
+                for p in placements
+                if p.node in nodes
+            ),
+            set.update,
+        )
 
     def _change(self, placements: Iterable[Placement], how) -> None:
         for placement in placements:
