@@ -438,6 +438,7 @@ async def serving_in_process(
     max_wait: float = 10.0,
     authenticate_metrics: bool = True,
     admin_user: str = ADMIN_USER,
+    shed_after: float = 0.0,
 ) -> AsyncIterator[InProcessBroker]:
     """The service's application for ``db_url`` on a free port, in this event loop.
 
@@ -448,7 +449,7 @@ async def serving_in_process(
 
     cluster = parse_config(tomllib.loads(config))
     broker = Broker(db_url, cluster, lease=lease)
-    runner = BrokerRunner(broker, pass_interval=pass_interval)
+    runner = BrokerRunner(broker, pass_interval=pass_interval, shed_after=shed_after)
     store = TokenStore(db_url)
     authenticator = TokenAuthenticator(
         store, lambda fn: runner.run(fn), admins=cluster.admins, cache_max_age=0

@@ -12,6 +12,7 @@ import csv
 import io
 import logging
 import shutil
+import threading
 import time
 import tomllib
 from collections.abc import Callable
@@ -931,3 +932,46 @@ async def test_a_restore_of_a_slice_no_preemption_ended_is_refused_with_json(api
         reply = await api.call("POST", "/slices", token=token, json=body)
         assert error_code(reply, status) == code
     assert story(ok(await api.call("GET", "/slices", token=alice))["slices"]) == before
+
+
+async def test_an_overloaded_broker_refuses_at_once_all_but_heartbeats_and_releases(tmp_path):
+    """While the database thread's oldest work has waited past ``shed_after``, a read
+    or a submission is answered 503 ``overloaded`` with ``Retry-After`` at once; a
+    heartbeat and a release wait their turn and are answered. Once the queue is
+    worked off, requests are served again."""
+    async with serving_in_process(f"sqlite:///{tmp_path / 'b.sqlite'}", shed_after=0.2) as api:
+        alice = api.token("alice")
+        request = {"project": "vision", "gpus": 1, "kind": "batch"}
+        held = ok(await api.call("POST", "/slices", token=alice, json=request), 201)
+        kept = ok(await api.call("POST", "/slices", token=alice, json=request), 201)
+        go = threading.Event()
+        busy = asyncio.ensure_future(api.runner.run(go.wait))  # the database thread is held
+        behind = asyncio.ensure_future(api.runner.run(lambda: None))  # work queued behind it
+        try:
+            while api.runner.waiting_for() <= 0.2:
+                await asyncio.sleep(0.02)
+            for method, path, body in (
+                ("GET", f"/slices/{held['id']}", None),
+                ("POST", "/slices", request),
+                ("GET", "/projects", None),
+            ):
+                refused = await api.call(method, path, token=alice, json=body)
+                assert refused.status == 503, (method, path, refused.body)
+                assert refused.json["error"]["code"] == "overloaded"
+                assert int(refused.headers["Retry-After"]) >= 1
+            beat = asyncio.ensure_future(
+                api.call("POST", f"/slices/{held['id']}/heartbeat", token=alice)
+            )
+            release = asyncio.ensure_future(
+                api.call("DELETE", f"/slices/{kept['id']}", token=alice)
+            )
+            # both reach the broker while it is still behind: in flight, or refused
+            while api.in_flight.count < 2 and not (beat.done() or release.done()):
+                await asyncio.sleep(0.01)
+        finally:
+            go.set()
+            await busy
+            await behind
+        assert ok(await beat)["id"] == held["id"]  # answered after the queue, not refused
+        assert ok(await release)["state"] == "ended"
+        assert ok(await api.call("GET", f"/slices/{held['id']}", token=alice))["id"] == held["id"]

@@ -383,6 +383,18 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    shed_after = Float(
+        2.0,
+        help="""How long, in seconds, the oldest database work may have waited before the
+        broker refuses new requests at once (default 2; 0: never): 503 `overloaded` with
+        `Retry-After`, instead of answering after the queue (or `database_unavailable`
+        at `db_timeout`). Heartbeats and releases are never refused so: a lost
+        heartbeat ends a slice, and a release frees what the queue waits for. Lower
+        sheds sooner and keeps the answers it gives faster; higher refuses less in a
+        burst.
+        """,
+    ).tag(config=True)
+
     db_timeout = Float(
         10.0,
         help="""How long one database statement may wait, in seconds (default 10): SQLite's
@@ -460,7 +472,7 @@ class BrokerApp(Application):
             raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
-    @validate("max_wait", "token_cache_max_age")
+    @validate("max_wait", "token_cache_max_age", "shed_after")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
             raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
@@ -579,6 +591,7 @@ class BrokerApp(Application):
             db_timeout=self.db_timeout,
             grant_at_once=True,
             what_if_share=self.what_if_share,
+            shed_after=self.shed_after,
         )
         try:
             inventory = self.make_inventory()

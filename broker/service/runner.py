@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import functools
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -252,6 +253,18 @@ class DatabaseTimeout(BrokerError):
 
     status = 503
     code = "database_unavailable"
+    retry_after = 1.0  # seconds: the answer's Retry-After
+
+
+class Overloaded(BrokerError):
+    """More database work waits than ``shed_after`` allows: come back later."""
+
+    status = 503
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BrokerRunner:
@@ -275,9 +288,16 @@ class BrokerRunner:
         db_timeout: float | None = None,
         grant_at_once: bool = False,
         what_if_share: float = 0.1,
+        shed_after: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.broker = broker
+        self.shed_after = shed_after
+        # Work queued for the database thread and not started yet: ticket -> when it
+        # was queued (monotonic), oldest first; the thread takes it out as it starts.
+        self._queued: dict[int, float] = {}
+        self._queued_lock = threading.Lock()
+        self._tickets = itertools.count()
         self.grant_at_once = grant_at_once
         self.pass_interval = pass_interval
         # Passes further apart than this mean nobody could heartbeat meanwhile.
@@ -313,6 +333,42 @@ class BrokerRunner:
 
     # ---- database work ------------------------------------------------------------
 
+    def _queue(self, call: Callable[[], T]) -> tuple[int, Callable[[], T]]:
+        """``call`` counted as waiting for the database thread until it starts there."""
+        ticket = next(self._tickets)
+        with self._queued_lock:
+            self._queued[ticket] = time.monotonic()
+
+        def started() -> T:
+            self._unqueue(ticket)
+            return call()
+
+        return ticket, started
+
+    def _unqueue(self, ticket: int) -> None:
+        with self._queued_lock:
+            self._queued.pop(ticket, None)
+
+    def waiting_for(self) -> float:
+        """Seconds the oldest work queued for the database thread has waited (0: none)."""
+        with self._queued_lock:
+            oldest = next(iter(self._queued.values()), None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def check_load(self) -> None:
+        """:class:`Overloaded` while the database thread's queue holds work older than
+        ``shed_after`` seconds (0: never): a request refused at once, with when to come
+        back, instead of one answered after the queue or not at all."""
+        if self.shed_after <= 0:
+            return
+        waited = self.waiting_for()
+        if waited > self.shed_after:
+            raise Overloaded(
+                f"the broker is busy: its database work has waited {waited:.1f} s; "
+                "try again shortly",
+                retry_after=max(1.0, waited),
+            )
+
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the database thread, within ``db_timeout`` and
         its slack, else :class:`DatabaseTimeout`."""
@@ -329,7 +385,9 @@ class BrokerRunner:
         on the thread, and its answer is dropped.
         """
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        ticket, started = self._queue(functools.partial(fn, *args, **kwargs))
+        future = loop.run_in_executor(self.executor, started)
+        future.add_done_callback(lambda _: self._unqueue(ticket))  # also when never run
         if seconds is None:
             return await future
         try:
@@ -454,7 +512,7 @@ class BrokerRunner:
             self._writes.append(write)
             if not self._commit_queued:
                 self._commit_queued = True
-                self.executor.submit(self._commit_group, loop)
+                self.executor.submit(self._queue(functools.partial(self._commit_group, loop))[1])
         bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
         try:
             await asyncio.wait_for(asyncio.shield(write.future), bound)

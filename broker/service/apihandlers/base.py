@@ -111,6 +111,10 @@ class Operation:
     ok_description: str = "OK"
     content: Mapping[str, str | None] = field(default_factory=dict)
     errors: tuple[int, ...] = ()
+    #: Refused with 503 ``overloaded`` while the database thread is behind (the
+    #: runner's ``shed_after``); heartbeats and releases never are: a lost heartbeat
+    #: ends a slice, a release frees what the queue waits for.
+    shed: bool = True
 
     def param(self, name: str) -> Param:
         return next(p for p in self.parameters if p.name == name)
@@ -281,6 +285,8 @@ class APIHandler(web.RequestHandler):
             raise MethodNotAllowed(
                 f"{self.request.method} is not allowed on {bounded(self.request.path)}"
             )
+        if operation.shed:
+            self.settings["runner"].check_load()  # before any work of its own is queued
         auth = operation.auth
         if auth == "metrics" and not self.settings.get("authenticate_metrics", True):
             auth = "none"
@@ -375,6 +381,9 @@ class APIHandler(web.RequestHandler):
         self.set_status(status)  # send_error has reset the headers to the defaults: JSON, no-store
         if status == 401:
             self.set_header("WWW-Authenticate", "token")
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after is not None:
+            self.set_header("Retry-After", str(math.ceil(retry_after)))
         if not self._prepared:
             # Refused before its body was read: tornado closes the connection after this
             # answer, and a client that knows it will not send its next request on it.

@@ -215,6 +215,7 @@ class SliceHandler(_OwnedSliceHandler):
             parameters=(ID_PARAM,),
             content={"application/json": "Slice"},
             errors=(404,),
+            shed=False,
         ),
     }
 
@@ -291,6 +292,7 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
             parameters=(ID_PARAM,),
             content={"application/json": "Slice"},
             errors=(404,),
+            shed=False,
         )
     }
 
