@@ -452,7 +452,7 @@ async def serving_in_process(
     runner = BrokerRunner(broker, pass_interval=pass_interval, shed_after=shed_after)
     store = TokenStore(db_url)
     authenticator = TokenAuthenticator(
-        store, lambda fn: runner.run(fn), admins=cluster.admins, cache_max_age=0
+        store, runner.read_urgent, admins=cluster.admins, cache_max_age=0
     )
     app = make_app(
         runner, authenticator, max_wait=max_wait, authenticate_metrics=authenticate_metrics

@@ -16,7 +16,7 @@ from broker.config import parse_config
 from broker.errors import Forbidden
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
-from broker.store.journal import is_durable
+from broker.store.journal import is_durable, not_durable
 
 
 @pytest.fixture
@@ -177,3 +177,35 @@ async def test_a_charge_undone_in_its_savepoint_leaves_no_trace_in_the_kept_usag
     finally:
         await runner.stop()
         reader.close()
+
+
+async def test_heartbeats_commit_before_database_work_queued_ahead_of_them(runner):
+    """Under load the database thread's queue holds passes and reads; a heartbeat's
+    commit goes before them, so that its lease does not lapse while it waits."""
+    held = await submit(runner)
+    ran: list[str] = []
+
+    @not_durable
+    def heartbeat(broker: Broker, slice_id: int) -> dict:
+        ran.append("heartbeat")
+        return broker.heartbeat(slice_id)
+
+    on_thread, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        on_thread.set()
+        go.wait()
+
+    busy = asyncio.ensure_future(runner.run(hold))
+    while not on_thread.is_set():  # the database thread is busy from here on
+        await asyncio.sleep(0.01)
+    reads = [asyncio.ensure_future(runner.run(ran.append, f"read {i}")) for i in range(3)]
+    await asyncio.sleep(0)  # the reads are queued first
+    beat = asyncio.ensure_future(runner.write(heartbeat, runner.broker, held["id"]))
+    while not runner._writes[False]:  # queued behind the reads
+        await asyncio.sleep(0.01)
+    go.set()
+    await busy
+    await asyncio.gather(*reads)
+    assert (await beat)["id"] == held["id"]
+    assert ran == ["heartbeat", "read 0", "read 1", "read 2"]

@@ -670,7 +670,7 @@ class BrokerApp(Application):
             return HubAuthenticator.from_environment(self.token_cache_max_age)
         return TokenAuthenticator(
             TokenStore(self.db_url),
-            lambda fn: runner.read(fn),
+            runner.read_urgent,
             admins=admins,
             cache_max_age=self.token_cache_max_age,
         )

@@ -1,9 +1,12 @@
 """The service's engine room: database work off the event loop, and the scheduling loop.
 
 :class:`BrokerRunner` owns the :class:`~broker.store.Broker` and one worker
-thread. Every call into the Broker — requests, passes, token look-ups — runs on
-that thread, one after another, so the event loop never blocks on the
-database and database work in this process is serialised.
+thread (:mod:`.dbthread`). Every call into the Broker — requests, passes, token
+look-ups — runs on that thread, one after another, so the event loop never
+blocks on the database and database work in this process is serialised. The
+group commit of heartbeats and the look-up of tokens go before other waiting
+work: under load a heartbeat must not wait behind seconds of passes and reads
+until its lease lapses.
 
 Requests that write (:meth:`BrokerRunner.write`, :meth:`BrokerRunner.change`)
 are journaled by group commit: the writes that queued while the thread was
@@ -12,7 +15,8 @@ once; each request is answered only after that commit (design.md §8). Under
 load a commit, and its flush to disk, is shared by many requests; alone, a
 request waits for nothing more than its own commit. Requests in flight at the
 same time have no order between them, so a group runs its durable writes in one
-commit and the writes that may be lost (heartbeats) in another. Reads go through
+commit and the writes that may be lost (heartbeats) in another, queued apart.
+Reads go through
 :meth:`BrokerRunner.read`, which today uses the same thread: reads on threads
 of their own (they take no write lock) were measured slower under load, as
 they and the event loop then fight for the GIL (docs/benchmarks-api.md).
@@ -54,7 +58,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -64,6 +67,7 @@ from ..core.model import Decisions
 from ..errors import BrokerError
 from ..store import Broker
 from ..store.journal import is_durable
+from .dbthread import DatabaseThread
 from .metrics import BrokerMetrics
 
 log = logging.getLogger(__name__)
@@ -309,7 +313,7 @@ class BrokerRunner:
         self._deadlines = Deadlines()
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="slicebroker-db")
+        self.executor = DatabaseThread("slicebroker-db")
         self.next_wake: float | None = None  # epoch seconds of the next deadline
         self._wakes_at = 0.0  # epoch seconds at which the loop looks again, at the latest
         self.passes = 0
@@ -326,10 +330,11 @@ class BrokerRunner:
         self._what_if_spent = 0.0  # seconds, computations queued counted at their estimate
         self._what_if_cost = 0.0  # seconds the last one took: the next one's estimate
         self._what_if_last: OrderedDict[Hashable, Any] = OrderedDict()
-        # Writes waiting for the next group commit; the lock guards them and the flag.
-        self._writes: list[_Write] = []
+        # Writes waiting for the next group commit, by durability; the lock guards them
+        # and the flags (a commit of that durability queued on the database thread).
+        self._writes: dict[bool, list[_Write]] = {True: [], False: []}
         self._writes_lock = threading.Lock()
-        self._commit_queued = False
+        self._commit_queued = {True: False, False: False}
 
     # ---- database work ------------------------------------------------------------
 
@@ -375,18 +380,30 @@ class BrokerRunner:
         bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
         return await self.run_within(bound, fn, *args, **kwargs)
 
+    async def read_urgent(self, fn: Callable[[], T]) -> T:
+        """``fn()``, a small read every request waits for (a token's look-up), on the
+        database thread before the work that is not urgent (:mod:`.dbthread`)."""
+        bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
+        return await self.run_within(bound, fn, urgent=True)
+
     async def run_within(
-        self, seconds: float | None, fn: Callable[..., T], *args: Any, **kwargs: Any
+        self,
+        seconds: float | None,
+        fn: Callable[..., T],
+        *args: Any,
+        urgent: bool = False,
+        **kwargs: Any,
     ) -> T:
-        """``fn(*args, **kwargs)`` on the database thread; :class:`DatabaseTimeout`
-        unless it is done within ``seconds`` (``None``: no bound).
+        """``fn(*args, **kwargs)`` on the database thread (before the rest if
+        ``urgent``); :class:`DatabaseTimeout` unless it is done within ``seconds``
+        (``None``: no bound).
 
         On time-out a call still queued never runs; one already running finishes
         on the thread, and its answer is dropped.
         """
-        loop = asyncio.get_running_loop()
         ticket, started = self._queue(functools.partial(fn, *args, **kwargs))
-        future = loop.run_in_executor(self.executor, started)
+        submit = self.executor.submit_urgent if urgent else self.executor.submit
+        future = asyncio.wrap_future(submit(started))
         future.add_done_callback(lambda _: self._unqueue(ticket))  # also when never run
         if seconds is None:
             return await future
@@ -509,10 +526,13 @@ class BrokerRunner:
         call = functools.partial(fn, *args, **kwargs)
         write = _Write(call, durable, loop.create_future(), wants_pass=wants_pass)
         with self._writes_lock:
-            self._writes.append(write)
-            if not self._commit_queued:
-                self._commit_queued = True
-                self.executor.submit(self._queue(functools.partial(self._commit_group, loop))[1])
+            self._writes[durable].append(write)
+            if not self._commit_queued[durable]:
+                self._commit_queued[durable] = True
+                # Writes that may be lost (heartbeats) commit before other waiting work:
+                # a heartbeat that waits behind passes and reads lets its lease lapse.
+                submit = self.executor.submit if durable else self.executor.submit_urgent
+                submit(self._queue(functools.partial(self._commit_group, loop, durable))[1])
         bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
         try:
             await asyncio.wait_for(asyncio.shield(write.future), bound)
@@ -523,20 +543,19 @@ class BrokerRunner:
             ) from None
         return write
 
-    def _commit_group(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the database thread: run the queued writes, durable ones in one commit
-        and the others in another, then hand their answers to the event loop."""
+    def _commit_group(self, loop: asyncio.AbstractEventLoop, durable: bool) -> None:
+        """On the database thread: run the queued writes as durable as ``durable`` in
+        one commit, then hand their answers to the event loop."""
         with self._writes_lock:
-            writes, self._writes = self._writes, []
-            self._commit_queued = False
-        for durable in (True, False):
-            group = [w for w in writes if w.durable is durable and not w.abandoned]
-            if group:
-                answers = self._run_group(group, durable)
-                group_pass = None
-                if any(w.wants_pass and error is None for w, _, error in answers):
-                    answers, group_pass = self._pass_after(answers)
-                loop.call_soon_threadsafe(self._answer, answers, group_pass)
+            writes, self._writes[durable] = self._writes[durable], []
+            self._commit_queued[durable] = False
+        group = [w for w in writes if not w.abandoned]
+        if group:
+            answers = self._run_group(group, durable)
+            group_pass = None
+            if any(w.wants_pass and error is None for w, _, error in answers):
+                answers, group_pass = self._pass_after(answers)
+            loop.call_soon_threadsafe(self._answer, answers, group_pass)
 
     def _pass_after(self, answers: list[_Answer]) -> tuple[list[_Answer], GroupPass | None]:
         """The pass right after a group commit with submissions in it, so that each is
