@@ -177,3 +177,29 @@ def _record(statements: list[str]):
         statements.append(" ".join(statement.split()))
 
     return before_cursor_execute
+
+
+def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db_url, clock):
+    """GET /slices/{id} of a live slice reads no row from a single writer: the same
+    answer as a Broker reading the database, charged to now; another user's is
+    refused, and an ended slice is read from its row."""
+    held, other = ask(broker), ask(broker, user="bob", project="nlp")
+    broker.run_pass()
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        clock.advance(300)
+        broker.get_slice(held["id"])  # the live slices are kept from here on
+        statements: list[str] = []
+        record = _record(statements)
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        answer = broker.get_slice(held["id"], caller=Caller("alice"))
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert [s for s in statements if "FROM slices" in s] == []
+        assert answer == reader.get_slice(held["id"])
+        assert answer["charged_gpu_seconds"] > 0  # accrued to now, not as journaled
+        with pytest.raises(NotYours):
+            broker.get_slice(other["id"], caller=Caller("alice"))
+        broker.release(held["id"])
+        assert broker.get_slice(held["id"]) == reader.get_slice(held["id"])
+    finally:
+        reader.close()
