@@ -458,14 +458,13 @@ class Broker:
         with self.journal.write() as session:
             now = self._clock()
             costs = self.journal.catalog(session).costs
-            kept = self.journal.kept_live(session, slice_id)
+            kept = self._owned_kept(session, slice_id, caller)
             if kept is None:  # not kept in memory, or not live
                 row = _owned_row(session, slice_id, caller)
                 if row.state in LIVE_STATES:
                     row.lease_expires_at = now + self.lease
                 return _slice_dict(row, now, costs)
             # The single writer's own copy: one UPDATE, no read of the row.
-            _check_owner(slice_id, kept.view["user"], caller)
             kept = self.journal.renew_lease(session, slice_id, now + self.lease)
             return _kept_dict(kept.view, kept.slice, now, costs)
 
@@ -514,11 +513,20 @@ class Broker:
         A single writer answers a live slice from its kept copy, reading no row."""
         with self.journal.read() as session:
             now, costs = self._clock(), self.journal.catalog(session).costs
-            kept = self.journal.kept_live(session, slice_id)
+            kept = self._owned_kept(session, slice_id, caller)
             if kept is None:
                 return _slice_dict(_owned_row(session, slice_id, caller), now, costs)
-            _check_owner(slice_id, kept.view["user"], caller)
             return _kept_dict(kept.view, kept.slice, now, costs)
+
+    def _owned_kept(
+        self, session: Session, slice_id: int, caller: Caller | None
+    ) -> _LiveSlice | None:
+        """Live slice ``slice_id`` as the single writer keeps it, once ``caller`` may see
+        it (as :func:`_owned_row` checks a row); None where it is not kept."""
+        kept = self.journal.kept_live(session, slice_id)
+        if kept is not None:
+            _check_owner(slice_id, kept.view["user"], caller)
+        return kept
 
     def list_slices(
         self,
