@@ -34,7 +34,7 @@ from broker.service.auth import (
     revoke_token,
     revoke_user_tokens,
 )
-from broker.service.runner import Deadlines, SliceWatchers, next_deadline
+from broker.service.runner import Deadlines, SliceWatchers
 from broker.service.schema import COMPONENTS, ref, validate
 from broker.slurm.inventory import SlurmInventory
 
@@ -514,7 +514,18 @@ def _slice(**fields):
     ],
 )  # fmt: skip
 def test_the_next_deadline(slices, expected):
-    assert next_deadline(slices, now=100) == expected
+    live = {i: s for i, s in enumerate(slices)}
+    assert Deadlines().next_after(live, now=100) == expected == next_deadline(slices, 100)
+
+
+def next_deadline(slices, now: float) -> float | None:
+    """The earliest deadline after ``now`` of ``slices``, by a walk over every one."""
+    times = []
+    for s in slices:
+        times += [s[k] for k in ("protected_until", "preempt_deadline", "lease_expires_at")]
+        if s["granted_at"] is not None and s["max_runtime"] is not None:
+            times.append(s["granted_at"] + s["max_runtime"])
+    return min((at for at in times if at is not None and at > now), default=None)
 
 
 DEADLINE_FIELDS = ["protected_until", "preempt_deadline", "lease_expires_at", "granted_at"]

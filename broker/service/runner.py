@@ -57,7 +57,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -100,21 +100,9 @@ def slice_key(slice_: Mapping[str, Any]) -> SliceKey:
     return slice_["state"], slice_["queue_position"]
 
 
-def next_deadline(live: Iterable[Mapping[str, Any]], now: float) -> float | None:
-    """The earliest deadline after ``now`` among ``live`` slices, or ``None``.
-
-    Deadlines: end of protection (preemption becomes possible), end of the grace
-    period, ``granted_at + max_runtime``, and lease expiry.
-    """
-    earliest: float | None = None
-    for slice_ in live:
-        for at in _deadlines(slice_):
-            if at > now and (earliest is None or at < earliest):
-                earliest = at
-    return earliest
-
-
 def _deadlines(slice_: Mapping[str, Any]) -> list[float]:
+    """When a pass may have something to do for ``slice_`` (:data:`DEADLINE_KEYS`, and
+    ``granted_at + max_runtime``)."""
     times = [at for at in map(slice_.get, DEADLINE_KEYS) if at is not None]
     if slice_.get("granted_at") is not None and slice_.get("max_runtime") is not None:
         times.append(slice_["granted_at"] + slice_["max_runtime"])
@@ -122,7 +110,8 @@ def _deadlines(slice_: Mapping[str, Any]) -> list[float]:
 
 
 class Deadlines:
-    """:func:`next_deadline` of one pass's live slices after another, reading only
+    """The earliest deadline after now of one pass's live slices after another — end of
+    protection, end of a grace period, ``max_runtime``, lease expiry — reading only
     the slices whose view is new since the last pass (a pass keeps the view of
     every slice it did not change): a heap of their deadlines, where one of a view
     replaced or gone is skipped when it comes up."""
