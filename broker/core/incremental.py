@@ -129,6 +129,23 @@ class PassState:
         self.slices = current
         return self.tree
 
+    def copy(self) -> PassState:
+        """An independent index of the same slices: updating either leaves the other
+        as it was. A what-if pass starts from a copy instead of filing every slice."""
+        other = PassState.__new__(PassState)
+        other.__dict__.update(self.__dict__)  # the immutable parts, shared
+        other.held = self.held.copy()
+        other._free = None if self._free is None else self._free.copy()
+        other._holding_gpu = dict(self._holding_gpu)
+        other.slices = dict(self.slices)
+        other.queues = {
+            where: (keys[:], slices[:]) for where, (keys, slices) in self.queues.items()
+        }
+        other.holding_ids = self.holding_ids[:]
+        other.holders = {node: set(ids) for node, ids in self.holders.items()}
+        other.deadlines = self.deadlines[:]
+        return other
+
     def _clear(self) -> None:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []

@@ -10,6 +10,11 @@ session, each as one pass of :func:`~broker.core.scheduler.schedule` on the
 snapshot with only that request changed, and keeps those that start now or
 sooner than the request as it is. Nothing else in the snapshot changes, so
 each answer is exactly what the broker would decide if the user chose it now.
+
+Each pass starts from a copy of one index of the snapshot's slices (the
+service's kept one where it is given), into which only the changed request is
+filed: what-if passes differ from the real one in one slice, and filing every
+slice again for each was a third of their cost.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from .fairshare import ProjectTree
+from .incremental import PassState
 from .model import HOUR, Contract, Decisions, Node, NodeState, Slice, SliceKind, Snapshot
 from .preemption import is_debug
 from .scheduler import schedule
@@ -59,17 +65,20 @@ def alternatives(
     *,
     projects: Iterable[str] = (),
     tree: ProjectTree | None = None,
+    index: PassState | None = None,
     max_passes: int = 8,
 ) -> WhatIf:
     """What would start pending slice ``slice_id`` sooner, at most ``max_passes`` passes.
 
-    ``projects`` are the other projects its user may charge. Alternatives are
-    ordered by when they start, then by their GPU-hours, then by ``change``
-    (a stable order); only those sooner than the request as it is are kept.
+    ``projects`` are the other projects its user may charge. ``index``: an index
+    of the live slices to start from (left as it was), as kept by the service's
+    pass; it brings its own tree. Alternatives are ordered by when they start,
+    then by their GPU-hours, then by ``change`` (a stable order); only those
+    sooner than the request as it is are kept.
     """
-    tree = tree or ProjectTree(snapshot.accounts)
     request = next(s for s in snapshot.slices if s.id == slice_id)
-    current = _start(schedule(snapshot, tree), slice_id, snapshot.now)
+    base = _base_index(snapshot, tree, index)
+    current = _start(schedule(snapshot, index=base), slice_id, snapshot.now)
     found: list[Alternative] = []
     for change, variant in _variants(request, snapshot, projects):
         if max_passes <= 1:
@@ -78,7 +87,7 @@ def alternatives(
         changed = replace(
             snapshot, slices=tuple(variant if s.id == slice_id else s for s in snapshot.slices)
         )
-        starts = _start(schedule(changed, tree), slice_id, snapshot.now)
+        starts = _start(schedule(changed, index=base.copy()), slice_id, snapshot.now)
         if starts is None or (current is not None and starts >= current):
             continue
         if change == "min_runtime" and any(
@@ -106,16 +115,18 @@ def expected_starts(
     shapes: Iterable[tuple[str, int]],
     *,
     tree: ProjectTree | None = None,
+    index: PassState | None = None,
 ) -> tuple[ExpectedStart, ...]:
     """When ``request`` (a new pending slice, not in ``snapshot``) would start as each
     ``(gpu_type, gpus)`` of ``shapes``: one pass each, with it added to the queue as
-    submitted now and nothing else changed."""
-    tree = tree or ProjectTree(snapshot.accounts)
+    submitted now and nothing else changed. ``index`` as for :func:`alternatives`."""
+    base = _base_index(snapshot, tree, index)
+    base.update(snapshot)
     found = []
     for gpu_type, gpus in shapes:
         asked = replace(request, gpu_type=gpu_type, gpus=gpus, submitted_at=snapshot.now)
         changed = replace(snapshot, slices=(*snapshot.slices, asked))
-        starts = _start(schedule(changed, tree), asked.id, snapshot.now)
+        starts = _start(schedule(changed, index=base.copy()), asked.id, snapshot.now)
         found.append(ExpectedStart(gpu_type, gpus, starts))
     return tuple(found)
 
@@ -132,6 +143,13 @@ def request_shapes(nodes: Iterable[Node]) -> list[tuple[str, int]]:
         sizes = {1 << power for power in range(most.bit_length()) if 1 << power <= most}
         shapes += [(gpu_type, gpus) for gpus in sorted({*sizes, most})]
     return shapes
+
+
+def _base_index(snapshot: Snapshot, tree: ProjectTree | None, index: PassState | None) -> PassState:
+    """A copy of ``index``, or a new index on ``tree`` (or the snapshot's own)."""
+    if index is not None:
+        return index.copy()
+    return PassState(tree or ProjectTree(snapshot.accounts))
 
 
 def _variants(

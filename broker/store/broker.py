@@ -138,10 +138,14 @@ class Broker:
         self.config = config
         self.single_writer = single_writer
         self._running_charges = accounting.RunningCharges() if single_writer else None
+        # The pass's index of the live slices, kept between passes; what-if passes
+        # start from copies of it.
+        self._kept_index: PassState | None = None
         if single_writer and schedule is default_schedule:
             # The same decisions, with what the pass finds by walking every live
             # slice kept between passes (design.md §5).
-            schedule = partial(default_schedule, index=PassState())
+            self._kept_index = PassState()
+            schedule = partial(default_schedule, index=self._kept_index)
         self._clock = clock
         self._schedule = schedule
         self.lease = lease
@@ -582,20 +586,28 @@ class Broker:
         service's what-if budget is spent: the checks alone). :class:`Forbidden` if
         ``caller`` may not see it."""
         with self.journal.read() as session:
-            row = _owned_row(session, slice_id, caller)
+            # Who may ask, from the kept copy of a live slice where there is one.
+            kept = self._owned_kept(session, slice_id, caller)
+            if kept is not None:
+                state, user = kept.slice.state.value, kept.slice.user
+            else:
+                row = _owned_row(session, slice_id, caller)
+                state, user = row.state, row.user
             now = self._clock()
             answer: dict[str, Any] = {"slice_id": slice_id, "now": now, "starts_at": None}
-            if row.state != SliceState.PENDING.value or not compute:
+            if state != SliceState.PENDING.value or not compute:
                 return {**answer, "alternatives": []}
             catalog = self.journal.catalog(session)
             snapshot = self._live_snapshot(session, catalog, now)
-            groups = caller.groups if caller is not None and caller.name == row.user else ()
+            groups = caller.groups if caller is not None and caller.name == user else ()
             projects = [
                 name
                 for name, (users, member_groups) in catalog.members.items()
-                if row.user in users or member_groups.intersection(groups)
+                if user in users or member_groups.intersection(groups)
             ]
-        found = whatif.alternatives(snapshot, slice_id, projects=projects, tree=catalog.tree)
+        found = whatif.alternatives(
+            snapshot, slice_id, projects=projects, **self._what_if_base(catalog)
+        )
         return {
             **answer,
             "starts_at": found.starts_at,
@@ -664,12 +676,18 @@ class Broker:
             contract=Contract(float(min_runtime), resumable, max_runtime),  # type: ignore[arg-type]
         )
         found = whatif.expected_starts(
-            snapshot, request, whatif.request_shapes(catalog.nodes), tree=catalog.tree
+            snapshot, request, whatif.request_shapes(catalog.nodes), **self._what_if_base(catalog)
         )
         answer["starts"] = [
             {"gpu_type": e.gpu_type, "gpus": e.gpus, "starts_at": e.starts_at} for e in found
         ]
         return answer
+
+    def _what_if_base(self, catalog: _Catalog) -> dict[str, Any]:
+        """Where what-if passes start: the kept index (copied) where there is one."""
+        if self._kept_index is not None:
+            return {"index": self._kept_index}
+        return {"tree": catalog.tree}
 
     def _live_snapshot(self, session: Session, catalog: _Catalog, now: float) -> Snapshot:
         """The live state as the next pass would see it, for questions asked of it."""
