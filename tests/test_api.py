@@ -859,7 +859,9 @@ async def test_past_the_what_if_budget_answers_are_stale_and_the_checks_still_ho
     url = f"/slices/{waiting['id']}/alternatives"
     first = await api.call("GET", url, token=alice)
     assert ok(first)["alternatives"] and first.headers.get("Slicebroker-Stale") is None
-    await api.runner.run_pass()  # the shared answer is dropped; the share stays spent
+    # A change (bob is granted the last GPU) drops the shared answer; the
+    # share stays spent.
+    await granted(api, bob, (await submit(api, bob))["id"])
     again = await api.call("GET", url, token=alice)
     assert again.headers["Slicebroker-Stale"] == "true"
     assert ok(again) == ok(first)  # the last answer, not a new computation

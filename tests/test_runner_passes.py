@@ -111,7 +111,7 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
     try:
         answer = await runner.read_what_if(what_if("a", 0.15), "a", checks("a"))
         assert answer == ("a #1", False)
-        await runner.run_pass()  # a pass: nothing is shared any more
+        await submit(runner)  # a change: nothing is shared any more
         # The share is spent: "a" is answered again as it was, "b" (never asked) is
         # checked only; neither is computed.
         assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #1", True)
@@ -123,5 +123,46 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
         now[0] += 1.0  # the next interval: a share of its own
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", False)
         assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #2", False)
+    finally:
+        await runner.stop()
+
+
+async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_path):
+    """A what-if pass asks the snapshot the last pass saw: a pass that decided
+    nothing leaves it as it was, one that granted does not, and neither does time
+    (a minute at most)."""
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        single_writer=True,
+    )
+    now = [1000.0]
+    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=1.0, clock=lambda: now[0])
+    calls: list[str] = []
+
+    def compute() -> str:
+        calls.append("a")
+        return f"a #{len(calls)}"
+
+    async def ask() -> tuple[str, bool]:
+        return await runner.read_what_if(compute, "a", lambda: "checked")
+
+    try:
+        await runner.run_pass()
+        assert await ask() == ("a #1", False)
+        await runner.run_pass()  # nothing to decide
+        now[0] += 30.0
+        await runner.run_pass()
+        assert await ask() == ("a #1", False) and calls == ["a"]
+        # A pass that grants: asked again.
+        await runner.write(runner.broker.submit, user="alice", project="vision", gpus=1,
+                           kind="batch")  # fmt: skip
+        assert not runner.pass_requested  # a plain write asks for no pass: the one below
+        await runner.run_pass()
+        assert await ask() == ("a #2", False)
+        # Past a minute, even passes that decide nothing do not share it longer.
+        now[0] += 61.0
+        await runner.run_pass()
+        assert await ask() == ("a #3", False)
     finally:
         await runner.stop()

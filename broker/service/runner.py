@@ -92,6 +92,10 @@ DB_TIMEOUT_SLACK_S = 1.0
 #: What-if answers kept to answer again once the what-if budget is spent: the most
 #: recently asked, so one per waiting request and asker of even a large queue.
 WHAT_IF_KEPT = 4096
+#: Seconds a what-if answer is shared across passes that decided nothing: such a
+#: pass leaves what-if passes as they were but for the usage accrued since and the
+#: clock, which move estimates slowly; the pending page marks older answers.
+WHAT_IF_SHARED_FOR = 60.0
 #: Keys of a slice that are deadlines at which a pass may have something to do.
 DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
@@ -311,6 +315,10 @@ class BrokerRunner:
         self._first_pass = asyncio.Event()
         # Reads shared until the next pass or change: fn -> its computation.
         self._between_passes: dict[Hashable, asyncio.Future] = {}
+        # What-if reads shared until a pass decides something or a change (a what-if
+        # pass asks the same snapshot as the last one then), since when.
+        self._until_decided: dict[Hashable, asyncio.Future] = {}
+        self._until_decided_since = 0.0
         # What-if reads: their share of each pass interval, the window being counted
         # (its number) and the seconds spent in it, and each key's last answer.
         self.what_if_share = what_if_share
@@ -437,12 +445,16 @@ class BrokerRunner:
         runs wait for that same computation rather than queueing one each; a failed
         one is not kept.
         """
-        key = fn if key is None else key
-        shared = self._between_passes.get(key)
+        return await self._shared(self._between_passes, fn, fn if key is None else key)
+
+    async def _shared(self, table: dict[Hashable, asyncio.Future], fn: Callable[[], T],
+                      key: Hashable) -> T:  # fmt: skip
+        """``fn()``'s answer, one computation per ``key`` while ``table`` keeps it."""
+        shared = table.get(key)
         if shared is None:
             shared = asyncio.ensure_future(self.read(fn))
-            self._between_passes[key] = shared
-            shared.add_done_callback(functools.partial(self._forget_failed, key))
+            table[key] = shared
+            shared.add_done_callback(functools.partial(self._forget_failed, table, key))
         return await asyncio.shield(shared)
 
     async def read_what_if(
@@ -451,24 +463,25 @@ class BrokerRunner:
         """A what-if read (alternatives, expected starts: design.md §5.8) and whether its
         answer is stale.
 
-        Shared until the next pass or change, as :meth:`read_between_passes`, and
-        bounded: once what-if reads have taken ``what_if_share`` of the current
-        ``pass_interval`` on the database thread, a key answered before gets its last
-        answer again, and one never answered the answer of ``checks_only`` (the same
-        read's permission checks, with nothing computed), both stale, until the next
-        interval.
+        Shared as :meth:`read_between_passes`, but across passes that decided nothing
+        (for at most ``WHAT_IF_SHARED_FOR``): such a pass leaves the snapshot a what-if
+        pass asks as it was. And bounded: once what-if reads have taken
+        ``what_if_share`` of the current ``pass_interval`` on the database thread, a
+        key answered before gets its last answer again, and one never answered the
+        answer of ``checks_only`` (the same read's permission checks, with nothing
+        computed), both stale, until the next interval.
         """
         window = int(self._clock() // self.pass_interval)
         if window != self._what_if_window:
             self._what_if_window, self._what_if_spent = window, 0.0
-        if key in self._between_passes:  # computed or queued since the last pass: shared
-            answer = await self.read_between_passes(fn, key=key)
+        if key in self._until_decided:  # computed or queued on this snapshot: shared
+            answer = await self._shared(self._until_decided, fn, key)
         elif self._what_if_spent >= self.what_if_share * self.pass_interval:
             if key in self._what_if_last:
                 return self._what_if_last[key], True
             return await self.read(checks_only), True
         else:
-            answer = await self.read_between_passes(self._counted(fn), key=key)
+            answer = await self._shared(self._until_decided, self._counted(fn), key)
         self._what_if_last[key] = answer
         self._what_if_last.move_to_end(key)
         if len(self._what_if_last) > WHAT_IF_KEPT:
@@ -492,9 +505,10 @@ class BrokerRunner:
 
         return counted
 
-    def _forget_failed(self, key: Hashable, shared: asyncio.Future) -> None:
-        if (shared.cancelled() or shared.exception()) and self._between_passes.get(key) is shared:
-            del self._between_passes[key]
+    @staticmethod
+    def _forget_failed(table: dict, key: Hashable, shared: asyncio.Future) -> None:
+        if (shared.cancelled() or shared.exception()) and table.get(key) is shared:
+            del table[key]
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, a Broker write, in the next group commit (see the
@@ -614,6 +628,7 @@ class BrokerRunner:
         write = await self._written(fn, args, kwargs, durable=True, wants_pass=wants_pass)
         slice_ = write.future.result()
         self._between_passes.clear()
+        self._until_decided.clear()
         soon = self.next_wake is not None and self.next_wake < self._wakes_at
         if not write.passed or soon:
             self.request_pass()
@@ -713,6 +728,15 @@ class BrokerRunner:
         waiters."""
         self.passes += 1
         self._between_passes.clear()
+        now = self._clock()
+        decided = decisions.grants or decisions.preemptions or decisions.endings
+        if (
+            decided
+            or decisions.node_changes
+            or now - self._until_decided_since > WHAT_IF_SHARED_FOR
+        ):
+            self._until_decided.clear()
+            self._until_decided_since = now
         self.metrics.record_pass(decisions, live, seconds)
         self.next_wake = self._deadlines.next_after(live, time.time())
         self.watchers.publish(_Keys(live), complete=True)
