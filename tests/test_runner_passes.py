@@ -120,9 +120,18 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
             True,
         )
         assert calls == ["a"]
-        now[0] += 1.0  # the next interval: a share of its own
+        now[0] += 1.0  # a second later, 0.1 s is earned back: 0.05 s of credit
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", False)
         assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #2", False)
+        # Time overspent is owed, not forgotten when the next interval starts: 0.25 s
+        # spent leaves 0.2 s owed (the 0.05 s of credit less 0.25 s), earned back
+        # in 2 s.
+        await submit(runner)  # a change: nothing shared
+        assert await runner.read_what_if(what_if("c", 0.25), "c", checks("c")) == ("c #1", False)
+        now[0] += 1.0
+        assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", True)
+        now[0] += 1.5
+        assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #2", False)
     finally:
         await runner.stop()
 

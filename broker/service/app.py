@@ -316,14 +316,15 @@ class BrokerApp(Application):
 
     what_if_share = Float(
         0.1,
-        help="""Share of each pass interval that what-if reads (a waiting request's
-        alternatives, the form's expected starts) may take on the database thread,
-        0-1 (default 0.1). Each is a few passes, shared until the next pass or change;
-        past the share, one asked before is answered again as last computed, and one
-        never asked with its checks only (nothing computed), both marked
-        ``Slicebroker-Stale: true``, until the next interval. Higher: fresher
-        alternatives for more waiting users, and less of the thread for submissions
-        and passes.""",
+        help="""Share of the database thread's time that what-if reads (a waiting
+        request's alternatives, the form's expected starts) may take, 0-1 (default
+        0.1), earned back at that rate and at most one pass interval's worth at once.
+        Each is a few passes, shared until a pass decides something or a change (a
+        minute at most); past the share, one asked before is answered again as last
+        computed, and one never asked with its checks only (nothing computed), both
+        marked ``Slicebroker-Stale: true``, until the time is earned back. Higher:
+        fresher alternatives for more waiting users, and less of the thread for
+        submissions and passes.""",
     ).tag(config=True)
 
     @validate("what_if_share")

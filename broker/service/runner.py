@@ -319,12 +319,14 @@ class BrokerRunner:
         # pass asks the same snapshot as the last one then), since when.
         self._until_decided: dict[Hashable, asyncio.Future] = {}
         self._until_decided_since = 0.0
-        # What-if reads: their share of each pass interval, the window being counted
-        # (its number) and the seconds spent in it, and each key's last answer.
+        # What-if reads: their share of the database thread, as seconds of credit
+        # refilled at that rate (at most a pass interval's worth; a computation queued
+        # is counted at its estimate, so the credit may go below zero), when it was
+        # last refilled, and each key's last answer.
         self.what_if_share = what_if_share
         self._clock = clock
-        self._what_if_window = -1
-        self._what_if_spent = 0.0  # seconds, computations queued counted at their estimate
+        self._what_if_credit = what_if_share * pass_interval
+        self._what_if_refilled_at: float | None = None
         self._what_if_cost = 0.0  # seconds the last one took: the next one's estimate
         self._what_if_last: OrderedDict[Hashable, Any] = OrderedDict()
         # Writes waiting for the next group commit, by durability; the lock guards them
@@ -448,13 +450,16 @@ class BrokerRunner:
         return await self._shared(self._between_passes, fn, fn if key is None else key)
 
     async def _shared(self, table: dict[Hashable, asyncio.Future], fn: Callable[[], T],
-                      key: Hashable) -> T:  # fmt: skip
-        """``fn()``'s answer, one computation per ``key`` while ``table`` keeps it."""
+                      key: Hashable, done: Callable[[], None] | None = None) -> T:  # fmt: skip
+        """``fn()``'s answer, one computation per ``key`` while ``table`` keeps it;
+        ``done`` is called on the event loop once a computation started here has run."""
         shared = table.get(key)
         if shared is None:
             shared = asyncio.ensure_future(self.read(fn))
             table[key] = shared
             shared.add_done_callback(functools.partial(self._forget_failed, table, key))
+            if done is not None:
+                shared.add_done_callback(lambda _: done())
         return await asyncio.shield(shared)
 
     async def read_what_if(
@@ -465,45 +470,61 @@ class BrokerRunner:
 
         Shared as :meth:`read_between_passes`, but across passes that decided nothing
         (for at most ``WHAT_IF_SHARED_FOR``): such a pass leaves the snapshot a what-if
-        pass asks as it was. And bounded: once what-if reads have taken
-        ``what_if_share`` of the current ``pass_interval`` on the database thread, a
-        key answered before gets its last answer again, and one never answered the
-        answer of ``checks_only`` (the same read's permission checks, with nothing
-        computed), both stale, until the next interval.
+        pass asks as it was. And bounded: what-if reads may take ``what_if_share`` of
+        the database thread's time, at most a ``pass_interval``'s worth at once. Past
+        it, a key answered before gets its last answer again, and one never answered
+        the answer of ``checks_only`` (the same read's permission checks, with nothing
+        computed), both stale, until the time spent is earned back.
         """
-        window = int(self._clock() // self.pass_interval)
-        if window != self._what_if_window:
-            self._what_if_window, self._what_if_spent = window, 0.0
+        self._refill_what_if()
         if key in self._until_decided:  # computed or queued on this snapshot: shared
             answer = await self._shared(self._until_decided, fn, key)
-        elif self._what_if_spent >= self.what_if_share * self.pass_interval:
+        elif self._what_if_credit <= 0:
             if key in self._what_if_last:
                 return self._what_if_last[key], True
             return await self.read(checks_only), True
         else:
-            answer = await self._shared(self._until_decided, self._counted(fn), key)
+            counted, settle = self._counted(fn)
+            answer = await self._shared(self._until_decided, counted, key, done=settle)
         self._what_if_last[key] = answer
         self._what_if_last.move_to_end(key)
         if len(self._what_if_last) > WHAT_IF_KEPT:
             self._what_if_last.popitem(last=False)  # the longest unasked: its slice is gone
         return answer, False
 
-    def _counted(self, fn: Callable[[], T]) -> Callable[[], T]:
-        """``fn`` counted against the what-if share: at the last computation's cost from
-        now (reads queued behind it on the database thread see the share as it will be,
-        not as before any of them ran), corrected to its own once it has run."""
+    def _refill_what_if(self) -> None:
+        """Earn back what-if credit at ``what_if_share`` seconds per second, up to a
+        ``pass_interval``'s worth: time spent in one interval is owed in the next,
+        rather than forgotten when a new one starts."""
+        now = self._clock()
+        since = now - (now if self._what_if_refilled_at is None else self._what_if_refilled_at)
+        most = self.what_if_share * self.pass_interval
+        self._what_if_credit = min(
+            most, self._what_if_credit + max(0.0, since) * self.what_if_share
+        )
+        self._what_if_refilled_at = now
+
+    def _counted(self, fn: Callable[[], T]) -> tuple[Callable[[], T], Callable[[], None]]:
+        """``fn`` counted against the what-if credit: at the last computation's cost from
+        now (reads queued behind it on the database thread see the credit as it will
+        be, not as before any of them ran), and the callback that corrects it to its
+        own cost once it has run (on the event loop, which alone moves the credit)."""
         estimate = self._what_if_cost
-        self._what_if_spent += estimate
+        self._what_if_credit -= estimate
+        cost = [estimate]
 
         def counted() -> T:
             began = time.perf_counter()
             try:
                 return fn()
             finally:
-                self._what_if_cost = time.perf_counter() - began
-                self._what_if_spent += self._what_if_cost - estimate
+                cost[0] = time.perf_counter() - began
 
-        return counted
+        def settle() -> None:
+            self._what_if_cost = cost[0]
+            self._what_if_credit -= cost[0] - estimate
+
+        return counted, settle
 
     @staticmethod
     def _forget_failed(table: dict, key: Hashable, shared: asyncio.Future) -> None:
