@@ -120,12 +120,11 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
             True,
         )
         assert calls == ["a"]
-        now[0] += 1.0  # a second later, 0.1 s is earned back: 0.05 s of credit
+        now[0] += 1.5  # 0.15 s earned back: the most credit, 0.1 s
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", False)
         assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #2", False)
         # Time overspent is owed, not forgotten when the next interval starts: 0.25 s
-        # spent leaves 0.2 s owed (the 0.05 s of credit less 0.25 s), earned back
-        # in 2 s.
+        # spent leaves 0.15 s owed, earned back in 1.5 s.
         await submit(runner)  # a change: nothing shared
         assert await runner.read_what_if(what_if("c", 0.25), "c", checks("c")) == ("c #1", False)
         now[0] += 1.0
@@ -173,5 +172,38 @@ async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_
         now[0] += 61.0
         await runner.run_pass()
         assert await ask() == ("a #3", False)
+    finally:
+        await runner.stop()
+
+
+async def test_low_on_what_if_credit_first_answers_come_before_refreshes(tmp_path):
+    """A request never answered is worth more than a fresher answer to one that has
+    one: below half its most, the credit goes to first answers only."""
+    broker = Broker(
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        parse_config(tomllib.loads(TEST_CONFIG)),
+        single_writer=True,
+    )
+    now = [1000.0]
+    # At most 0.1 s of credit: refreshes need 0.05 s of it.
+    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=0.1, clock=lambda: now[0])
+    calls: list[str] = []
+
+    def what_if(name: str, seconds: float):
+        def compute() -> str:
+            calls.append(name)
+            time.sleep(seconds)  # the work itself, on the database thread
+            return f"{name} #{calls.count(name)}"
+
+        return compute
+
+    try:
+        assert await runner.read_what_if(what_if("a", 0.07), "a", list) == ("a #1", False)
+        await submit(runner)  # a change: nothing shared
+        # About 0.03 s left: "a" has an answer and gets it again; "b" has none yet.
+        assert await runner.read_what_if(what_if("a", 0.0), "a", list) == ("a #1", True)
+        assert await runner.read_what_if(what_if("b", 0.0), "b", list) == ("b #1", False)
+        now[0] += 0.5  # 0.05 s earned back: enough for a refresh
+        assert await runner.read_what_if(what_if("a", 0.0), "a", list) == ("a #2", False)
     finally:
         await runner.stop()

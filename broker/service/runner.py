@@ -472,16 +472,19 @@ class BrokerRunner:
         (for at most ``WHAT_IF_SHARED_FOR``): such a pass leaves the snapshot a what-if
         pass asks as it was. And bounded: what-if reads may take ``what_if_share`` of
         the database thread's time, at most a ``pass_interval``'s worth at once. Past
-        it, a key answered before gets its last answer again, and one never answered
-        the answer of ``checks_only`` (the same read's permission checks, with nothing
-        computed), both stale, until the time spent is earned back.
+        it, a key never answered gets the answer of ``checks_only`` (the same read's
+        permission checks, with nothing computed), stale, until the time spent is
+        earned back; a key answered before gets its last answer again, stale, from
+        half-way there, so that what is left goes to first answers.
         """
         self._refill_what_if()
         if key in self._until_decided:  # computed or queued on this snapshot: shared
             answer = await self._shared(self._until_decided, fn, key)
+        elif key in self._what_if_last and self._what_if_credit < self._refresh_floor():
+            # Low on credit, a request without an answer comes first: it is the one
+            # that would show nothing at all.
+            return self._what_if_last[key], True
         elif self._what_if_credit <= 0:
-            if key in self._what_if_last:
-                return self._what_if_last[key], True
             return await self.read(checks_only), True
         else:
             counted, settle = self._counted(fn)
@@ -491,6 +494,10 @@ class BrokerRunner:
         if len(self._what_if_last) > WHAT_IF_KEPT:
             self._what_if_last.popitem(last=False)  # the longest unasked: its slice is gone
         return answer, False
+
+    def _refresh_floor(self) -> float:
+        """Credit below which only first answers are computed: half the most it holds."""
+        return self.what_if_share * self.pass_interval / 2
 
     def _refill_what_if(self) -> None:
         """Earn back what-if credit at ``what_if_share`` seconds per second, up to a
