@@ -321,8 +321,9 @@ class BrokerApp(Application):
         0.1), earned back at that rate and at most one pass interval's worth at once.
         Each is a few passes, shared until a pass decides something or a change (a
         minute at most); past the share, one asked before is answered again as last
-        computed, and one never asked with its checks only (nothing computed), both
-        marked ``Slicebroker-Stale: true``, until the time is earned back. Higher:
+        computed (from half-way, so that what is left goes to first answers), and one
+        never asked with its checks only (nothing computed), both marked
+        ``Slicebroker-Stale: true``, until the time is earned back. Higher:
         fresher alternatives for more waiting users, and less of the thread for
         submissions and passes.""",
     ).tag(config=True)
