@@ -13,6 +13,7 @@ import pytest
 from servicefixtures import TEST_CONFIG
 
 from broker.config import parse_config
+from broker.core.model import Node
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
 from tests.test_group_commit import while_busy
@@ -172,6 +173,11 @@ async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_
         now[0] += 61.0
         await runner.run_pass()
         assert await ask() == ("a #3", False)
+        # A change outside a request (an inventory's new nodes) asks for a pass: the
+        # answer is not shared across it.
+        await runner.run(runner.broker.sync_inventory, [Node("n9", "h100", 8)])
+        runner.request_pass()
+        assert await ask() == ("a #4", False)
     finally:
         await runner.stop()
 

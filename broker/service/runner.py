@@ -504,11 +504,11 @@ class BrokerRunner:
         ``pass_interval``'s worth: time spent in one interval is owed in the next,
         rather than forgotten when a new one starts."""
         now = self._clock()
-        since = now - (now if self._what_if_refilled_at is None else self._what_if_refilled_at)
-        most = self.what_if_share * self.pass_interval
-        self._what_if_credit = min(
-            most, self._what_if_credit + max(0.0, since) * self.what_if_share
-        )
+        earned = 0.0
+        if self._what_if_refilled_at is not None:
+            earned = max(0.0, now - self._what_if_refilled_at) * self.what_if_share
+        most = self.what_if_share * self.pass_interval  # the share may change at run time
+        self._what_if_credit = min(most, self._what_if_credit + earned)
         self._what_if_refilled_at = now
 
     def _counted(self, fn: Callable[[], T]) -> tuple[Callable[[], T], Callable[[], None]]:
@@ -673,7 +673,10 @@ class BrokerRunner:
         return self._wanted.is_set()
 
     def request_pass(self) -> None:
-        """Ask for a pass soon; any number of requests before it starts make one pass."""
+        """Ask for a pass soon, after a change (an inventory's nodes, a release outside
+        a request); any number of requests before it starts make one pass. What-if
+        answers asked of the state before the change are not shared any more."""
+        self._until_decided.clear()
         self._wanted.set()
 
     def start(self) -> None:
