@@ -34,6 +34,7 @@ def event(what: str) -> None:
 def check_pass(snap: Snapshot, decisions: Decisions) -> None:
     """Every check of one pass's decisions on the snapshot it was given."""
     check_endings(snap, decisions)
+    check_queue_complete(snap, decisions)
     check_preemptions(snap, decisions)
     check_grants(snap, decisions)
     check_borrowers(snap, decisions)
@@ -52,6 +53,25 @@ def check_endings(snap: Snapshot, decisions: Decisions) -> None:
         lease = slice_.lease_expires_at
         if lease is not None and lease <= snap.now:
             assert slice_.id in ended, f"slice {slice_.id} outlived its lease at {lease}"
+
+
+def check_queue_complete(snap: Snapshot, decisions: Decisions) -> None:
+    """Every slice left waiting (pending and not ended, or requeued) and not granted
+    has one place in the queue, and nothing else has one: a waiting slice left out
+    would show no place at all."""
+    ended = {e.slice_id: e.requeue for e in decisions.endings}
+    granted = {g.slice_id for g in decisions.grants}
+    waiting = {
+        s.id
+        for s in snap.slices
+        if ((s.state is SliceState.PENDING and s.id not in ended) or ended.get(s.id))
+        and s.id not in granted
+    }
+    placed = [e.slice_id for e in decisions.queue]
+    assert len(placed) == len(set(placed)), "a slice has two places in the queue"
+    assert set(placed) == waiting, (
+        f"queue places {sorted(set(placed) ^ waiting)} do not match the slices left waiting"
+    )
 
 
 def check_preemptions(snap: Snapshot, decisions: Decisions) -> None:

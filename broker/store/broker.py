@@ -1144,7 +1144,11 @@ class Broker:
         Only the rows a decision or a new queue place changes are read."""
         promised = {r.slice_id: r for r in decisions.reservations if r.promised}
         queue = {entry.slice_id: entry for entry in decisions.queue}
-        rows = _rows(session, _changed_ids(decisions, live, promised, queue))
+        # The pending slices, from the pass's kept index where there is one: not a
+        # walk over every live slice for the few that wait.
+        kept = self._kept_index
+        waiting = live.keys() if kept is None else [s.id for s in kept.pending()]
+        rows = _rows(session, _changed_ids(decisions, live, promised, queue, waiting))
         for ending in decisions.endings:
             row = _live(rows, ending.slice_id, LIVE_STATES, "end")
             if row is not None:
@@ -1256,13 +1260,16 @@ def _changed_ids(
     live: Mapping[int, _LiveSlice],
     promised: Mapping[int, Reservation],
     queue: Mapping[int, QueueEntry],
+    waiting: Iterable[int],
 ) -> set[int]:
     """The live slices a pass's decisions change: those it ends, preempts or grants,
-    and the waiting ones whose promise or queue place moves."""
+    and the waiting ones (of ``waiting``, ids of live slices that include every
+    pending one) whose promise or queue place moves."""
     ids = {e.slice_id for e in decisions.endings}
     ids.update(p.slice_id for p in decisions.preemptions)
     ids.update(g.slice_id for g in decisions.grants)
-    for slice_id, entry in live.items():
+    for slice_id in waiting:
+        entry = live[slice_id]
         if slice_id in ids or entry.slice.state is not SliceState.PENDING:
             continue
         promise, place = promised.get(slice_id), queue.get(slice_id)
