@@ -252,14 +252,16 @@ def test_running_charges_kept_between_calls_equal_fresh_ones_and_the_per_slice_s
     """Grants, ends, preemptions (a new value of the same slice), time passing the
     window's edge and a change of weights: a kept RunningCharges answers what a
     fresh one answers, to the bit, and what the per-slice sum of usage_by_project
-    answers, but for start times rounded to the microsecond."""
+    answers, but for start times rounded to the microsecond. One told which slices
+    changed answers the same."""
     window = 2 * HOUR
     node_types = {"n0": "h100", "n1": "b200"}
     weights = {"h100": 1.0, "b200": 2.5}
-    kept = RunningCharges()
+    kept, told = RunningCharges(), RunningCharges()
     live: dict[int, Slice] = {}
     now = NOW
     for what, which, amount in steps:
+        before = dict(live)
         if what == "grant":
             slice_id = 100 + which
             node = "n0" if which % 2 else "n1"
@@ -287,6 +289,10 @@ def test_running_charges_kept_between_calls_equal_fresh_ones_and_the_per_slice_s
         slices = list(live.values())
         got = kept.usage(slices, node_types, weights, now, window)
         assert got == RunningCharges().usage(slices, node_types, weights, now, window)
+        changed = {
+            i: live.get(i) for i in before.keys() | live.keys() if before.get(i) is not live.get(i)
+        }
+        assert told.usage(slices, node_types, weights, now, window, changed) == got
         running = [running_interval(s, node_types, weights) for s in slices]
         expected = usage_by_project((), [r for r in running if r], now, window)
         assert got.keys() <= expected.keys()

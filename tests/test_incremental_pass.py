@@ -192,6 +192,8 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
     policy = POLICY
     decisions = None
     last_snap = None
+    told = PassState(tree)  # an index told which slices changed (as the store does)
+    told_of: dict = {}
     for changes in steps:
         for kind in changes:
             if kind == "apply" and decisions is not None:
@@ -223,6 +225,16 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             check_index(before, last_snap, rng)
         last_snap = snap
         assert decisions == schedule(snap, tree)
+        now_of = {s.id: s for s in snap.slices}
+        told.expect(
+            {
+                i: now_of.get(i)
+                for i in told_of.keys() | now_of.keys()
+                if told_of.get(i) is not now_of.get(i)
+            }
+        )
+        told_of = now_of
+        assert schedule(snap, index=told) == decisions
         check_pass(snap, decisions)
         waiting = sorted(s.id for s in snap.slices if not s.holds_gpus)
         if waiting and rng.random() < 0.3:

@@ -203,3 +203,30 @@ def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db
         assert broker.get_slice(held["id"]) == reader.get_slice(held["id"])
     finally:
         reader.close()
+
+
+def test_the_pass_takes_in_what_was_written_since_the_last_one_alone(broker, clock):
+    """A single writer's pass looks again only at the slices written since the last
+    pass (the journal lists them): a lease renewed by a heartbeat between two passes
+    that changed nothing else is one of them, so the slice is not ended at its old
+    lease; a pass with nothing written looks at no slice at all."""
+    held = ask(broker)
+    broker.run_pass()  # granted: written by the pass itself
+    broker.run_pass()  # takes in the grant; nothing is written since
+    filed: list[int] = []
+    index = broker._kept_index
+    original = index._file
+
+    def file(slice_) -> None:
+        filed.append(slice_.id)
+        original(slice_)
+
+    index._file = file
+    broker.run_pass()
+    assert filed == []  # nothing written since: no slice looked at again
+    clock.advance(60)
+    broker.heartbeat(held["id"], caller=Caller("alice"))
+    clock.advance(broker.lease - 30)  # past the lease before the heartbeat
+    broker.run_pass()
+    assert filed == [held["id"]]
+    assert broker.get_slice(held["id"])["state"] == "granted"

@@ -12,7 +12,7 @@ import csv
 import heapq
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -138,7 +138,8 @@ class RunningCharges:
     Slices are compared by identity with those of the last call, as the pass's
     index does (:mod:`broker.core.incremental`): only new, changed or gone ones
     are filed again; another window, other GPU types or weights, or a clock that
-    went back refile all.
+    went back refile all. A caller that knows which slices changed since the last
+    call passes them (``changed``), and those alone are looked at.
     """
 
     def __init__(self) -> None:
@@ -156,13 +157,17 @@ class RunningCharges:
 
     def usage(
         self,
-        slices: Iterable[Slice],
+        slices: Collection[Slice],
         node_types: Mapping[str, str],
         weights: Mapping[str, float],
         now: float,
         window: float,
+        changed: Mapping[int, Slice | None] | None = None,
     ) -> dict[str, float]:
-        """Each project's usage at ``now`` accrued by the held ones of ``slices``."""
+        """Each project's usage at ``now`` accrued by the held ones of ``slices``;
+        ``changed``: the slices that differ from the last call's (id -> the slice,
+        None: gone), if the caller knows them. A ``changed`` that does not add up to
+        ``slices`` (another count) is ignored."""
         now_us, window_us = round(now * 1e6), round(window * 1e6)
         terms = (dict(node_types), dict(weights), window_us)
         if terms != self.terms or now_us < self.now_us:
@@ -170,19 +175,13 @@ class RunningCharges:
             self.terms = terms
         self.now_us = now_us
         boundary = now_us - window_us
-        known = self.slices
-        current: dict[int, tuple] = {}
-        for slice_ in slices:
-            before = known.get(slice_.id)
-            if before is not None and before[0] is slice_:
-                current[slice_.id] = before
-                continue
-            if before is not None:
-                self._forget(slice_.id, before)
-            current[slice_.id] = self._file(slice_, node_types, weights, boundary)
-        for gone in known.keys() - current.keys():
-            self._forget(gone, known[gone])
-        self.slices = current
+        if not (
+            self.slices
+            and changed is not None
+            and self._take_changed(changed, len(slices), node_types, weights, boundary)
+        ):
+            self._take_all(slices, node_types, weights, boundary)
+        current = self.slices
         while self.starts and self.starts[0][0] <= boundary:
             start, slice_id = heapq.heappop(self.starts)
             entry = current.get(slice_id)
@@ -198,6 +197,54 @@ class RunningCharges:
         for (project, rate), count in sorted(self.old.items()):
             usage[project] = usage.get(project, 0.0) + rate * count * window
         return usage
+
+    def _take_all(
+        self,
+        slices: Iterable[Slice],
+        node_types: Mapping[str, str],
+        weights: Mapping[str, float],
+        boundary: int,
+    ) -> None:
+        """File what differs from the last call's slices, comparing each of them."""
+        known = self.slices
+        current: dict[int, tuple] = {}
+        for slice_ in slices:
+            before = known.get(slice_.id)
+            if before is not None and before[0] is slice_:
+                current[slice_.id] = before
+                continue
+            if before is not None:
+                self._forget(slice_.id, before)
+            current[slice_.id] = self._file(slice_, node_types, weights, boundary)
+        for gone in known.keys() - current.keys():
+            self._forget(gone, known[gone])
+        self.slices = current
+
+    def _take_changed(
+        self,
+        changed: Mapping[int, Slice | None],
+        count: int,
+        node_types: Mapping[str, str],
+        weights: Mapping[str, float],
+        boundary: int,
+    ) -> bool:
+        """File the slices ``changed`` names; False (nothing changed here) if the
+        result would not hold ``count`` slices."""
+        known = self.slices
+        added = sum(1 for i, s in changed.items() if s is not None and i not in known)
+        gone = sum(1 for i, s in changed.items() if s is None and i in known)
+        if len(known) + added - gone != count:
+            return False
+        for slice_id, slice_ in changed.items():
+            before = known.get(slice_id)
+            if before is not None and before[0] is slice_:
+                continue
+            if before is not None:
+                self._forget(slice_id, before)
+                del known[slice_id]
+            if slice_ is not None:
+                known[slice_id] = self._file(slice_, node_types, weights, boundary)
+        return True
 
     def _file(
         self,

@@ -21,6 +21,9 @@ It learns what changed by comparing each snapshot's slices with the last one's:
 slices are immutable values, so a slice object seen before is unchanged (one
 made anew, as from a database row, is compared by value), and only new or
 changed ones (submitted, granted, preempted, ended, requeued) are filed again.
+A caller that knows which slices changed since the last update (the service's
+store follows every write) says so with :meth:`PassState.expect`, and the next
+update looks at those alone.
 """
 
 from __future__ import annotations
@@ -95,6 +98,16 @@ class PassState:
         self.holding_ids: list[int] = []  # slices that hold GPUs, in id order
         self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
+        # Slices the next update is told changed (id -> the slice, None: gone), if any.
+        self._expected: Mapping[int, Slice | None] | None = None
+
+    def expect(self, changed: Mapping[int, Slice | None] | None) -> None:
+        """The next :meth:`update`'s snapshot differs from the last one only in these
+        slices (id -> the slice as it is now, None for one no longer live): it files
+        them alone instead of comparing every slice. A snapshot that does not add up
+        (another count of slices) is taken in whole, as without it; so is one after
+        ``expect(None)``."""
+        self._expected = changed
 
     def update(self, snapshot: Snapshot) -> ProjectTree:
         """Take in ``snapshot``: file its new and changed slices, forget the gone.
@@ -106,8 +119,11 @@ class PassState:
         if node_types != self.node_types or snapshot.policy != self.policy:
             self._clear()
             self.node_types, self.policy = node_types, snapshot.policy
+        expected, self._expected = self._expected, None
         if not self.slices:
             self._build(snapshot.slices)
+            return self.tree
+        if expected is not None and self._take_expected(expected, len(snapshot.slices)):
             return self.tree
         known = self.slices
         current: dict[int, Slice] = {}
@@ -144,7 +160,28 @@ class PassState:
         other.holding_ids = self.holding_ids[:]
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
         other.deadlines = self.deadlines[:]
+        other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
+
+    def _take_expected(self, changed: Mapping[int, Slice | None], count: int) -> bool:
+        """File the slices ``changed`` says changed; False (and nothing changed here)
+        if the result would not hold ``count`` slices, as the snapshot does."""
+        slices = self.slices
+        added = sum(1 for i, s in changed.items() if s is not None and i not in slices)
+        gone = sum(1 for i, s in changed.items() if s is None and i in slices)
+        if len(slices) + added - gone != count:
+            return False
+        for slice_id, slice_ in changed.items():
+            before = slices.get(slice_id)
+            if before is slice_ or (before is not None and before == slice_):
+                continue
+            if before is not None:
+                self._forget(before)
+                del slices[slice_id]
+            if slice_ is not None:
+                self._file(slice_)
+                slices[slice_id] = slice_
+        return True
 
     def _clear(self) -> None:
         self.slices = {}

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Set
 from functools import partial
 from typing import Any
 
@@ -141,6 +141,8 @@ class Broker:
         # The pass's index of the live slices, kept between passes; what-if passes
         # start from copies of it.
         self._kept_index: PassState | None = None
+        # Where the journal's list of written live slices stood at the last pass.
+        self._live_mark: tuple[int, int] | None = None
         if single_writer and schedule is default_schedule:
             # The same decisions, with what the pass finds by walking every live
             # slice kept between passes (design.md §5).
@@ -1046,18 +1048,26 @@ class Broker:
             self._cover_absence(session, now, usual_gap)
         live = self.journal.live_slices(session)
         slices = tuple(entry.slice for entry in live.values())
+        # What the journal saw written since the last pass: the kept usage and index
+        # look at those slices alone (both check that the result adds up).
+        ids, mark = self.journal.live_changes(self._live_mark)
+        changed = None if ids is None else {i: live[i].slice if i in live else None for i in ids}
         snapshot = Snapshot(
             now=now,
             nodes=catalog.nodes,
             accounts=catalog.accounts,
             slices=slices,
-            usage=self._usage(session, now, costs, slices),
+            usage=self._usage(session, now, costs, slices, changed),
             gpu_type_weights=costs.weights,
             policy=self.config.policy,
         )
+        if self._kept_index is not None:
+            self._kept_index.expect(changed)
         decisions = self._schedule(snapshot)
         nodes = {node.name: node for node in snapshot.nodes}
         self._apply(session, decisions, live, nodes, now, costs)
+        self._live_mark = mark
+        self.journal.forget_changes_before(mark)
         # As journaled: a held slice's charge is not accrued to now here.
         return decisions, {i: entry.view for i, entry in self.journal.live_slices(session).items()}
 
@@ -1106,16 +1116,19 @@ class Broker:
         session: Session,
         now: float,
         costs: _Costs,
-        live: Iterable[Slice],
+        live: Collection[Slice],
+        changed: Mapping[int, Slice | None] | None = None,
     ) -> dict[str, float]:
         """Each project's charged usage at ``now``: the ledger plus the ``live`` slices
-        that hold GPUs."""
+        that hold GPUs (``changed``: those written since the last pass, if known)."""
         policy = self.config.policy
         if policy.half_life is None:
             usage = self.journal.closed_usage(session, now, policy.window)
             # A single writer keeps what held slices accrued from one pass to the next.
             charges = self._running_charges or accounting.RunningCharges()
-            running_usage = charges.usage(live, costs.node_types, costs.weights, now, policy.window)
+            running_usage = charges.usage(
+                live, costs.node_types, costs.weights, now, policy.window, changed
+            )
             for project, amount in running_usage.items():
                 usage[project] = usage.get(project, 0.0) + amount
             return usage

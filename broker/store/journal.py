@@ -111,6 +111,13 @@ class Journal:
         # kept between transactions by a single writer, else loaded once per pass.
         # Every flush of a slice updates it; any rollback drops it.
         self._live: dict[int, _LiveSlice] | None = None
+        # Ids of the kept live slices written since they were loaded, in order, and
+        # how many loads there have been: what a reader that keeps its own copy of
+        # them (the pass's index) has to look at again (see :meth:`live_changes`).
+        # Positions count from the load; those before ``_touched_from`` are dropped.
+        self._live_loads = 0
+        self._touched: list[int] = []
+        self._touched_from = 0
         # What the window's closed charges add to usage, kept by a single writer
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
@@ -211,7 +218,27 @@ class Journal:
         session.flush()  # what the transaction changed so far reaches them first
         if self._live is None:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
+            self._live_loads += 1
+            self._touched, self._touched_from = [], 0
         return self._live
+
+    def live_changes(
+        self, since: tuple[int, int] | None
+    ) -> tuple[list[int] | None, tuple[int, int]]:
+        """Ids of the live slices written since mark ``since`` (a previous answer's), or
+        None when any may have changed (they were loaded again since, or no mark):
+        then the reader walks them all. And the mark of now. Asked after
+        :meth:`live_slices`, in the same transaction."""
+        mark = (self._live_loads, self._touched_from + len(self._touched))
+        if since is None or since[0] != mark[0] or since[1] < self._touched_from:
+            return None, mark
+        return self._touched[since[1] - self._touched_from :], mark
+
+    def forget_changes_before(self, mark: tuple[int, int]) -> None:
+        """The reader has taken in the changes up to ``mark``: they need not be kept."""
+        if mark[0] == self._live_loads and mark[1] > self._touched_from:
+            del self._touched[: mark[1] - self._touched_from]
+            self._touched_from = mark[1]
 
     def _rolled_back(self, seen: int) -> None:
         """A transaction or savepoint that began when ``seen`` writes had been seen
@@ -240,6 +267,7 @@ class Journal:
             {**entry.view, "lease_expires_at": expires_at},
         )
         self._live[slice_id] = renewed
+        self._touched.append(slice_id)
         return renewed
 
     def closed_usage(self, session: Session, now: float, window: float) -> dict[str, float]:
@@ -291,6 +319,7 @@ class Journal:
                     self._live[row.id] = _LiveSlice.of(row)
                 else:
                     self._live.pop(row.id, None)
+                self._touched.append(row.id)
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
 
