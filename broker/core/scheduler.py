@@ -14,6 +14,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import cached_property
 from operator import attrgetter
 
 from . import backfill
@@ -88,7 +89,6 @@ class _Pass:
         self.queue: list[QueueEntry] = []
         self.timings: dict[str, float] = {}
         self.live: dict[int, Slice] = dict(kept.slices)
-        self.ids = sorted(self.live)  # phases that walk every slice go in id order
         self.ended: set[int] = set()
         # Slices preempted in this pass -> their grace deadline (when their GPUs are free)
         self.leaving: dict[int, float] = {}
@@ -107,6 +107,12 @@ class _Pass:
         # GPUs still held by slices preempted in this pass, lent to the queue:
         # (node, GPU) -> when they are free (the victim's grace deadline)
         self.freeing: dict[tuple[str, int], float] = {}
+
+    @cached_property
+    def ids(self) -> list[int]:
+        """The live slices' ids in order, for the phases that walk every slice (a pass
+        with a drain or an ending): sorted when one first asks, not in every pass."""
+        return sorted(self.live)
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
