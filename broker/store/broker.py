@@ -1187,7 +1187,7 @@ class Broker:
                 why += f" (for slice {preemption.for_slice})"
             _event(session, row, SliceState.GRANTED, why, now)
         granted_on = {p.node for grant in decisions.grants for p in grant.placements}
-        held = _held_gpus(live, rows, granted_on) if granted_on else {}
+        held = self._held_gpus(session, rows, granted_on) if granted_on else {}
         for grant in decisions.grants:
             row = _live(rows, grant.slice_id, (SliceState.PENDING,), "grant")
             if row is None:
@@ -1222,6 +1222,24 @@ class Broker:
                 log.warning("the pass changed unknown node %s; ignored", change.node)
                 continue
             _set_node(node, change.state, change.reason, now)
+
+    def _held_gpus(
+        self, session: Session, rows: Mapping[int, SliceRow], on: Set[str]
+    ) -> dict[tuple[str, int], int]:
+        """Which slice holds each GPU of the nodes ``on``: the live slices as last
+        flushed (the journal keeps who holds what per node), as ``rows`` changed them
+        since (only the nodes a pass grants on need checking)."""
+        held = {
+            gpu: slice_id
+            for gpu, slice_id in self.journal.holders_on(session, on).items()
+            if slice_id not in rows
+        }
+        for slice_id, row in rows.items():
+            if SliceState(row.state) in HELD_STATES:
+                for placement in _placements(row.placements):
+                    if placement.node in on:
+                        held.update({(placement.node, i): slice_id for i in placement.gpu_indices})
+        return held
 
     def _end(
         self,
@@ -1383,25 +1401,6 @@ def _pending_row(**fields: Any) -> SliceRow:
     holding nothing."""
     pending = SliceState.PENDING.value
     return SliceRow(**fields, state=pending, placements=[], promised=[], charged_gpu_seconds=0.0)
-
-
-def _held_gpus(
-    live: Mapping[int, _LiveSlice], rows: Mapping[int, SliceRow], on: Set[str]
-) -> dict[tuple[str, int], int]:
-    """Which slice holds each GPU of the nodes ``on``: the live slices, as ``rows``
-    changed them so far (only the nodes a pass grants on need checking)."""
-    held: dict[tuple[str, int], int] = {}
-    for slice_id, entry in live.items():
-        row = rows.get(slice_id)
-        if row is None:
-            state, placements = entry.slice.state, entry.slice.placements
-        else:
-            state, placements = SliceState(row.state), _placements(row.placements)
-        if state in HELD_STATES:
-            for placement in placements:
-                if placement.node in on:
-                    held.update({(placement.node, i): slice_id for i in placement.gpu_indices})
-    return held
 
 
 def _grant_problem(

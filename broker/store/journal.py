@@ -14,7 +14,7 @@ request and pass; the database is their journal (design.md §8).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -116,6 +116,10 @@ class Journal:
         # them (the pass's index) has to look at again (see :meth:`live_changes`).
         # Positions count from the load; those before ``_touched_from`` are dropped.
         self._live_loads = 0
+        # node -> {GPU index: id of the live slice that holds it}, as the kept live
+        # slices say: built when first asked after they are loaded, then moved with
+        # them (the store's own record for its last check of a grant, §5).
+        self._holders: dict[str, dict[int, int]] | None = None
         self._touched: list[int] = []
         self._touched_from = 0
         # What the window's closed charges add to usage, kept by a single writer
@@ -218,6 +222,7 @@ class Journal:
         session.flush()  # what the transaction changed so far reaches them first
         if self._live is None:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
+            self._holders = None
             self._live_loads += 1
             self._touched, self._touched_from = [], 0
         return self._live
@@ -233,6 +238,36 @@ class Journal:
         if since is None or since[0] != mark[0] or since[1] < self._touched_from:
             return None, mark
         return self._touched[since[1] - self._touched_from :], mark
+
+    def holders_on(self, session: Session, nodes: Set[str]) -> dict[tuple[str, int], int]:
+        """Which live slice holds each GPU of ``nodes``, as last flushed (nothing is
+        flushed here: the caller adds what it changed since): ``(node, GPU) -> slice
+        id``. Kept from one call to the next while the live slices are."""
+        live = self._live if self._live is not None else self.live_slices(session)
+        if self._holders is None:
+            self._holders = {}
+            for slice_id, entry in live.items():
+                self._move_holdings(slice_id, None, entry)
+        return {
+            (node, gpu): slice_id
+            for node in nodes
+            for gpu, slice_id in self._holders.get(node, {}).items()
+        }
+
+    def _move_holdings(
+        self, slice_id: int, before: _LiveSlice | None, after: _LiveSlice | None
+    ) -> None:
+        assert self._holders is not None
+        for entry, holder in ((before, None), (after, slice_id)):
+            if entry is None or not entry.slice.holds_gpus:
+                continue
+            for placement in entry.slice.placements:
+                on_node = self._holders.setdefault(placement.node, {})
+                for gpu in placement.gpu_indices:
+                    if holder is not None:
+                        on_node[gpu] = holder
+                    elif on_node.get(gpu) == slice_id:
+                        del on_node[gpu]
 
     def forget_changes_before(self, mark: tuple[int, int]) -> None:
         """The reader has taken in the changes up to ``mark``: they need not be kept."""
@@ -315,11 +350,15 @@ class Journal:
             elif isinstance(row, SliceRow):
                 if self._live is None:
                     continue
-                if row.state in LIVE_STATES:
-                    self._live[row.id] = _LiveSlice.of(row)
+                before = self._live.get(row.id)
+                after = _LiveSlice.of(row) if row.state in LIVE_STATES else None
+                if after is not None:
+                    self._live[row.id] = after
                 else:
                     self._live.pop(row.id, None)
                 self._touched.append(row.id)
+                if self._holders is not None:
+                    self._move_holdings(row.id, before, after)
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
 
