@@ -85,18 +85,20 @@ async def test_readers_of_a_shared_read_wait_for_one_computation(runner):
     assert all(answer == answers[0] for answer in answers)
 
 
-async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_last_computed(
-    tmp_path,
-):
+def what_if_runner(tmp_path, now: list[float], share: float) -> BrokerRunner:
+    """A runner on a single writer whose clock is ``now[0]``, with a 1 s interval of
+    which what-ifs may take ``share`` (not started: the tests drive its passes)."""
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         parse_config(tomllib.loads(TEST_CONFIG)),
         single_writer=True,
     )
-    now = [1000.0]
-    # A 1 s interval of which what-ifs may take a tenth: 100 ms.
-    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=0.1, clock=lambda: now[0])
-    calls: list[str] = []
+    return BrokerRunner(broker, pass_interval=1.0, what_if_share=share, clock=lambda: now[0])
+
+
+def what_ifs(calls: list[str]):
+    """``what_if(name, seconds)``: a computation that takes ``seconds`` of the database
+    thread and answers ``"<name> #<how many times it ran>"``."""
 
     def what_if(name: str, seconds: float):
         def compute() -> str:
@@ -105,6 +107,18 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
             return f"{name} #{calls.count(name)}"
 
         return compute
+
+    return what_if
+
+
+async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_last_computed(
+    tmp_path,
+):
+    now = [1000.0]
+    # A 1 s interval of which what-ifs may take a tenth: 100 ms.
+    runner = what_if_runner(tmp_path, now, 0.1)
+    calls: list[str] = []
+    what_if = what_ifs(calls)
 
     def checks(name: str):
         return lambda: f"{name}: checked, nothing computed"
@@ -140,13 +154,8 @@ async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_
     """A what-if pass asks the snapshot the last pass saw: a pass that decided
     nothing leaves it as it was, one that granted does not, and neither does time
     (a minute at most)."""
-    broker = Broker(
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        parse_config(tomllib.loads(TEST_CONFIG)),
-        single_writer=True,
-    )
     now = [1000.0]
-    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=1.0, clock=lambda: now[0])
+    runner = what_if_runner(tmp_path, now, 1.0)
     calls: list[str] = []
 
     def compute() -> str:
@@ -185,23 +194,10 @@ async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_
 async def test_low_on_what_if_credit_first_answers_come_before_refreshes(tmp_path):
     """A request never answered is worth more than a fresher answer to one that has
     one: below half its most, the credit goes to first answers only."""
-    broker = Broker(
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        parse_config(tomllib.loads(TEST_CONFIG)),
-        single_writer=True,
-    )
     now = [1000.0]
     # At most 0.1 s of credit: refreshes need 0.05 s of it.
-    runner = BrokerRunner(broker, pass_interval=1.0, what_if_share=0.1, clock=lambda: now[0])
-    calls: list[str] = []
-
-    def what_if(name: str, seconds: float):
-        def compute() -> str:
-            calls.append(name)
-            time.sleep(seconds)  # the work itself, on the database thread
-            return f"{name} #{calls.count(name)}"
-
-        return compute
+    runner = what_if_runner(tmp_path, now, 0.1)
+    what_if = what_ifs([])
 
     try:
         assert await runner.read_what_if(what_if("a", 0.07), "a", list) == ("a #1", False)

@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .model import Placement, Slice
+from .model import Placement, Slice, changes_add_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +231,7 @@ class RunningCharges:
         """File the slices ``changed`` names; False (nothing changed here) if the
         result would not hold ``count`` slices."""
         known = self.slices
-        added = sum(1 for i, s in changed.items() if s is not None and i not in known)
-        gone = sum(1 for i, s in changed.items() if s is None and i in known)
-        if len(known) + added - gone != count:
+        if not changes_add_up(known, changed, count):
             return False
         for slice_id, slice_ in changed.items():
             before = known.get(slice_id)

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
-from .model import Node, NodeState, Placement, Policy, Slice, Snapshot
+from .model import Node, NodeState, Placement, Policy, Slice, Snapshot, changes_add_up
 from .ordering import within_project_key
 from .placement import FreeGpus
 from .preemption import is_debug
@@ -167,9 +167,7 @@ class PassState:
         """File the slices ``changed`` says changed; False (and nothing changed here)
         if the result would not hold ``count`` slices, as the snapshot does."""
         slices = self.slices
-        added = sum(1 for i, s in changed.items() if s is not None and i not in slices)
-        gone = sum(1 for i, s in changed.items() if s is None and i in slices)
-        if len(slices) + added - gone != count:
+        if not changes_add_up(slices, changed, count):
             return False
         for slice_id, slice_ in changed.items():
             before = slices.get(slice_id)

@@ -299,3 +299,14 @@ class Decisions:
     # Requests that could have preempted but wait for releases instead (design.md §5.7).
     deferred: tuple[int, ...] = ()
     phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)
+
+
+def changes_add_up(
+    known: Mapping[int, object], changed: Mapping[int, Slice | None], count: int
+) -> bool:
+    """Whether ``known`` (by slice id) with ``changed`` taken in (id -> the slice, None:
+    gone) holds ``count`` slices: the check that a list of changes said by a caller
+    is whole, before a kept copy takes it in instead of comparing every slice."""
+    added = sum(1 for i, s in changed.items() if s is not None and i not in known)
+    gone = sum(1 for i, s in changed.items() if s is None and i in known)
+    return len(known) + added - gone == count
