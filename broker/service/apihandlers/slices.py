@@ -421,8 +421,9 @@ async def read_alternatives(
     """``GET /slices/{id}/alternatives`` for ``identity`` (the API's and the pages'), and
     whether the answer is stale.
 
-    Several passes each: computed once per slice and caller until the next pass,
-    however often a pending page polls, within the what-if budget (design.md §5.8,
+    Several passes each: computed once per slice and caller until a pass decides
+    something or a change (a minute at most), however often a pending page polls,
+    within the what-if budget (design.md §5.8,
     :meth:`~broker.service.runner.BrokerRunner.read_what_if`). Another user's slice
     is not found.
     """
@@ -468,9 +469,9 @@ class ExpectedStartsHandler(APIHandler):
             "largest node (1, 2, 4, …), when a new request of the caller's for `project` "
             "would start (now, or the scheduling pass's estimate), from one pass each on "
             "the live state with that request added (design.md §5.8). Terms left out come "
-            "from the kind's defaults. Computed once per caller and terms until the next "
-            "pass. 403 for a project the caller (or the user an agent names) may not "
-            "charge.",
+            "from the kind's defaults. Computed once per caller and terms until a pass "
+            "decides something or a change, a minute at most. 403 for a project the "
+            "caller (or the user an agent names) may not charge.",
             parameters=(
                 Param("project", "query", NAME_TEXT, "the project to charge", required=True),
                 Param(
