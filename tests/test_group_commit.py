@@ -16,6 +16,7 @@ from broker.config import parse_config
 from broker.errors import Forbidden
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
+from broker.store.access import Caller
 from broker.store.journal import is_durable, not_durable
 
 
@@ -113,6 +114,31 @@ async def test_heartbeats_commit_apart_from_durable_writes(runner):
         False,
         True,
     ]
+
+
+async def test_a_group_of_heartbeats_renews_its_leases_in_one_statement(runner):
+    """Heartbeats queued together cost the database one UPDATE, not one each; each
+    is answered its own slice, and one refused (another user's slice) is refused
+    alone, with nothing written for it."""
+    made = [await submit(runner) for _ in range(3)]
+    bobs = await submit(runner, user="bob")
+    statements: list[str] = []
+
+    def executed(_conn, _cursor, statement, *_args) -> None:
+        statements.append(" ".join(statement.split()))
+
+    event.listen(runner.broker.journal.engine, "before_cursor_execute", executed)
+    beats = [runner.write(runner.broker.heartbeat, m["id"], caller=Caller("alice")) for m in made]
+    stranger = runner.write(runner.broker.heartbeat, bobs["id"], caller=Caller("alice"))
+    answers = await while_busy(runner, [*beats, stranger])
+    event.remove(runner.broker.journal.engine, "before_cursor_execute", executed)
+    assert [a["id"] for a in answers[:3]] == [m["id"] for m in made]
+    assert len({a["lease_expires_at"] for a in answers[:3]}) == 1  # one renewal, one time
+    assert isinstance(answers[3], Forbidden)
+    assert sum(s.startswith("UPDATE slices") for s in statements) == 1
+    assert runner.broker.get_slice(bobs["id"])["lease_expires_at"] == bobs["lease_expires_at"]
+    for answer in answers[:3]:
+        assert runner.broker.get_slice(answer["id"]) == answer
 
 
 async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(tmp_path):

@@ -239,6 +239,8 @@ class _Write:
     abandoned: bool = False
     #: Set once committed: whether a pass ran after the write (no other is needed for it).
     passed: bool = False
+    #: A heartbeat's ``(slice_id, caller)``: a group's heartbeats are one Broker write.
+    heartbeat: tuple[int, Any] | None = None
 
 
 #: A write's outcome on the database thread: its answer, or its error.
@@ -542,7 +544,11 @@ class BrokerRunner:
         """``fn(*args, **kwargs)``, a Broker write, in the next group commit (see the
         module's docstring) of writes as durable as it is declared (a heartbeat is
         not: :func:`~broker.store.journal.not_durable`); answered once committed."""
-        return (await self._written(fn, args, kwargs, is_durable(fn))).future.result()
+        heartbeat = None
+        if fn == self.broker.heartbeat and len(args) == 1 and set(kwargs) <= {"caller"}:
+            heartbeat = (args[0], kwargs.get("caller"))
+        written = await self._written(fn, args, kwargs, is_durable(fn), heartbeat=heartbeat)
+        return written.future.result()
 
     async def _written(
         self,
@@ -551,11 +557,14 @@ class BrokerRunner:
         kwargs: dict,
         durable: bool,
         wants_pass: bool = False,
+        heartbeat: tuple[int, Any] | None = None,
     ) -> _Write:
         """Queue a write, wait for its commit within ``db_timeout`` and its slack."""
         loop = asyncio.get_running_loop()
         call = functools.partial(fn, *args, **kwargs)
-        write = _Write(call, durable, loop.create_future(), wants_pass=wants_pass)
+        write = _Write(
+            call, durable, loop.create_future(), wants_pass=wants_pass, heartbeat=heartbeat
+        )
         with self._writes_lock:
             self._writes[durable].append(write)
             if not self._commit_queued[durable]:
@@ -609,9 +618,15 @@ class BrokerRunner:
 
     def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
         answers: list[_Answer] = []
+        beats = [write for write in group if write.heartbeat is not None]
         try:
             with self.broker.journal.group_commit(durable=durable):
+                if beats:
+                    # The group's heartbeats as one write: their leases in one statement.
+                    answers += self._heartbeats(beats)
                 for write in group:
+                    if write.heartbeat is not None:
+                        continue
                     try:
                         answers.append((write, write.call(), None))
                     except Exception as err:  # a refusal: its savepoint is undone
@@ -619,6 +634,18 @@ class BrokerRunner:
         except Exception as err:  # no commit: none of the group happened
             return [(write, None, err) for write in group]
         return answers
+
+    def _heartbeats(self, beats: list[_Write]) -> list[_Answer]:
+        """Run heartbeat writes as one :meth:`~broker.store.Broker.heartbeats`; each is
+        answered its own slice or refusal, and all the error if the write fails."""
+        try:
+            values = self.broker.heartbeats([write.heartbeat for write in beats])
+        except Exception as err:  # its savepoint is undone: none of them happened
+            return [(write, None, err) for write in beats]
+        return [
+            (write, None, value) if isinstance(value, BaseException) else (write, value, None)
+            for write, value in zip(beats, values, strict=True)
+        ]
 
     def _answer(self, answers: list[_Answer], group_pass: GroupPass | None) -> None:
         """On the event loop: take in the pass that followed the group, if one did,

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, Set
 from functools import partial
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.scheduler import schedule as default_schedule
-from ..errors import Conflict, InvalidConfig, InvalidRequest, NotFound
+from ..errors import BrokerError, Conflict, InvalidConfig, InvalidRequest, NotFound
 from ..orm import (
     DRAINED_BY_ADMIN,
     AccountRow,
@@ -461,18 +461,44 @@ class Broker:
         waits: a lapsed lease ends it (``lost``). An ended slice is returned as it is.
         ``caller`` as for :meth:`release`.
         """
+        (answer,) = self.heartbeats([(slice_id, caller)])
+        if isinstance(answer, BrokerError):
+            raise answer
+        return answer
+
+    @not_durable
+    def heartbeats(
+        self, asked: Sequence[tuple[int, Caller | None]]
+    ) -> list[dict[str, Any] | BrokerError]:
+        """:meth:`heartbeat` of each ``(slice_id, caller)``, in one write: the leases
+        of the slices kept in memory are renewed by one statement, so that a group of
+        heartbeats costs the database one round trip, not one each. Each answer is
+        the slice, or the error its heartbeat alone raises (nothing written for it)."""
         with self.journal.write() as session:
             now = self._clock()
             costs = self.journal.catalog(session).costs
-            kept = self._owned_kept(session, slice_id, caller)
-            if kept is None:  # not kept in memory, or not live
-                row = _owned_row(session, slice_id, caller)
-                if row.state in LIVE_STATES:
-                    row.lease_expires_at = now + self.lease
-                return _slice_dict(row, now, costs)
-            # The single writer's own copy: one UPDATE, no read of the row.
-            kept = self.journal.renew_lease(session, slice_id, now + self.lease)
-            return _kept_dict(kept.view, kept.slice, now, costs)
+            answers: list[dict[str, Any] | BrokerError | int] = []
+            for slice_id, caller in asked:
+                try:
+                    kept = self._owned_kept(session, slice_id, caller)
+                    if kept is not None:
+                        answers.append(slice_id)  # renewed below, with the others
+                        continue
+                    # Not kept in memory, or not live: the row.
+                    row = _owned_row(session, slice_id, caller)
+                    if row.state in LIVE_STATES:
+                        row.lease_expires_at = now + self.lease
+                    answers.append(_slice_dict(row, now, costs))
+                except BrokerError as err:
+                    answers.append(err)
+            ids = [answer for answer in answers if isinstance(answer, int)]
+            renewed = self.journal.renew_leases(session, ids, now + self.lease) if ids else {}
+            return [
+                _kept_dict(renewed[a].view, renewed[a].slice, now, costs)
+                if isinstance(a, int)
+                else a
+                for a in answers
+            ]
 
     def extend_protection(self, slice_id: int, by: float, *, caller: Caller | None = None) -> dict:
         """Extend a granted slice's protection by ``by`` seconds from the later of its

@@ -14,7 +14,7 @@ request and pass; the database is their journal (design.md §8).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Set
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -68,6 +68,10 @@ LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(Sli
 Write = TypeVar("Write", bound=Callable[..., Any])
 
 #: Whether the write under way is flushed to disk (see :func:`not_durable`).
+#: Leases one UPDATE renews at most (an ``IN`` list: SQLite allows a few thousand
+#: parameters).
+LEASES_PER_STATEMENT = 1000
+
 _DURABLE: ContextVar[bool] = ContextVar("durable", default=True)
 
 
@@ -288,21 +292,27 @@ class Journal:
             return None
         return self.live_slices(session).get(slice_id)
 
-    def renew_lease(self, session: Session, slice_id: int, expires_at: float) -> _LiveSlice:
-        """Write a kept live slice's new lease expiry in one statement (no row read)
-        and keep it; returns the slice as now kept."""
-        session.execute(
-            update(SliceRow).where(SliceRow.id == slice_id).values(lease_expires_at=expires_at),
-            execution_options={FOLLOWED_OPTION: True},
-        )
-        assert self._live is not None  # kept_live answered it
-        entry = self._live[slice_id]
-        renewed = _LiveSlice(
-            replace(entry.slice, lease_expires_at=expires_at),
-            {**entry.view, "lease_expires_at": expires_at},
-        )
-        self._live[slice_id] = renewed
-        self._touched.append(slice_id)
+    def renew_leases(
+        self, session: Session, slice_ids: Sequence[int], expires_at: float
+    ) -> dict[int, _LiveSlice]:
+        """Write kept live slices' new lease expiry in one statement (no row read)
+        and keep it; returns the slices as now kept, by id."""
+        assert self._live is not None  # kept_live answered each of them
+        wanted = sorted(set(slice_ids))
+        for start in range(0, len(wanted), LEASES_PER_STATEMENT):
+            chunk = wanted[start : start + LEASES_PER_STATEMENT]
+            session.execute(
+                update(SliceRow).where(SliceRow.id.in_(chunk)).values(lease_expires_at=expires_at),
+                execution_options={FOLLOWED_OPTION: True},
+            )
+        renewed = {}
+        for slice_id in wanted:
+            entry = self._live[slice_id]
+            renewed[slice_id] = self._live[slice_id] = _LiveSlice(
+                replace(entry.slice, lease_expires_at=expires_at),
+                {**entry.view, "lease_expires_at": expires_at},
+            )
+            self._touched.append(slice_id)
         return renewed
 
     def closed_usage(self, session: Session, now: float, window: float) -> dict[str, float]:
