@@ -58,7 +58,7 @@ from .views import _row_view
 CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
 
 #: Execution option of a statement whose effect on the live slices the journal
-#: applies itself (:meth:`Journal.renew_lease`), so they are not read again.
+#: applies itself (:meth:`Journal.renew_leases`), so they are not read again.
 FOLLOWED_OPTION = "slicebroker_followed"
 
 #: The live slices' rows, oldest first.
@@ -67,11 +67,11 @@ LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(Sli
 
 Write = TypeVar("Write", bound=Callable[..., Any])
 
-#: Whether the write under way is flushed to disk (see :func:`not_durable`).
 #: Leases one UPDATE renews at most (an ``IN`` list: SQLite allows a few thousand
 #: parameters).
 LEASES_PER_STATEMENT = 1000
 
+#: Whether the write under way is flushed to disk (see :func:`not_durable`).
 _DURABLE: ContextVar[bool] = ContextVar("durable", default=True)
 
 
@@ -120,12 +120,12 @@ class Journal:
         # them (the pass's index) has to look at again (see :meth:`live_changes`).
         # Positions count from the load; those before ``_touched_from`` are dropped.
         self._live_loads = 0
+        self._touched: list[int] = []
+        self._touched_from = 0
         # node -> {GPU index: id of the live slice that holds it}, as the kept live
         # slices say: built when first asked after they are loaded, then moved with
         # them (the store's own record for its last check of a grant, §5).
         self._holders: dict[str, dict[int, int]] | None = None
-        self._touched: list[int] = []
-        self._touched_from = 0
         # What the window's closed charges add to usage, kept by a single writer
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
@@ -261,17 +261,20 @@ class Journal:
     def _move_holdings(
         self, slice_id: int, before: _LiveSlice | None, after: _LiveSlice | None
     ) -> None:
-        assert self._holders is not None
-        for entry, holder in ((before, None), (after, slice_id)):
-            if entry is None or not entry.slice.holds_gpus:
-                continue
-            for placement in entry.slice.placements:
-                on_node = self._holders.setdefault(placement.node, {})
+        """Move ``slice_id``'s GPUs in the record from what it held ``before`` to what it
+        holds ``after`` (either None or holding nothing)."""
+        holders = self._holders
+        assert holders is not None
+        if before is not None and before.slice.holds_gpus:
+            for placement in before.slice.placements:
+                on_node = holders.get(placement.node, {})
                 for gpu in placement.gpu_indices:
-                    if holder is not None:
-                        on_node[gpu] = holder
-                    elif on_node.get(gpu) == slice_id:
+                    if on_node.get(gpu) == slice_id:
                         del on_node[gpu]
+        if after is not None and after.slice.holds_gpus:
+            for placement in after.slice.placements:
+                on_node = holders.setdefault(placement.node, {})
+                on_node.update(dict.fromkeys(placement.gpu_indices, slice_id))
 
     def forget_changes_before(self, mark: tuple[int, int]) -> None:
         """The reader has taken in the changes up to ``mark``: they need not be kept."""
