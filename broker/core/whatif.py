@@ -12,7 +12,8 @@ sooner than the request as it is. Nothing else in the snapshot changes, so
 each answer is exactly what the broker would decide if the user chose it now.
 
 Each pass starts from a copy of one index of the snapshot's slices (the
-service's kept one where it is given), into which only the changed request is
+service's kept one where it is given), told that the changed request alone
+differs (:meth:`~broker.core.incremental.PassState.expect`), so that only it is
 filed: what-if passes differ from the real one in one slice, and filing every
 slice again for each was a third of their cost.
 """
@@ -76,7 +77,7 @@ def alternatives(
     then by their GPU-hours, then by ``change`` (a stable order); only those
     sooner than the request as it is are kept.
     """
-    request = next(s for s in snapshot.slices if s.id == slice_id)
+    at, request = next((i, s) for i, s in enumerate(snapshot.slices) if s.id == slice_id)
     base = _base_index(snapshot, tree, index)
     current = _start(schedule(snapshot, index=base), slice_id, snapshot.now)
     found: list[Alternative] = []
@@ -84,10 +85,8 @@ def alternatives(
         if max_passes <= 1:
             break
         max_passes -= 1
-        changed = replace(
-            snapshot, slices=tuple(variant if s.id == slice_id else s for s in snapshot.slices)
-        )
-        starts = _start(schedule(changed, index=base.copy()), slice_id, snapshot.now)
+        slices = (*snapshot.slices[:at], variant, *snapshot.slices[at + 1 :])
+        starts = _start(_pass_with(base, snapshot, slices, variant), slice_id, snapshot.now)
         if starts is None or (current is not None and starts >= current):
             continue
         if change == "min_runtime" and any(
@@ -125,8 +124,8 @@ def expected_starts(
     found = []
     for gpu_type, gpus in shapes:
         asked = replace(request, gpu_type=gpu_type, gpus=gpus, submitted_at=snapshot.now)
-        changed = replace(snapshot, slices=(*snapshot.slices, asked))
-        starts = _start(schedule(changed, index=base.copy()), asked.id, snapshot.now)
+        slices = (*snapshot.slices, asked)
+        starts = _start(_pass_with(base, snapshot, slices, asked), asked.id, snapshot.now)
         found.append(ExpectedStart(gpu_type, gpus, starts))
     return tuple(found)
 
@@ -143,6 +142,17 @@ def request_shapes(nodes: Iterable[Node]) -> list[tuple[str, int]]:
         sizes = {1 << power for power in range(most.bit_length()) if 1 << power <= most}
         shapes += [(gpu_type, gpus) for gpus in sorted({*sizes, most})]
     return shapes
+
+
+def _pass_with(
+    base: PassState, snapshot: Snapshot, slices: tuple[Slice, ...], changed: Slice
+) -> Decisions:
+    """One pass on ``snapshot`` with ``slices`` (its own, but for ``changed``), from a
+    copy of ``base`` (an index of ``snapshot``) told that ``changed`` alone differs:
+    the copy files that one slice, not every slice compared again."""
+    index = base.copy()
+    index.expect({changed.id: changed})
+    return schedule(replace(snapshot, slices=slices), index=index)
 
 
 def _base_index(snapshot: Snapshot, tree: ProjectTree | None, index: PassState | None) -> PassState:
