@@ -141,6 +141,30 @@ async def test_a_group_of_heartbeats_renews_its_leases_in_one_statement(runner):
         assert runner.broker.get_slice(answer["id"]) == answer
 
 
+async def test_a_group_s_heartbeat_statement_that_fails_fails_each_of_them_and_keeps_nothing(
+    runner,
+):
+    """The heartbeats' one UPDATE fails: each of them is answered the error, the leases
+    kept in memory are those the database has (it is read again), and the next
+    heartbeat renews as usual."""
+    made = [await submit(runner) for _ in range(2)]
+    before = {m["id"]: runner.broker.get_slice(m["id"])["lease_expires_at"] for m in made}
+    failures = [RuntimeError("the disk is full")]
+
+    def fails_once(_conn, _cursor, statement, *_args) -> None:
+        if statement.startswith("UPDATE slices") and failures:
+            raise failures.pop()
+
+    event.listen(runner.broker.journal.engine, "before_cursor_execute", fails_once)
+    beats = [runner.write(runner.broker.heartbeat, m["id"]) for m in made]
+    answers = await while_busy(runner, beats)
+    event.remove(runner.broker.journal.engine, "before_cursor_execute", fails_once)
+    assert [str(a) for a in answers] == ["the disk is full"] * 2
+    assert {i: runner.broker.get_slice(i)["lease_expires_at"] for i in before} == before
+    again = await runner.write(runner.broker.heartbeat, made[0]["id"])
+    assert runner.broker.get_slice(made[0]["id"]) == again
+
+
 async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(tmp_path):
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}",
