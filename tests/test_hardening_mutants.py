@@ -145,8 +145,9 @@ def catalog_accounts(broker: Broker) -> set[str]:
 def test_a_catalog_read_inside_a_write_that_is_rolled_back_to_its_savepoint_is_not_kept(
     tmp_path,
 ):
-    # Catches `if self.single_writer and not self._catalog_unsettled` -> `if
-    # self.single_writer` in the journal's _read_catalog (issue 24's mutant 12). Inside
+    # Catches a journal that keeps a catalog read inside a savepoint that is then
+    # rolled back (issue 24's mutant 12; the catalog now follows the live slices'
+    # rule: any rollback that had written drops it). Inside
     # a group commit each write is a savepoint; one that changes the catalog, reads it,
     # then is refused must leave the kept catalog as the database has it, not as the
     # refused write saw it. No Broker method reads the catalog after changing it today,

@@ -105,10 +105,11 @@ class Journal:
     def __init__(self, url: str, db_timeout: float | None, *, single_writer: bool) -> None:
         """Open the engine and its sessions; nothing kept in memory yet."""
         self.single_writer = single_writer
+        # The catalog as the transaction under way sees it: kept between transactions
+        # by a single writer, under the live slices' rule (below): a write of one of
+        # its rows drops it (the next read loads what the transaction sees), and so
+        # does any rollback that had written anything.
         self._catalog: _Catalog | None = None
-        # A transaction under way changed the catalog: it is reloaded from the
-        # database, not kept, until that transaction has ended either way.
-        self._catalog_unsettled = False
         self._transaction_depth = 0
         self._group: Session | None = None  # the transaction of a group commit under way
         # The live slices as the transaction under way sees them, by id (oldest first):
@@ -186,7 +187,6 @@ class Journal:
             raise
         finally:
             self._transaction_depth -= 1
-            self._settle_catalog()
             if self._transaction_depth == 0 and not self.single_writer:
                 self._live = None
 
@@ -210,16 +210,15 @@ class Journal:
         if self._catalog is not None:
             return self._catalog
         catalog = _Catalog(session)
-        if self.single_writer and not self._catalog_unsettled:
+        if self.single_writer:
             self._catalog = catalog
         return catalog
 
     def catalog_changes(self) -> None:
-        """The transaction under way changes the catalog: it is read from the database,
-        not kept, until that transaction has ended either way. Called for every write
-        of a catalog row (:meth:`_follow_flush`, :meth:`_follow_statement`)."""
+        """The transaction under way changes the catalog: the next read loads it as that
+        transaction sees it. Called for every write of a catalog row
+        (:meth:`_follow_flush`, :meth:`_follow_statement`)."""
         self._catalog = None
-        self._catalog_unsettled = True
 
     def live_slices(self, session: Session) -> dict[int, _LiveSlice]:
         """The live slices as ``session`` sees them, by id, oldest first."""
@@ -286,7 +285,7 @@ class Journal:
         """A transaction or savepoint that began when ``seen`` writes had been seen
         was rolled back: what it wrote is gone, so is what is kept of it."""
         if self._writes_seen != seen:
-            self._live = self._closed = None
+            self._live = self._closed = self._catalog = None
 
     def kept_live(self, session: Session, slice_id: int) -> _LiveSlice | None:
         """Live slice ``slice_id`` as a single writer keeps it; None where it is not
@@ -391,13 +390,6 @@ class Journal:
             self._live = None
         if LedgerRow in classes:
             self._closed = None
-
-    def _settle_catalog(self) -> None:
-        # Committed or rolled back, the change is settled once the outermost
-        # transaction ends; the next read loads what the database holds.
-        if self._transaction_depth == 0 and self._catalog_unsettled:
-            self._catalog = None
-            self._catalog_unsettled = False
 
     @contextmanager
     def read(self) -> Iterator[Session]:
