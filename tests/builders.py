@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from broker.core.model import (
     Account,
@@ -16,12 +18,23 @@ from broker.core.model import (
     SliceState,
     Snapshot,
 )
+from broker.store import Principal
 
 MIN = 60.0
 HOUR = 3600.0
 NOW = 1_000_000.0
 
 _ids = itertools.count(1)
+
+
+def by_principal(request: Mapping[str, Any]) -> dict[str, Any]:
+    """A Broker request written with ``user``, ``groups`` and ``admin``, as its
+    ``principal`` and the rest."""
+    rest = dict(request)
+    principal = Principal(
+        rest.pop("user"), frozenset(rest.pop("groups", ())), admin=rest.pop("admin", False)
+    )
+    return {"principal": principal, **rest}
 
 
 def nodes(count: int, gpus: int = 8, gpu_type: str = "h100", prefix: str = "n") -> list[Node]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from builders import by_principal
 
 from broker.config import parse_config
 from broker.errors import Conflict, InvalidRequest
@@ -33,7 +34,9 @@ def broker(db_url, clock) -> Iterator[Broker]:
 
 
 def request(**changes) -> dict:
-    return {"user": "alice", "project": "vision", "gpus": 1, "kind": "batch"} | changes
+    return by_principal(
+        {"user": "alice", "project": "vision", "gpus": 1, "kind": "batch"} | changes
+    )
 
 
 def test_a_replayed_key_answers_the_first_slice_and_writes_nothing(broker):

@@ -16,7 +16,7 @@ from broker.config import parse_config
 from broker.errors import Forbidden
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
-from broker.store.access import Caller
+from broker.store.access import Principal
 from broker.store.journal import is_durable, not_durable
 
 
@@ -66,7 +66,9 @@ def fail_the_next_flush(broker: Broker, error: Exception) -> None:
 
 
 def submit(runner: BrokerRunner, user: str = "alice", project: str = "vision"):
-    return runner.write(runner.broker.submit, user=user, project=project, gpus=1, kind="batch")
+    return runner.write(
+        runner.broker.submit, principal=Principal(user), project=project, gpus=1, kind="batch"
+    )
 
 
 async def test_writes_queued_together_share_one_commit(runner):
@@ -128,8 +130,10 @@ async def test_a_group_of_heartbeats_renews_its_leases_in_one_statement(runner):
         statements.append(" ".join(statement.split()))
 
     event.listen(runner.broker.journal.engine, "before_cursor_execute", executed)
-    beats = [runner.write(runner.broker.heartbeat, m["id"], caller=Caller("alice")) for m in made]
-    stranger = runner.write(runner.broker.heartbeat, bobs["id"], caller=Caller("alice"))
+    beats = [
+        runner.write(runner.broker.heartbeat, m["id"], caller=Principal("alice")) for m in made
+    ]
+    stranger = runner.write(runner.broker.heartbeat, bobs["id"], caller=Principal("alice"))
     answers = await while_busy(runner, [*beats, stranger])
     event.remove(runner.broker.journal.engine, "before_cursor_execute", executed)
     assert [a["id"] for a in answers[:3]] == [m["id"] for m in made]
@@ -174,14 +178,16 @@ async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slice
     runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
     try:
         held = await runner.submit(
-            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+            broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
         )
         assert held["state"] == "granted"
         # The release is written and flushed, then its flush fails: its savepoint is
         # undone, and the slice still holds its GPU.
         fail_the_next_flush(broker, RuntimeError("the disk is full"))
         release = runner.write(broker.release, held["id"])
-        again = runner.submit(broker.submit, user="alice", project="vision", gpus=1, kind="batch")
+        again = runner.submit(
+            broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
+        )
         answers = await while_busy(runner, [release, again])
         assert str(answers[0]) == "the disk is full"
         assert answers[1]["state"] == "granted"
@@ -204,10 +210,10 @@ async def test_a_charge_undone_in_its_savepoint_leaves_no_trace_in_the_kept_usag
     reader = Broker(url, config, lambda: clock[0])
     try:
         held = await runner.submit(
-            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+            broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
         )
         ended = await runner.submit(
-            broker.submit, user="alice", project="vision", gpus=1, kind="batch"
+            broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
         )
         clock[0] += 600.0
         await runner.write(broker.release, ended["id"])  # a charge kept by the writer

@@ -22,7 +22,7 @@ from broker.kube.inventory import (
     kube_node_name,
     nodes_from_kube,
 )
-from broker.store import Broker
+from broker.store import Broker, Principal
 
 READY, DRAINING, DOWN = NodeState.READY, NodeState.DRAINING, NodeState.DOWN
 NO_SCHEDULE = {"key": "repair", "effect": "NoSchedule"}
@@ -255,11 +255,15 @@ async def test_cordoned_node_drains_as_contracts_end_and_is_marked(tmp_path):
             watcher = InventoryWatcher(api, sink, backoff=Backoff(initial=0.01))
             task = asyncio.create_task(watcher.run())
             await pushes.until(lambda n: "g1" in n)
-            s = broker.submit(user="alice", project="vision", gpus=2, kind="interactive")
+            s = broker.submit(
+                principal=Principal("alice"), project="vision", gpus=2, kind="interactive"
+            )
             broker.run_pass()
             held = broker.get_slice(s["id"])["placements"][0]["node"]
             other = "g1" if held == "g0" else "g0"
-            s2 = broker.submit(user="alice", project="vision", gpus=2, kind="interactive")
+            s2 = broker.submit(
+                principal=Principal("alice"), project="vision", gpus=2, kind="interactive"
+            )
             broker.run_pass()
 
             kube.patch("nodes", held, {"spec": {"unschedulable": True}})  # kubectl cordon

@@ -15,6 +15,7 @@ from servicefixtures import BrokerService, make_service, serving_in_process
 
 from broker.kube.reaper import SLICE_LABEL
 from broker.kube.service import KubernetesTasks, core_api
+from broker.store import Principal
 
 pytest.importorskip("kubernetes_asyncio")
 
@@ -205,7 +206,9 @@ async def test_pods_are_reaped_without_the_inventory_and_the_files_nodes_stay(tm
         serving(kube) as url,
         serving_in_process(f"sqlite:///{tmp_path}/b.sqlite") as api,
     ):
-        made = api.broker.submit(user="alice", project="vision", gpus=1, kind="interactive")
+        made = api.broker.submit(
+            principal=Principal("alice"), project="vision", gpus=1, kind="interactive"
+        )
         api.broker.release(made["id"])
         tasks = KubernetesTasks(
             api.runner,

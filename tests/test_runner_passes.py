@@ -15,7 +15,7 @@ from servicefixtures import TEST_CONFIG
 from broker.config import parse_config
 from broker.core.model import Node
 from broker.service.runner import BrokerRunner
-from broker.store import Broker
+from broker.store import Broker, Principal
 from tests.test_group_commit import while_busy
 
 
@@ -38,8 +38,13 @@ async def runner(tmp_path) -> AsyncIterator[BrokerRunner]:
 
 
 def submit(runner: BrokerRunner, gpus: int = 1):
-    return runner.submit(runner.broker.submit, user="alice", project="vision", gpus=gpus,
-                         kind="batch")  # fmt: skip
+    return runner.submit(
+        runner.broker.submit,
+        principal=Principal("alice"),
+        project="vision",
+        gpus=gpus,
+        kind="batch",
+    )
 
 
 async def test_a_submission_granted_at_once_is_the_pass(runner):
@@ -173,8 +178,13 @@ async def test_what_if_answers_are_shared_across_passes_that_decide_nothing(tmp_
         await runner.run_pass()
         assert await ask() == ("a #1", False) and calls == ["a"]
         # A pass that grants: asked again.
-        await runner.write(runner.broker.submit, user="alice", project="vision", gpus=1,
-                           kind="batch")  # fmt: skip
+        await runner.write(
+            runner.broker.submit,
+            principal=Principal("alice"),
+            project="vision",
+            gpus=1,
+            kind="batch",
+        )
         assert not runner.pass_requested  # a plain write asks for no pass: the one below
         await runner.run_pass()
         assert await ask() == ("a #2", False)

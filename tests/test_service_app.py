@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -18,13 +19,12 @@ from broker.config import DEMO_CONFIG
 from broker.errors import Forbidden, InvalidRequest
 from broker.inventory import InventoryError, LocalInventory, StaticInventory
 from broker.kube.inventory import KubernetesInventory
-from broker.service.apihandlers.common import acting_identity, owner_filter
+from broker.service.apihandlers.common import acting_identity, charging_principal
 from broker.service.app import BrokerApp, main
 from broker.service.auth import (
     ADMIN_SCOPE,
     AGENT_SCOPE,
     HubAuthenticator,
-    Identity,
     TokenAuthenticator,
     TokenStore,
     Unavailable,
@@ -37,6 +37,8 @@ from broker.service.auth import (
 from broker.service.runner import Deadlines, SliceWatchers
 from broker.service.schema import COMPONENTS, ref, validate
 from broker.slurm.inventory import SlurmInventory
+from broker.store import NotYours, Principal
+from broker.store.access import _check_owner
 
 # ---- options ---------------------------------------------------------------------------
 
@@ -367,9 +369,9 @@ def test_the_authorization_header(header, token):
 
 # ---- identities ---------------------------------------------------------------------------
 
-ALICE = Identity("alice", frozenset({"cv"}))
-AGENT = Identity("spawner", agent=True, kind="service")
-ADMIN = Identity("root", admin=True)
+ALICE = Principal("alice", frozenset({"cv"}))
+AGENT = Principal("spawner", agent=True, kind="service")
+ADMIN = Principal("root", admin=True)
 
 
 @pytest.mark.parametrize(
@@ -378,12 +380,12 @@ ADMIN = Identity("root", admin=True)
         pytest.param(ALICE, None, None, ALICE, id="a user acts as themselves"),
         pytest.param(ALICE, "alice", ["cv"], ALICE, id="a user may name themselves"),
         pytest.param(
-            ALICE, None, [], Identity("alice", frozenset()), id="a user may drop their groups"
+            ALICE, None, [], Principal("alice", frozenset()), id="a user may drop their groups"
         ),
-        pytest.param(AGENT, "erin", ["nlp"], Identity("erin", frozenset({"nlp"})),
+        pytest.param(AGENT, "erin", ["nlp"], Principal("erin", frozenset({"nlp"})),
                      id="an agent acts for a user, with only the named groups"),
-        pytest.param(AGENT, "erin", None, Identity("erin"), id="an agent naming no groups"),
-        pytest.param(ADMIN, "erin", None, Identity("erin"), id="an admin acts for a user"),
+        pytest.param(AGENT, "erin", None, Principal("erin"), id="an agent naming no groups"),
+        pytest.param(ADMIN, "erin", None, Principal("erin"), id="an admin acts for a user"),
         pytest.param(AGENT, None, None, AGENT, id="an agent acts as itself"),
     ],
 )  # fmt: skip
@@ -405,9 +407,18 @@ def test_a_user_may_not_act_for_others(user, groups):
 
 
 def test_agents_and_admins_reach_every_slice_and_users_their_own():
-    (alice,) = owner_filter(ALICE).values()
-    assert (alice.name, alice.admin) == ("alice", False)
-    assert [owner_filter(who)["caller"].admin for who in (AGENT, ADMIN)] == [True, True]
+    _check_owner(1, "alice", ALICE)
+    with pytest.raises(NotYours):
+        _check_owner(1, "erin", ALICE)
+    for who in (AGENT, ADMIN):
+        _check_owner(1, "erin", who)
+
+
+def test_an_admin_acting_for_a_user_may_charge_any_project_and_an_agent_what_the_user_may():
+    erin = Principal("erin", frozenset({"nlp"}))
+    assert charging_principal(ADMIN, "erin", ["nlp"]) == replace(erin, admin=True)
+    assert charging_principal(AGENT, "erin", ["nlp"]) == erin
+    assert charging_principal(ALICE) == ALICE
 
 
 class FakeHubAuth:
@@ -445,9 +456,9 @@ async def test_hub_tokens_become_identities_by_scope():
             }
         )
     )
-    assert await auth.authenticate("erin") == Identity("erin", frozenset({"nlp"}))
-    assert await auth.authenticate("ada") == Identity("ada", admin=True)
-    assert await auth.authenticate("bot") == Identity("bot", agent=True, kind="service")
+    assert await auth.authenticate("erin") == Principal("erin", frozenset({"nlp"}))
+    assert await auth.authenticate("ada") == Principal("ada", admin=True)
+    assert await auth.authenticate("bot") == Principal("bot", agent=True, kind="service")
     assert await auth.authenticate("nobody") is None
     with pytest.raises(Forbidden, match="access:services"):
         await auth.authenticate("other")
@@ -475,10 +486,10 @@ async def test_requests_with_one_token_wait_for_one_look_up(tmp_path):
         await asyncio.sleep(0)
         go.set()
         answers = await asyncio.gather(*asking)
-        assert answers == [Identity("erin")] * 10 + [None] * 3
+        assert answers == [Principal("erin")] * 10 + [None] * 3
         assert looked_up == ["look-up", "look-up"]  # one per token
         # once answered, a later request looks up again (nothing cached: max age 0)
-        assert await auth.authenticate(token) == Identity("erin")
+        assert await auth.authenticate(token) == Principal("erin")
         assert len(looked_up) == 3
     finally:
         auth.close()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import pytest
+from builders import by_principal
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
@@ -41,7 +42,7 @@ from broker.orm import (
     migrate,
     upgrade_db,
 )
-from broker.store import Broker, Caller
+from broker.store import Broker, Principal
 
 HOUR = 3600.0
 
@@ -112,7 +113,7 @@ def broker(open_broker) -> Broker:
 def ask(broker: Broker, **request) -> dict:
     """Submit with the usual requester filled in."""
     request = {"user": "alice", "project": "vision", "gpus": 1, "kind": "batch"} | request
-    return broker.submit(**request)
+    return broker.submit(**by_principal(request))
 
 
 # ---- submit, get, list ----------------------------------------------------------
@@ -201,7 +202,7 @@ def test_an_admin_may_charge_any_project(broker):
 def test_releasing_a_pending_slice_cancels_it_free_of_charge(broker, clock):
     made = ask(broker)
     clock.advance(100)
-    done = broker.release(made["id"], caller=Caller("alice"))
+    done = broker.release(made["id"], caller=Principal("alice"))
     assert (done["state"], done["end_reason"], done["ended_at"]) == (
         "ended",
         "cancelled",
@@ -215,7 +216,7 @@ def test_releasing_a_granted_slice_charges_its_held_time(broker, clock):
     made = ask(broker, gpus=2, gpu_type="b200")
     broker.run_pass()
     clock.advance(500)
-    done = broker.release(made["id"], caller=Caller("alice"))
+    done = broker.release(made["id"], caller=Principal("alice"))
     assert (done["state"], done["end_reason"]) == ("ended", "released")
     assert done["charged_gpu_seconds"] == pytest.approx(2 * 2.0 * 500)
 
@@ -223,11 +224,11 @@ def test_releasing_a_granted_slice_charges_its_held_time(broker, clock):
 def test_users_release_only_their_own_slices_and_admins_any(broker):
     made = ask(broker)
     with pytest.raises(Forbidden):
-        broker.release(made["id"], caller=Caller("bob"))
+        broker.release(made["id"], caller=Principal("bob"))
     with pytest.raises(NotFound):
-        broker.release(made["id"] + 100, caller=Caller("alice"))
+        broker.release(made["id"] + 100, caller=Principal("alice"))
     assert broker.get_slice(made["id"])["state"] == "pending"
-    assert broker.release(made["id"], caller=Caller("bob", admin=True))["state"] == "ended"
+    assert broker.release(made["id"], caller=Principal("bob", admin=True))["state"] == "ended"
 
 
 def test_releasing_an_ended_slice_changes_nothing(broker, clock):
@@ -247,10 +248,11 @@ def test_a_heartbeat_extends_the_lease_and_a_lapsed_lease_ends_the_slice(open_br
     assert broker.get_slice(made["id"])["lease_expires_at"] == clock.now + 120
     clock.advance(100)
     assert (
-        broker.heartbeat(made["id"], caller=Caller("alice"))["lease_expires_at"] == clock.now + 120
+        broker.heartbeat(made["id"], caller=Principal("alice"))["lease_expires_at"]
+        == clock.now + 120
     )
     with pytest.raises(Forbidden):
-        broker.heartbeat(made["id"], caller=Caller("bob"))
+        broker.heartbeat(made["id"], caller=Principal("bob"))
     clock.advance(119)
     broker.run_pass()
     assert broker.get_slice(made["id"])["state"] == "granted"
@@ -267,7 +269,7 @@ def test_a_waiting_slice_that_was_heartbeated_is_lost_when_the_beats_stop(open_b
     broker.run_pass()
     waiting = ask(broker, kind="interactive")
     assert (
-        broker.heartbeat(waiting["id"], caller=Caller("alice"))["lease_expires_at"]
+        broker.heartbeat(waiting["id"], caller=Principal("alice"))["lease_expires_at"]
         == clock.now + 120
     )
     clock.advance(120)
@@ -290,7 +292,7 @@ def test_an_idle_granted_slice_is_charged_for_its_idle_time(broker, clock):
     broker.run_pass()
     clock.advance(1800)  # nobody used the GPUs; the heartbeats kept coming
     for _ in range(3):
-        broker.heartbeat(made["id"], caller=Caller("alice"))
+        broker.heartbeat(made["id"], caller=Principal("alice"))
     assert broker.get_slice(made["id"])["charged_gpu_seconds"] == pytest.approx(2 * 1800)
     usage = {row["name"]: row["usage"] for row in broker.projects()}
     assert usage == {"org": pytest.approx(3600), "vision": pytest.approx(3600), "nlp": 0.0}
@@ -732,7 +734,7 @@ def churn(broker: Broker, seed: int, rounds: int) -> None:
     for _ in range(rounds):
         user, project = rng.choice([("alice", "vision"), ("bob", "nlp")])
         broker.submit(
-            user=user,
+            principal=Principal(user),
             project=project,
             gpus=rng.randint(1, 3),
             kind="interactive",

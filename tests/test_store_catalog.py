@@ -9,13 +9,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from builders import by_principal
 from sqlalchemy import event
 
 from broker.config import parse_config
 from broker.core.model import Node, NodeState
 from broker.errors import BrokerError
 from broker.store import Broker
-from broker.store.access import Caller, NotYours
+from broker.store.access import NotYours, Principal
 from tests.test_store import ask, cluster
 
 USERS = ("alice", "bob", "carol")
@@ -68,7 +69,7 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
     """The step's answer, or the refusal's type and message: both must agree."""
     try:
         if kind == "submit":
-            return broker.submit(**argument)
+            return broker.submit(**by_principal(argument))
         if kind == "release":
             return broker.release(argument)
         if kind == "heartbeat":
@@ -149,7 +150,7 @@ def test_a_kept_slice_s_heartbeat_is_one_write_that_others_read(broker, db_url, 
         record = _record(statements)
         event.listen(broker.journal.engine, "before_cursor_execute", record)
         before = reader.get_slice(held["id"])["lease_expires_at"]
-        answer = broker.heartbeat(held["id"], caller=Caller("alice"))
+        answer = broker.heartbeat(held["id"], caller=Principal("alice"))
         event.remove(broker.journal.engine, "before_cursor_execute", record)
         assert answer == reader.get_slice(held["id"])  # charged to now, as read
         assert answer["lease_expires_at"] == clock() + broker.lease > before
@@ -159,13 +160,13 @@ def test_a_kept_slice_s_heartbeat_is_one_write_that_others_read(broker, db_url, 
         broker.run_pass()
         assert broker.get_slice(held["id"])["state"] == "granted"
         with pytest.raises(NotYours):
-            broker.heartbeat(held["id"], caller=Caller("bob"))
+            broker.heartbeat(held["id"], caller=Principal("bob"))
         assert reader.get_slice(held["id"])["lease_expires_at"] == answer["lease_expires_at"]
         # Refused before it wrote anything: what is kept still holds, nothing is read
         # again (a stream of refused requests cannot make every pass reload the slices).
         statements.clear()
         event.listen(broker.journal.engine, "before_cursor_execute", record)
-        broker.heartbeat(held["id"], caller=Caller("alice"))
+        broker.heartbeat(held["id"], caller=Principal("alice"))
         broker.run_pass()
         assert [s for s in statements if "FROM slices" in s and s.startswith("SELECT")] == []
     finally:
@@ -192,13 +193,13 @@ def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db
         statements: list[str] = []
         record = _record(statements)
         event.listen(broker.journal.engine, "before_cursor_execute", record)
-        answer = broker.get_slice(held["id"], caller=Caller("alice"))
+        answer = broker.get_slice(held["id"], caller=Principal("alice"))
         event.remove(broker.journal.engine, "before_cursor_execute", record)
         assert [s for s in statements if "FROM slices" in s] == []
         assert answer == reader.get_slice(held["id"])
         assert answer["charged_gpu_seconds"] > 0  # accrued to now, not as journaled
         with pytest.raises(NotYours):
-            broker.get_slice(other["id"], caller=Caller("alice"))
+            broker.get_slice(other["id"], caller=Principal("alice"))
         broker.release(held["id"])
         assert broker.get_slice(held["id"]) == reader.get_slice(held["id"])
     finally:
@@ -225,7 +226,7 @@ def test_the_pass_takes_in_what_was_written_since_the_last_one_alone(broker, clo
     broker.run_pass()
     assert filed == []  # nothing written since: no slice looked at again
     clock.advance(60)
-    broker.heartbeat(held["id"], caller=Caller("alice"))
+    broker.heartbeat(held["id"], caller=Principal("alice"))
     clock.advance(broker.lease - 30)  # past the lease before the heartbeat
     broker.run_pass()
     assert filed == [held["id"]]

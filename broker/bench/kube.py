@@ -47,7 +47,7 @@ async def _run(nodes: int, directory: str) -> dict[str, Any]:
     from broker.kube.drain import DrainReporter
     from broker.kube.inventory import InventoryWatcher
     from broker.rounds import Backoff
-    from broker.store import Broker
+    from broker.store import Broker, Principal
 
     kubefake = _fake()
     kube = kubefake.FakeKube()
@@ -95,7 +95,7 @@ async def _run(nodes: int, directory: str) -> dict[str, Any]:
             report["relist_after_410_s"] = time.perf_counter() - began
 
             for _ in range(nodes // 10):
-                broker.submit(user="alice", project="vision", gpus=8, kind="batch")
+                broker.submit(principal=Principal("alice"), project="vision", gpus=8, kind="batch")
             began = time.perf_counter()
             decisions = broker.run_pass()
             report["full_pass_s"] = time.perf_counter() - began

@@ -26,6 +26,7 @@ import requests
 from ..config import parse_config
 from ..service.auth import create_token
 from ..store import Broker
+from ..store.access import Principal
 
 CHROMIUM = "/usr/bin/chromium"
 PAGES = ("gpus", "queue", "projects", "cluster", "usage")
@@ -52,11 +53,10 @@ def fill(db_url: str, toml: str, slices: int) -> None:
         for i in range(slices):
             project = PROJECTS[i % len(PROJECTS)]
             broker.submit(
-                user=f"{project}-{i % 20}",
+                principal=Principal(f"{project}-{i % 20}", admin=True),
                 project=project,
                 gpus=8 if i % 10 == 0 else 1,
                 kind="batch" if i % 3 else "interactive",
-                admin=True,
             )
         broker.run_pass()
     finally:

@@ -28,7 +28,7 @@ from .scheduling import _summary, _timed, minimal_pass
 
 def run(live: int = 10_000, repeat: int = 40, ledger: int = 50_000) -> dict:
     from ..orm import LedgerRow
-    from ..store import Broker
+    from ..store import Broker, Principal
 
     with tempfile.TemporaryDirectory() as directory:
         folder = Path(directory)
@@ -56,7 +56,9 @@ def run(live: int = 10_000, repeat: int = 40, ledger: int = 50_000) -> dict:
             minimal: tuple[list[float], list[float]] = ([], [])
             for i in range(repeat):
                 if i % 2 == 0:
-                    added = broker.submit(project=project, user=user, gpus=1, kind="interactive")
+                    added = broker.submit(
+                        project=project, principal=Principal(user), gpus=1, kind="interactive"
+                    )
                 else:
                     broker.release(added["id"])
                 _timed(broker.run_pass, *service)

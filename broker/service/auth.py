@@ -1,7 +1,8 @@
 """Who is calling: API tokens and the identities they stand for.
 
 A request carries ``Authorization: token <t>`` (or ``Bearer <t>``). Two
-authenticators turn a token into an :class:`Identity`:
+authenticators turn a token into the
+:class:`~broker.store.Principal` it stands for:
 
 - :class:`TokenAuthenticator` (standalone): the broker's own tokens, made with
   :func:`create_token` (``slicebroker token create``) and stored as salted
@@ -39,6 +40,7 @@ from ..orm import (
     make_engine,
     migrate,
 )
+from ..store.access import Principal
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +61,6 @@ class Unavailable(BrokerError):
 
     status = 503
     code = "auth_unavailable"
-
-
-@dataclass(frozen=True)
-class Identity:
-    """The caller. ``agent``s may act for any user (JupyterHub's spawner is one);
-    ``admin``s may do everything. ``kind`` is ``user`` or ``service`` (a hub service)."""
-
-    name: str
-    groups: frozenset[str] = frozenset()
-    admin: bool = False
-    agent: bool = False
-    kind: str = "user"
-
-    @property
-    def acts_for_others(self) -> bool:
-        return self.admin or self.agent
 
 
 def parse_authorization(header: str | None) -> str | None:
@@ -287,7 +273,7 @@ class _Cache:
 
 
 class Authenticator:
-    """Turns a token into an :class:`Identity`.
+    """Turns a token into the :class:`~broker.store.Principal` it stands for.
 
     :meth:`authenticate` returns ``None`` for a token nobody issued (the caller
     answers 401) and raises a :class:`~broker.errors.BrokerError` (e.g.
@@ -296,7 +282,7 @@ class Authenticator:
 
     mode = "abstract"
 
-    async def authenticate(self, token: str) -> Identity | None:
+    async def authenticate(self, token: str) -> Principal | None:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -332,7 +318,7 @@ class TokenAuthenticator(Authenticator):
         # requests all miss the cache together once its answer is too old).
         self._looking_up: dict[str, asyncio.Future] = {}
 
-    async def authenticate(self, token: str) -> Identity | None:
+    async def authenticate(self, token: str) -> Principal | None:
         key = token_key(token)
         found, identity = self._cache.get(key)
         if found:
@@ -344,11 +330,11 @@ class TokenAuthenticator(Authenticator):
             looking_up.add_done_callback(lambda _: self._looking_up.pop(key, None))
         return await asyncio.shield(looking_up)
 
-    async def _look_up(self, key: str, token: str) -> Identity | None:
+    async def _look_up(self, key: str, token: str) -> Principal | None:
         info = await self._run(lambda: self.store.verify(token))
         identity = None
         if info is not None:
-            identity = Identity(
+            identity = Principal(
                 name=info.user, admin=info.admin or info.user in self.admins, agent=info.agent
             )
         self._cache.put(key, identity)
@@ -384,7 +370,7 @@ class HubAuthenticator(Authenticator):
         scopes = ", ".join(sorted(self.hub_auth.access_scopes)) or "none"
         return f"{self.mode} (hub API {self.hub_auth.api_url}, access scopes: {scopes})"
 
-    async def authenticate(self, token: str) -> Identity | None:
+    async def authenticate(self, token: str) -> Principal | None:
         from tornado.web import HTTPError
 
         try:
@@ -403,7 +389,7 @@ class HubAuthenticator(Authenticator):
             needed = " or ".join(sorted(access))
             raise Forbidden(f"this token may not use the broker: it needs the scope {needed}")
         kind = model.get("kind", "user")
-        return Identity(
+        return Principal(
             name=model["name"],
             groups=frozenset(model.get("groups") or ()) if kind == "user" else frozenset(),
             admin=bool(self._check_scopes({ADMIN_SCOPE}, scopes)),

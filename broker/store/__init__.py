@@ -15,7 +15,7 @@ The names below are what the rest of the broker and its tests import from
 ``broker.store``.
 """
 
-from .access import Caller, NotYours
+from .access import NotYours, Principal
 from .broker import DEFAULT_LEASE_S, IDS_PER_QUERY, Broker, Schedule
 from .inventory import ADMIN_NODE_STATES, OUT_OF_SERVICE
 from .projects import CONTROL_CHARACTERS, MAX_MEMBER_NAME
@@ -31,8 +31,8 @@ __all__ = [
     "MAX_MEMBER_NAME",
     "OUT_OF_SERVICE",
     "Broker",
-    "Caller",
     "NotYours",
+    "Principal",
     "Schedule",
     "_to_slice",
     "_write_state",

@@ -3,7 +3,6 @@ charges only the projects they are a member of, unless they are an admin."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
@@ -14,22 +13,31 @@ from .journal import _Catalog
 
 
 @dataclass(frozen=True)
-class Caller:
-    """Who asks about a slice: a user by ``name`` (with their ``groups``), or an
-    ``admin``, who reaches every slice."""
+class Principal:
+    """Who makes a request, or whom it acts for: a user or a hub service by ``name``,
+    with their ``groups``. An ``agent`` may act for any user (JupyterHub's spawner is
+    one) and reaches every slice; an ``admin`` may do everything, charging any project
+    included. ``kind`` is ``user`` or ``service`` (a hub service)."""
 
     name: str
     groups: frozenset[str] = frozenset()
     admin: bool = False
+    agent: bool = False
+    kind: str = "user"
+
+    @property
+    def acts_for_others(self) -> bool:
+        """Whether it may act for any user and reach their slices."""
+        return self.admin or self.agent
 
 
 class NotYours(Forbidden):
     """Another user's slice: the API answers as if there were none (404)."""
 
 
-def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceRow:
+def _owned_row(session: Session, slice_id: int, caller: Principal | None) -> SliceRow:
     """The slice ``caller`` asks about (any slice with no ``caller``): :class:`NotFound`,
-    or :class:`Forbidden` for another user's slice unless ``caller`` is an admin."""
+    or :class:`Forbidden` for another user's slice unless ``caller`` acts for others."""
     row = session.get(SliceRow, slice_id)
     if row is None:
         raise NotFound(f"no slice {slice_id}")
@@ -37,16 +45,14 @@ def _owned_row(session: Session, slice_id: int, caller: Caller | None) -> SliceR
     return row
 
 
-def _check_owner(slice_id: int, user: str, caller: Caller | None) -> None:
-    """:class:`NotYours` unless ``caller`` (if any) is ``user`` or an admin."""
-    if caller is not None and not caller.admin and user != caller.name:
+def _check_owner(slice_id: int, user: str, caller: Principal | None) -> None:
+    """:class:`NotYours` unless ``caller`` (if any) is ``user``, an agent or an admin."""
+    if caller is not None and not caller.acts_for_others and user != caller.name:
         raise NotYours(f"slice {slice_id} belongs to another user")
 
 
-def _check_member(
-    catalog: _Catalog, project: str, user: str, groups: Iterable[str], admin: bool
-) -> None:
-    """Only a member of ``project`` (``user`` or one of ``groups``) or an admin may
-    charge it (:class:`Forbidden`)."""
-    if not admin and not catalog.is_member(project, user, groups):
-        raise Forbidden(f"{user!r} is not a member of project {project!r}")
+def _check_member(catalog: _Catalog, project: str, principal: Principal) -> None:
+    """Only a member of ``project`` (the principal's name or one of its groups) or an
+    admin may charge it (:class:`Forbidden`)."""
+    if not principal.admin and not catalog.is_member(project, principal.name, principal.groups):
+        raise Forbidden(f"{principal.name!r} is not a member of project {project!r}")

@@ -55,7 +55,7 @@ from ..orm import (
     SliceRow,
 )
 from ..validation import REASON_MAX_LENGTH, check_text
-from .access import Caller, _check_member, _check_owner, _owned_row
+from .access import Principal, _check_member, _check_owner, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, _Catalog, _LiveSlice, ledger_since, not_durable
 from .projects import (
@@ -221,8 +221,7 @@ class Broker:
     def submit_once(
         self,
         *,
-        user: str,
-        groups: Iterable[str] = (),
+        principal: Principal,
         project: str,
         gpus: int,
         kind: str,
@@ -231,14 +230,14 @@ class Broker:
         resumable: bool | None = None,
         max_runtime: float | None = None,
         priority: int = 0,
-        admin: bool = False,
         idempotency_key: str | None = None,
         restores: int | None = None,
     ) -> tuple[dict[str, Any], bool]:
-        """Queue a request for ``gpus`` GPUs charged to ``project``: the new slice,
-        and whether it is new (``False``: a replay).
+        """Queue a request of ``principal``'s (its user: the slice's) for ``gpus`` GPUs
+        charged to ``project``: the new slice, and whether it is new (``False``: a
+        replay).
 
-        ``restores`` names a slice of ``user``'s that a preemption or a node going
+        ``restores`` names a slice of the user's that a preemption or a node going
         down ended (a session brought back, design.md §3): the new request keeps its
         place in its project's queue (its submit time) and its preemptions so far,
         once; :class:`Conflict` for a slice that is still live, ended otherwise, or
@@ -246,10 +245,10 @@ class Broker:
 
         Contract terms left ``None`` come from the configuration's defaults for
         the kind. Raises :class:`InvalidRequest` for a request that can never be
-        granted and :class:`Forbidden` unless ``user`` (or one of ``groups``) is
-        a member of ``project`` or ``admin`` is set. Nothing is written then.
+        granted and :class:`Forbidden` unless ``principal`` (by name or one of its
+        groups) is a member of ``project`` or an admin. Nothing is written then.
 
-        A submission of ``user`` with an ``idempotency_key`` they used before
+        A submission of the user's with an ``idempotency_key`` they used before
         changes nothing and answers the slice the first one made, whatever state
         it is in now: a client that timed out and retried gets one slice, not two.
         The same key with another request is a :class:`Conflict`.
@@ -265,7 +264,8 @@ class Broker:
             priority=priority,
             **({} if restores is None else {"restores": restores}),
         )
-        for name in (user, *groups):
+        user = principal.name
+        for name in (user, *principal.groups):
             if not isinstance(name, str) or CONTROL_CHARACTERS.search(name):
                 raise InvalidRequest(f"a user or group name has control characters: {name!r:.80}")
         min_runtime, resumable, max_runtime = self._with_defaults(
@@ -298,7 +298,7 @@ class Broker:
                 priority=priority,
                 project=project,
             )
-            _check_member(catalog, project, user, groups, admin)
+            _check_member(catalog, project, principal)
             now = self._clock()
             restored = None if restores is None else _restorable_row(session, restores, user)
             row = _pending_row(
@@ -372,8 +372,7 @@ class Broker:
         min_runtime: float | None,
         gpu_type: str | None = None,
         groups: Iterable[str] = (),
-        admin: bool = False,
-        caller: Caller | None = None,
+        caller: Principal | None = None,
     ) -> dict[str, Any]:
         """Withdraw waiting ``slice_id`` and queue in its place the same request with
         these terms (one of its alternatives, design.md §5.8): one transaction, so
@@ -383,7 +382,7 @@ class Broker:
 
         :class:`Conflict` unless ``slice_id`` is pending; :class:`Forbidden` for
         another user's slice, as :meth:`release`, and for a project its user (or
-        ``groups``) may not charge unless ``admin``; :class:`InvalidRequest` for
+        ``groups``) may not charge unless ``caller`` is an admin; :class:`InvalidRequest` for
         terms that can never be granted.
         """
         with self.journal.write() as session:
@@ -406,7 +405,8 @@ class Broker:
                 project=project,
             )
             if project != old.project:
-                _check_member(catalog, project, old.user, groups, admin)
+                admin = caller is not None and caller.admin
+                _check_member(catalog, project, Principal(old.user, frozenset(groups), admin))
             now = self._clock()
             new = _pending_row(
                 project=project,
@@ -430,7 +430,7 @@ class Broker:
             old.replaced_by = new.id
             return _slice_dict(new, now, costs)
 
-    def release(self, slice_id: int, *, caller: Caller | None = None, why: str = "") -> dict:
+    def release(self, slice_id: int, *, caller: Principal | None = None, why: str = "") -> dict:
         """Cancel a pending slice or release a held one (charging its held time).
 
         A ``caller`` may release only their own slices (:class:`Forbidden`); an
@@ -454,7 +454,7 @@ class Broker:
     # worth of lease, and the restarted service extends every lease by the time it was
     # away (_cover_absence). Saves an fsync per heartbeat.
     @not_durable
-    def heartbeat(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+    def heartbeat(self, slice_id: int, *, caller: Principal | None = None) -> dict:
         """Extend a live slice's lease to ``now + lease``; returns the slice.
 
         Once a slice is heartbeated it must keep being heartbeated, also while it
@@ -468,7 +468,7 @@ class Broker:
 
     @not_durable
     def heartbeats(
-        self, asked: Sequence[tuple[int, Caller | None]]
+        self, asked: Sequence[tuple[int, Principal | None]]
     ) -> list[dict[str, Any] | BrokerError]:
         """:meth:`heartbeat` of each ``(slice_id, caller)``, in one write: the leases
         of the slices kept in memory are renewed by one statement, so that a group of
@@ -500,7 +500,9 @@ class Broker:
                 for a in answers
             ]
 
-    def extend_protection(self, slice_id: int, by: float, *, caller: Caller | None = None) -> dict:
+    def extend_protection(
+        self, slice_id: int, by: float, *, caller: Principal | None = None
+    ) -> dict:
         """Extend a granted slice's protection by ``by`` seconds from the later of its
         end and now, within the contract's caps (:mod:`broker.core.extension`); returns
         the slice. :class:`Conflict` says why when the extension is refused.
@@ -521,7 +523,7 @@ class Broker:
     # Not durable, as a heartbeat: a checkpoint lost to a power failure only makes the
     # slice look to have more work at risk than it has.
     @not_durable
-    def checkpoint(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+    def checkpoint(self, slice_id: int, *, caller: Principal | None = None) -> dict:
         """Record that the holder of a slice that holds GPUs checkpointed now: among
         otherwise equal victims, the one with the least work since its grant or its last
         checkpoint is preempted first (design.md §5.3). Returns the slice.
@@ -540,7 +542,7 @@ class Broker:
             row.checkpointed_at = now
             return _slice_dict(row, now, self.journal.catalog(session).costs)
 
-    def get_slice(self, slice_id: int, *, caller: Caller | None = None) -> dict:
+    def get_slice(self, slice_id: int, *, caller: Principal | None = None) -> dict:
         """The slice, as design.md §8 shows it; :class:`Forbidden` if ``caller`` may not see it.
         A single writer answers a live slice from its kept copy, reading no row."""
         with self.journal.read() as session:
@@ -551,7 +553,7 @@ class Broker:
             return _kept_dict(kept.view, kept.slice, now, costs)
 
     def _owned_kept(
-        self, session: Session, slice_id: int, caller: Caller | None
+        self, session: Session, slice_id: int, caller: Principal | None
     ) -> _LiveSlice | None:
         """Live slice ``slice_id`` as the single writer keeps it, once ``caller`` may see
         it (as :func:`_owned_row` checks a row); None where it is not kept."""
@@ -589,7 +591,7 @@ class Broker:
         with self.journal.read() as session:
             return set(session.scalars(select(SliceRow.id).where(SliceRow.state.in_(LIVE_STATES))))
 
-    def events(self, slice_id: int, *, caller: Caller | None = None) -> list[dict]:
+    def events(self, slice_id: int, *, caller: Principal | None = None) -> list[dict]:
         """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``;
         :class:`Forbidden` if ``caller`` may not see the slice."""
         with self.journal.read() as session:
@@ -605,7 +607,7 @@ class Broker:
             ]
 
     def alternatives(
-        self, slice_id: int, *, caller: Caller | None = None, compute: bool = True
+        self, slice_id: int, *, caller: Principal | None = None, compute: bool = True
     ) -> dict[str, Any]:
         """What would start pending slice ``slice_id`` sooner (design.md §5.8):
         ``{slice_id, now, starts_at, alternatives: [{change, fields, starts_at,
@@ -653,20 +655,18 @@ class Broker:
     def expected_starts(
         self,
         *,
-        user: str,
+        principal: Principal,
         project: str,
         kind: str,
         min_runtime: float | None = None,
-        groups: Iterable[str] = (),
-        admin: bool = False,
         compute: bool = True,
     ) -> dict[str, Any]:
-        """When a new request of ``user``'s for ``project`` would start, for each GPU
+        """When a new request of ``principal``'s for ``project`` would start, for each GPU
         type and each size up to the type's largest node (1, 2, 4, …), before it is
         made (design.md §5.8): ``{now, project, kind, min_runtime, starts: [{gpu_type,
         gpus, starts_at}]}``; no starts with ``compute`` off (the service's what-if
         budget is spent: the checks alone). Terms left out come from the kind's
-        defaults. Raises :class:`Forbidden` unless ``user`` may charge ``project``,
+        defaults. Raises :class:`Forbidden` unless ``principal`` may charge ``project``,
         and :class:`InvalidRequest` for terms no request may have."""
         min_runtime, resumable, max_runtime = self._with_defaults(kind, min_runtime)
         resumable = bool(resumable)  # a kind without defaults: not resumable
@@ -683,7 +683,7 @@ class Broker:
                 priority=0,
                 project=project,
             )
-            _check_member(catalog, project, user, groups, admin)
+            _check_member(catalog, project, principal)
             now = self._clock()
             snapshot = self._live_snapshot(session, catalog, now) if compute else None
         answer = {
@@ -698,7 +698,7 @@ class Broker:
         request = Slice(
             id=max((s.id for s in snapshot.slices), default=0) + 1,
             project=project,
-            user=user,
+            user=principal.name,
             gpus=1,
             kind=SliceKind(kind),
             contract=Contract(float(min_runtime), resumable, max_runtime),  # type: ignore[arg-type]

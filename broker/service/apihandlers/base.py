@@ -28,7 +28,8 @@ from tornado.httputil import HTTPServerRequest
 
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound, Unauthorized
 from ...orm import DatabaseSchemaError
-from ..auth import Identity, parse_authorization
+from ...store import Principal
+from ..auth import parse_authorization
 from ..schema import NAME_PATTERN, NAME_TEXT, ref, validate
 
 log = logging.getLogger("slicebroker.service")
@@ -217,7 +218,7 @@ class APIHandler(web.RequestHandler):
 
     operations: ClassVar[dict[str, Operation]] = {}
 
-    identity: Identity | None = None
+    identity: Principal | None = None
     _counted = False
     _prepared = False
     _body_size = 0

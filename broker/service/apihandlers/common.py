@@ -1,14 +1,14 @@
-"""Rules shared by the resource modules and the pages: acting for a user, membership of
-an account, and owning a slice."""
+"""Rules shared by the resource modules and the pages: acting for a user, charging a
+project, membership of an account."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ...errors import Forbidden
-from ...store import Caller
-from ..auth import Identity
+from ...store import Principal
 from .base import bounded
 
 #: How many of the groups a caller is not in a refusal names.
@@ -16,8 +16,8 @@ GROUPS_SHOWN = 5
 
 
 def acting_identity(
-    caller: Identity, user: str | None = None, groups: Iterable[str] | None = None
-) -> Identity:
+    caller: Principal, user: str | None = None, groups: Iterable[str] | None = None
+) -> Principal:
     """Who a request acts for: the caller, or the ``user`` (with ``groups``) it names.
 
     Agents and admins may name anyone; the identity they act for has only the
@@ -32,8 +32,8 @@ def acting_identity(
         if user is None or user == caller.name:
             if named_groups is None:
                 return caller
-            return Identity(caller.name, named_groups, caller.admin, caller.agent, caller.kind)
-        return Identity(user, named_groups or frozenset())
+            return replace(caller, groups=named_groups)
+        return Principal(user, named_groups or frozenset())
     if user is not None and user != caller.name:
         raise Forbidden("only agents and admins may act for another user")
     if named_groups is not None and not named_groups <= caller.groups:
@@ -42,21 +42,19 @@ def acting_identity(
         shown = ", ".join(bounded(group, 64) for group in others[:GROUPS_SHOWN])
         more = f" and {len(others) - GROUPS_SHOWN} more" if len(others) > GROUPS_SHOWN else ""
         raise Forbidden(f"{bounded(caller.name, 64)!r} is not in group(s) {shown}{more}")
-    return Identity(
-        caller.name,
-        caller.groups if named_groups is None else named_groups,
-        caller.admin,
-        caller.agent,
-        caller.kind,
-    )
+    return caller if named_groups is None else replace(caller, groups=named_groups)
 
 
-def is_member(identity: Identity, account: Mapping[str, Any]) -> bool:
+def is_member(identity: Principal, account: Mapping[str, Any]) -> bool:
     """Whether ``identity`` is among ``account``'s members (a row of the project tree),
     by name or by a group."""
     return identity.name in account["users"] or not identity.groups.isdisjoint(account["groups"])
 
 
-def owner_filter(caller: Identity) -> dict[str, object]:
-    """The Broker's ownership arguments for ``caller``: agents and admins reach every slice."""
-    return {"caller": Caller(caller.name, caller.groups, admin=caller.acts_for_others)}
+def charging_principal(
+    caller: Principal, user: str | None = None, groups: Iterable[str] | None = None
+) -> Principal:
+    """Whom a request that charges a project is for (:func:`acting_identity`), with the
+    caller's admin right: an admin acting for a user may charge any project, an agent
+    only what that user may."""
+    return replace(acting_identity(caller, user, groups), admin=caller.admin)

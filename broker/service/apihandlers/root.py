@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import __version__
-from ..auth import Identity
+from ...store import Principal
 from ..openapi import build_document
 from .base import APIHandler, Operation, Param
 from .common import acting_identity, is_member
@@ -61,7 +61,7 @@ class WhoAmIHandler(APIHandler):
         self.write_json(describe(identity, projects))
 
 
-def describe(identity: Identity, projects: list[dict[str, Any]]) -> dict[str, Any]:
+def describe(identity: Principal, projects: list[dict[str, Any]]) -> dict[str, Any]:
     """``identity`` as ``GET /whoami`` shows it, with the projects it may charge."""
     chargeable = [
         p["name"]

@@ -16,12 +16,11 @@ from sqlalchemy.exc import OperationalError
 from ...config import parse_duration
 from ...core.model import SliceState
 from ...errors import Forbidden, InvalidRequest, NotFound
-from ...store import NotYours
-from ..auth import Identity
+from ...store import NotYours, Principal
 from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
-from .common import acting_identity, owner_filter
+from .common import acting_identity, charging_principal
 
 STATES = [s.value for s in SliceState]
 LIVE_STATES = (SliceState.PENDING, SliceState.GRANTED, SliceState.PREEMPTING)
@@ -112,7 +111,7 @@ class SliceListHandler(APIHandler):
 
     async def post(self) -> None:
         body = self.body()
-        actor = acting_identity(self.identity, body.get("user"), body.get("groups"))
+        principal = charging_principal(self.identity, body.get("user"), body.get("groups"))
         key = self.request.headers.get("Idempotency-Key")
         if key is not None:
             validate(
@@ -130,8 +129,7 @@ class SliceListHandler(APIHandler):
 
         slice_ = await self.runner.submit(
             submit,
-            user=actor.name,
-            groups=sorted(actor.groups),
+            principal=principal,
             project=body["project"],
             gpus=body["gpus"],
             kind=body["kind"],
@@ -140,7 +138,6 @@ class SliceListHandler(APIHandler):
             resumable=body.get("resumable"),
             max_runtime=_duration(body, "max_runtime"),
             priority=body.get("priority") or 0,
-            admin=self.identity.admin,
             idempotency_key=key,
             restores=body.get("restores"),
         )
@@ -169,13 +166,13 @@ class _OwnedSliceHandler(APIHandler):
         """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
         the schedule (then a pass follows) or is another ``write`` (as a heartbeat: it
         joins the group commit of writes as durable as the Broker declares it)."""
-        owner = owner_filter(self.identity)
+        caller = self.identity
         try:
             if change:
-                return await self.runner.change(method, slice_id, **owner)
+                return await self.runner.change(method, slice_id, caller=caller)
             if write:
-                return await self.runner.write(method, slice_id, **owner)
-            return await self.runner.read(method, slice_id, **owner)
+                return await self.runner.write(method, slice_id, caller=caller)
+            return await self.runner.read(method, slice_id, caller=caller)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
 
@@ -322,9 +319,10 @@ class SliceProtectionHandler(_OwnedSliceHandler):
     async def post(self, id: str) -> None:
         slice_id = self.slice_id(id)
         by = _duration(self.body(), "extend_by")
-        owner = owner_filter(self.identity)
         try:
-            slice_ = await self.runner.change(self.broker.extend_protection, slice_id, by, **owner)
+            slice_ = await self.runner.change(
+                self.broker.extend_protection, slice_id, by, caller=self.identity
+            )
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
         self.write_json(slice_)
@@ -416,7 +414,7 @@ class SliceReplaceHandler(_OwnedSliceHandler):
 
 
 async def read_alternatives(
-    runner: Any, identity: Identity, slice_id: int
+    runner: Any, identity: Principal, slice_id: int
 ) -> tuple[dict[str, Any], bool]:
     """``GET /slices/{id}/alternatives`` for ``identity`` (the API's and the pages'), and
     whether the answer is stale.
@@ -427,17 +425,16 @@ async def read_alternatives(
     :meth:`~broker.service.runner.BrokerRunner.read_what_if`). Another user's slice
     is not found.
     """
-    caller = owner_filter(identity)["caller"]
-    compute = functools.partial(runner.broker.alternatives, slice_id, caller=caller)
+    compute = functools.partial(runner.broker.alternatives, slice_id, caller=identity)
     checks = functools.partial(compute, compute=False)
     try:
-        return await runner.read_what_if(compute, ("alternatives", slice_id, caller), checks)
+        return await runner.read_what_if(compute, ("alternatives", slice_id, identity), checks)
     except Forbidden:
         raise NotFound(f"no slice {slice_id}") from None
 
 
 async def replace_slice(
-    runner: Any, identity: Identity, slice_id: int, body: dict[str, Any]
+    runner: Any, identity: Principal, slice_id: int, body: dict[str, Any]
 ) -> dict[str, Any]:
     """``POST /slices/{id}/replace`` with a checked ``SliceReplacement`` body, for
     ``identity`` (the API's and the pages'); the new slice."""
@@ -454,8 +451,7 @@ async def replace_slice(
             min_runtime=_duration(body, "min_runtime"),
             gpu_type=body.get("gpu_type"),
             groups=sorted(groups),
-            admin=identity.admin,
-            **owner_filter(identity),
+            caller=identity,
         )
     except NotYours:
         raise NotFound(f"no slice {slice_id}") from None
@@ -513,15 +509,9 @@ class ExpectedStartsHandler(APIHandler):
         }
         named = params.get("groups")
         groups = None if named is None else [g for g in named.split(",") if g]
-        actor = acting_identity(self.identity, params.get("user"), groups)
-        compute = functools.partial(
-            self.broker.expected_starts,
-            user=actor.name,
-            groups=sorted(actor.groups),
-            admin=self.identity.admin,
-            **terms,
-        )
-        key = ("expected_starts", actor, self.identity.admin, tuple(sorted(terms.items())))
+        principal = charging_principal(self.identity, params.get("user"), groups)
+        compute = functools.partial(self.broker.expected_starts, principal=principal, **terms)
+        key = ("expected_starts", principal, tuple(sorted(terms.items())))
         checks = functools.partial(compute, compute=False)
         answer, stale = await self.runner.read_what_if(compute, key, checks)
         if stale:

@@ -29,6 +29,7 @@ from tornado.httputil import HTTPServerRequest
 from ... import __version__
 from ...core.accounting import usage_csv
 from ...errors import BrokerError, Forbidden, InvalidRequest, NotFound
+from ...store import Principal
 from ..apihandlers.base import (
     MESSAGE_LIMIT,
     bounded,
@@ -38,11 +39,11 @@ from ..apihandlers.base import (
     parse_json_body,
     slice_id_in_path,
 )
-from ..apihandlers.common import is_member, owner_filter
+from ..apihandlers.common import is_member
 from ..apihandlers.nodes import NODE_ACTIONS
 from ..apihandlers.projects import put_project
 from ..apihandlers.slices import read_alternatives, replace_slice
-from ..auth import Identity, parse_authorization, token_key
+from ..auth import parse_authorization, token_key
 from ..schema import ref, validate
 from . import views
 from .redirects import is_local_target
@@ -83,7 +84,7 @@ class XsrfRefused(BrokerError):
 class PageHandler(HubOAuthenticated, web.RequestHandler):
     """Base of the pages: the caller's identity, XSRF on POST, errors as HTML or JSON."""
 
-    identity: Identity
+    identity: Principal
     _counted = False
     #: Standalone: the token of the caller's login, once it is known to be valid.
     _login_token: str | None = None
@@ -119,7 +120,7 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
             "frame-ancestors 'self'; form-action 'self'",
         )
 
-    def get_current_user(self) -> Identity | None:
+    def get_current_user(self) -> Principal | None:
         # Set in prepare, asynchronously: never the mixin's blocking look-up.
         return getattr(self, "identity", None)
 
@@ -433,9 +434,7 @@ class ReleaseHandler(PageHandler):
     async def post(self, path_id: str) -> None:
         slice_id = slice_id_in_path(path_id)
         try:
-            released = await self.runner.change(
-                self.broker.release, slice_id, **owner_filter(self.identity)
-            )
+            released = await self.runner.change(self.broker.release, slice_id, caller=self.identity)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
         verb = "cancelled" if released["end_reason"] == "cancelled" else "released"

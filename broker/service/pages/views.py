@@ -19,8 +19,8 @@ from typing import Any
 from ...core.fairshare import entitlement_moves, entitlements_with
 from ...core.model import Account, Policy
 from ...errors import InvalidConfig, InvalidRequest
+from ...store import Principal
 from ...units import HOUR, gpu_hours, instead_text, share_used
-from ..auth import Identity
 
 DAY = 24 * HOUR
 #: How long ended slices stay on My GPUs, in seconds.
@@ -240,7 +240,7 @@ def estimated_start_text(slice_: Mapping[str, Any], now: float) -> str:
     return f"{clock(estimated)} (in {span(estimated - now)})"
 
 
-def queue_rows(cluster: Cluster, viewer: Identity) -> list[dict[str, Any]]:
+def queue_rows(cluster: Cluster, viewer: Principal) -> list[dict[str, Any]]:
     """The queue in pass order; others' requests show no user or id unless the viewer
     is an admin."""
     rows = []
@@ -266,7 +266,7 @@ def queue_rows(cluster: Cluster, viewer: Identity) -> list[dict[str, Any]]:
     return rows
 
 
-def node_rows(cluster: Cluster, viewer: Identity, now: float) -> list[dict[str, Any]]:
+def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str, Any]]:
     """Each node with one cell per GPU: who holds it, protected or preemptible, for how long."""
     holders: dict[tuple[str, int], Mapping[str, Any]] = {}
     for slice_ in cluster.live:
