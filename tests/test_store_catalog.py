@@ -206,6 +206,35 @@ def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db
         reader.close()
 
 
+def test_a_single_writer_lists_the_nodes_from_memory_as_the_database_has_them(
+    broker, db_url, clock
+):
+    """GET /nodes reads no row from a single writer (its catalog and its record of who
+    holds each GPU): the same answer as a Broker reading the database, through a
+    grant, an admin's drain and a release."""
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        held = ask(broker, gpus=2)
+        broker.run_pass()
+        broker.nodes()  # the catalog and the holders are kept from here on
+        statements: list[str] = []
+        record = _record(statements)
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        answer = broker.nodes()
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert [s for s in statements if s.startswith("SELECT")] == []
+        assert answer == reader.nodes()
+        assert sum(node["gpus_held"] for node in answer) == 2
+        node = broker.get_slice(held["id"])["placements"][0]["node"]
+        broker.set_node_state(node, "draining", "a broken fan")
+        assert broker.nodes() == reader.nodes()
+        broker.release(held["id"])
+        assert broker.nodes() == reader.nodes()
+        assert sum(node["gpus_held"] for node in broker.nodes()) == 0
+    finally:
+        reader.close()
+
+
 def test_the_pass_takes_in_what_was_written_since_the_last_one_alone(broker, clock):
     """A single writer's pass looks again only at the slices written since the last
     pass (the journal lists them): a lease renewed by a heartbeat between two passes

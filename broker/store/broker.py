@@ -86,7 +86,6 @@ from .views import (
     _account_states,
     _config_states,
     _kept_dict,
-    _node_dict,
     _project_event_dict,
     _slice_dict,
 )
@@ -761,15 +760,9 @@ class Broker:
         """Every node: ``name, gpu_type, gpu_count, weight, state, state_reason,
         state_changed_at, in_config, drained_by, gpus_held``."""
         with self.journal.read() as session:
-            held: dict[str, int] = {}
-            for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
-                for p in row.placements:
-                    held[p["node"]] = held.get(p["node"], 0) + len(p["gpu_indices"])
-            weights = self.journal.catalog(session).weights
-            return [
-                _node_dict(row, weights, held.get(row.name, 0))
-                for row in session.scalars(select(NodeRow).order_by(NodeRow.name))
-            ]
+            catalog = self.journal.catalog(session)
+            held = self.journal.gpus_held(session)
+        return [{**view, "gpus_held": held.get(view["name"], 0)} for view in catalog.node_views]
 
     def set_node_state(self, name: str, state: str, reason: str = "") -> dict[str, Any]:
         """An admin's drain (``draining``), undrain (``ready``) or ``down``; returns the node.

@@ -43,16 +43,17 @@ from ..orm import (
     take_write_lock,
 )
 from .rows import (
+    HELD_STATES,
     LIVE_STATES,
     _accounts,
     _Costs,
     _ledger_entry,
     _members,
-    _nodes,
+    _node,
     _to_slice,
     _weights,
 )
-from .views import _row_view
+from .views import _node_dict, _row_view
 
 #: The rows the catalog is read from: writing any of them changes it.
 CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
@@ -246,16 +247,33 @@ class Journal:
         """Which live slice holds each GPU of ``nodes``, as last flushed (nothing is
         flushed here: the caller adds what it changed since): ``(node, GPU) -> slice
         id``. Kept from one call to the next while the live slices are."""
+        holders = self._holders_record(session)
+        return {
+            (node, gpu): slice_id
+            for node in nodes
+            for gpu, slice_id in holders.get(node, {}).items()
+        }
+
+    def gpus_held(self, session: Session) -> dict[str, int]:
+        """How many GPUs granted and preempting slices hold on each node: from the
+        record of holders where a single writer keeps it (no row read), else read now."""
+        if self.single_writer:
+            return {node: len(gpus) for node, gpus in self._holders_record(session).items()}
+        held: dict[str, int] = {}
+        for row in session.scalars(select(SliceRow).where(SliceRow.state.in_(HELD_STATES))):
+            for p in row.placements:
+                held[p["node"]] = held.get(p["node"], 0) + len(p["gpu_indices"])
+        return held
+
+    def _holders_record(self, session: Session) -> dict[str, dict[int, int]]:
+        """The record of who holds each GPU (:attr:`_holders`), built from the live
+        slices when first asked after they are loaded."""
         live = self._live if self._live is not None else self.live_slices(session)
         if self._holders is None:
             self._holders = {}
             for slice_id, entry in live.items():
                 self._move_holdings(slice_id, None, entry)
-        return {
-            (node, gpu): slice_id
-            for node in nodes
-            for gpu, slice_id in self._holders.get(node, {}).items()
-        }
+        return self._holders
 
     def _move_holdings(
         self, slice_id: int, before: _LiveSlice | None, after: _LiveSlice | None
@@ -429,8 +447,12 @@ class _Catalog:
     members. A Broker that is its database's single writer keeps it in memory."""
 
     def __init__(self, session: Session):
-        self.nodes = tuple(_nodes(session))
+        rows = session.scalars(select(NodeRow).order_by(NodeRow.name)).all()
+        self.nodes = tuple(_node(row) for row in rows)
         self.weights = _weights(session)
+        # The API's view of each node, but for the GPUs held on it (which change with
+        # every grant and end: see Journal.gpus_held).
+        self.node_views = tuple(_node_dict(row, self.weights, 0) for row in rows)
         self.costs = _Costs({node.name: node.gpu_type for node in self.nodes}, self.weights)
         self.accounts = tuple(_accounts(session))
         self.tree = ProjectTree(self.accounts)

@@ -111,8 +111,11 @@ def _tree(session: Session) -> ProjectTree:
 
 
 def _nodes(session: Session) -> list[Node]:
-    rows = session.scalars(select(NodeRow).order_by(NodeRow.name))
-    return [Node(r.name, r.gpu_type, r.gpu_count, NodeState(r.state)) for r in rows]
+    return [_node(row) for row in session.scalars(select(NodeRow).order_by(NodeRow.name))]
+
+
+def _node(row: NodeRow) -> Node:
+    return Node(row.name, row.gpu_type, row.gpu_count, NodeState(row.state))
 
 
 def _weights(session: Session) -> dict[str, float]:
