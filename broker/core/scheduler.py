@@ -908,15 +908,32 @@ class _Pass:
 
     def backfill_unallocated(self) -> None:
         position = self._position
+        # From here free GPUs (lent ones included) only shrink, and where unallocated
+        # work fits depends only on its size, GPU type and kind (it may use any
+        # reservation): a size that found no place finds none later in the queue,
+        # which is then walked cheaply. With debug headroom a debug session's place
+        # also depends on the lane: never kept.
+        unplaced: set[tuple] = set()
+        headroom, policy = self.policy.debug_headroom, self.policy
         for slice_ in self.unallocated_backlog:
             position += 1
-            placements = self._place(slice_, self._backfill_reserved)
             value = self.values[slice_.project]
+            shape = (
+                None
+                if headroom and is_debug(slice_, policy)
+                else (slice_.gpus, slice_.gpu_type, slice_.kind)
+            )
+            if shape in unplaced:
+                self.queue.append(QueueEntry(slice_.id, position, value))
+                continue
+            placements = self._place(slice_, self._backfill_reserved)
             if placements is not None and self._under_cap(slice_):
                 due = self._grant(slice_, placements)
                 if due is not None:
                     self.queue.append(QueueEntry(slice_.id, position, value, due))
             else:
+                if placements is None and shape is not None:
+                    unplaced.add(shape)
                 self.queue.append(QueueEntry(slice_.id, position, value))
 
 
