@@ -200,7 +200,9 @@ class Preemptor:
         self.unallocated += step * (not slice_.allocated)
         self.batch += step * (slice_.kind is SliceKind.BATCH)
         for group in _groups(slice_):
-            nodes = self.nodes_of.setdefault(group, Counter())
+            nodes = self.nodes_of.get(group)
+            if nodes is None:  # not setdefault: that would build a Counter every time
+                nodes = self.nodes_of[group] = Counter()
             nodes[node_name] += step * gpus
             if not nodes[node_name]:
                 del nodes[node_name]
