@@ -731,3 +731,44 @@ def test_the_indexed_victim_search_picks_what_a_scan_of_every_node_picks(cluster
         assert found is not None
         assert found.placement.node == expected[0][3]
         assert [(v.id, r) for v, r in found.victims] == [(v.id, r) for v, r in expected[1]]
+
+
+def test_a_lower_priority_request_of_the_owner_s_project_borrows_what_an_equal_one_may_not():
+    # n0 is reserved for `owner` (priority 1) until `holder` ends. `equal` (priority 1,
+    # same shape as `lower`) may not borrow the reserved GPUs: the owner could not
+    # preempt it when they fall due. `lower` (priority 0) may, as the owner outranks it.
+    # The tail's shortcut for shapes found blocked must not skip it for `equal`.
+    holder = running("b", "n0", (0, 1), granted_ago=0, min_runtime=8 * HOUR, max_runtime=2 * HOUR)
+    owner = pending("a", 4, priority=1, submitted_at=NOW - 3 * HOUR)
+    equal = pending("a", 2, priority=1, min_runtime=10 * MIN, submitted_at=NOW - 2 * HOUR)
+    lower = pending("a", 2, priority=0, min_runtime=10 * MIN)
+    d = schedule(
+        snapshot(
+            nodes(1, gpus=4),
+            flat_tree("a", "b"),
+            [holder, owner, equal, lower],
+            policy=Policy(max_reservations=1),
+        )
+    )
+    assert [r.slice_id for r in d.reservations] == [owner.id]
+    assert granted_ids(d) == {lower.id}
+
+
+def test_a_request_within_its_preemption_budget_borrows_what_one_past_it_may_not():
+    # As above, with priorities equal: the first request of the shape has spent its
+    # preemption budget, so the owner could never preempt it and it may not borrow;
+    # the next, fresh, may.
+    holder = running("b", "n0", (0, 1), granted_ago=0, min_runtime=8 * HOUR, max_runtime=2 * HOUR)
+    owner = pending("a", 4, kind=SliceKind.INTERACTIVE, submitted_at=NOW - 3 * HOUR)
+    spent = pending("a", 2, min_runtime=10 * MIN, preemptions=5, submitted_at=NOW - 2 * HOUR)
+    fresh = pending("a", 2, min_runtime=10 * MIN)
+    d = schedule(
+        snapshot(
+            nodes(1, gpus=4),
+            flat_tree("a", "b"),
+            [holder, owner, spent, fresh],
+            policy=Policy(max_reservations=1, preemption_budget=5),
+        )
+    )
+    assert [r.slice_id for r in d.reservations] == [owner.id]
+    assert granted_ids(d) == {fresh.id}

@@ -28,6 +28,7 @@ from .model import (
     NodeChange,
     NodeState,
     Placement,
+    Policy,
     Preemption,
     PreemptReason,
     QueueEntry,
@@ -44,6 +45,7 @@ from .preemption import (
     Victims,
     grace_for,
     is_debug,
+    past_budget,
     preempt_reason,
     preemption_delay,
 )
@@ -507,7 +509,7 @@ class _Pass:
                 and not (headroom and is_debug(slice_, policy))
             )
             if settled:
-                shape = _shape(slice_)
+                shape = _shape(slice_, policy)
                 if shape in blocked_shapes:
                     enqueue(QueueEntry(slice_.id, position, value))
                     continue
@@ -828,6 +830,7 @@ class _Pass:
             slice_.gpus,
             slice_.kind,
             within_project_key(slice_),
+            past_budget(slice_, self.policy),
             slice_.contract.min_runtime,
             slice_.contract.max_runtime,
         )
@@ -940,11 +943,16 @@ class _Pass:
 _NEVER = 1 << 62
 
 
-def _shape(slice_: Slice) -> tuple:
-    """What decides whether a pending slice can be placed or is under its cap."""
+def _shape(slice_: Slice, policy: Policy) -> tuple:
+    """What decides whether a pending slice can be placed or is under its cap: with
+    its priority and whether it has spent its preemption budget, which decide whether
+    a reservation's owner could preempt it, and so whether it may borrow the
+    reserved GPUs (:meth:`_Pass._may_use_reserved`)."""
     contract = slice_.contract
     return (
         slice_.project,
+        slice_.priority,
+        past_budget(slice_, policy),
         slice_.gpus,
         slice_.gpu_type,
         slice_.kind,
