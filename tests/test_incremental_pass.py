@@ -282,3 +282,17 @@ def test_the_kept_state_follows_slices_through_their_life():
     snap = snapshot(list(nodes.values()), ACCOUNTS, list(live.values()), now=now)
     assert schedule(snap, index=kept) == schedule(snap, tree)
     assert wanting.id not in {s.id for s in kept.holding()}
+
+
+def test_a_copy_of_the_index_counts_the_gpus_held_apart_from_the_original():
+    """A what-if pass's copy that sees a holder gone leaves the original's count of
+    held GPUs as it was: the original, rebuilding its free map (its nodes changed),
+    still finds the holder's GPUs taken."""
+    holder = running("a", "n0", (0, 1, 2))
+    first = snapshot(NODES, ACCOUNTS, [holder], weights=WEIGHTS)
+    kept = PassState(ProjectTree(ACCOUNTS))
+    schedule(first, index=kept)
+    copy = kept.copy()
+    schedule(replace(first, slices=()), index=copy)  # in the copy's world it ended
+    assert copy.free_map(NODES[:2], WEIGHTS).free["n0"] == set(range(8))
+    assert kept.free_map(NODES[:2], WEIGHTS).free["n0"] == {3, 4, 5, 6, 7}
