@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -133,10 +134,36 @@ def session_environ(server: dict) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
+#: Its own source of chance: choosing a port leaves the tests' seeded ones alone.
+_PORT_CHOICE = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port of 127.0.0.1 free now, for a server a test starts (and may restart on
+    it): chosen below the kernel's range of ports for outgoing connections, so that
+    no client connection takes it as its own while the server is down."""
+    lowest_outgoing = _outgoing_ports()[0]
+    for _ in range(50):
+        port = _PORT_CHOICE.randrange(10_000, max(10_001, lowest_outgoing))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: try another
+            return port
+    with socket.socket() as sock:  # no luck below the range: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _outgoing_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default
+    where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def wait_until(check: Callable[[], T], timeout: float = 30.0, what: str = "a condition") -> T:
