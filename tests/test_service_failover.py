@@ -276,7 +276,11 @@ def test_a_hung_database_answers_503_in_bounded_time(tmp_path, db_url):
         assert read.status_code == 200 and read.json()["id"] == slice_id, read.text
         assert read_s <= 2 * (DB_TIMEOUT_S + SLACK_S), read_s
         if not db_url.startswith("sqlite"):  # there the lock stops reads: from memory
-            assert read.headers["Slicebroker-Stale"] == "true"
+            # A live slice's GET reads no row: reaching the database thread before the
+            # hung heartbeat it is answered at once from the kept copy (not stale);
+            # queued behind it, after the timeout, as the last pass left it (stale).
+            stale = read.headers.get("Slicebroker-Stale")
+            assert stale == ("true" if read_s >= DB_TIMEOUT_S else None), (stale, read_s)
             assert results["list"][0].headers["Slicebroker-Stale"] == "true"
         listed, listed_s = results["list"]
         assert listed.status_code == 200, listed.text
