@@ -142,7 +142,7 @@ def free_port() -> int:
     """A port of 127.0.0.1 free now, for a server a test starts (and may restart on
     it): chosen below the kernel's range of ports for outgoing connections, so that
     no client connection takes it as its own while the server is down."""
-    lowest_outgoing = _outgoing_ports()[0]
+    lowest_outgoing = _lowest_outgoing_port()
     for _ in range(50):
         port = _PORT_CHOICE.randrange(10_000, max(10_001, lowest_outgoing))
         with socket.socket() as sock:
@@ -156,14 +156,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _outgoing_ports() -> tuple[int, int]:
-    """The kernel's range of local ports for outgoing connections (Linux's default
+def _lowest_outgoing_port() -> int:
+    """The first of the kernel's local ports for outgoing connections (Linux's default
     where it cannot be read)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_until(check: Callable[[], T], timeout: float = 30.0, what: str = "a condition") -> T:

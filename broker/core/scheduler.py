@@ -824,16 +824,7 @@ class _Pass:
                 contract.max_runtime is None or self.now + contract.max_runtime > latest
             ):
                 return None
-        # Whether a reservation may be used depends on these traits only.
-        traits = (
-            slice_.project,
-            slice_.gpus,
-            slice_.kind,
-            within_project_key(slice_),
-            past_budget(slice_, self.policy),
-            slice_.contract.min_runtime,
-            slice_.contract.max_runtime,
-        )
+        traits = (*_borrow_traits(slice_, self.policy), slice_.gpus)
         usable = self._usable.get((traits, len(reserved)))
         if usable is None:
             usable = tuple(
@@ -943,19 +934,23 @@ class _Pass:
 _NEVER = 1 << 62
 
 
-def _shape(slice_: Slice, policy: Policy) -> tuple:
-    """What decides whether a pending slice can be placed or is under its cap: with
-    its priority and whether it has spent its preemption budget, which decide whether
-    a reservation's owner could preempt it, and so whether it may borrow the
-    reserved GPUs (:meth:`_Pass._may_use_reserved`)."""
+def _borrow_traits(slice_: Slice, policy: Policy) -> tuple:
+    """What, besides its size, decides whether ``slice_`` may borrow reserved GPUs
+    (:meth:`_Pass._may_use_reserved`): its project and rank within it (whether a
+    reservation's owner outranks it), whether it has spent its preemption budget
+    (then no owner may preempt it), and its contract. The one list both memos of the
+    walk key on, so that neither can forget a trait the rule reads."""
     contract = slice_.contract
     return (
         slice_.project,
-        slice_.priority,
+        within_project_key(slice_),
         past_budget(slice_, policy),
-        slice_.gpus,
-        slice_.gpu_type,
-        slice_.kind,
         contract.min_runtime,
         contract.max_runtime,
     )
+
+
+def _shape(slice_: Slice, policy: Policy) -> tuple:
+    """What decides whether a pending slice can be placed (where it fits, whether it
+    may borrow reserved GPUs) or is under its cap."""
+    return (*_borrow_traits(slice_, policy), slice_.gpus, slice_.gpu_type, slice_.kind)

@@ -433,7 +433,7 @@ class Broker:
         """Cancel a pending slice or release a held one (charging its held time).
 
         A ``caller`` may release only their own slices (:class:`Forbidden`); an
-        admin, or no ``caller``, any. Releasing an ended slice changes nothing.
+        agent or an admin, or no ``caller``, any. Releasing an ended slice changes nothing.
         ``why`` is the event's reason when the releaser is not the holder (e.g. a
         backend whose job ended: ``released: job 12 FAILED in Slurm``).
         """

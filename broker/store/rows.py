@@ -110,10 +110,6 @@ def _tree(session: Session) -> ProjectTree:
     return ProjectTree(_accounts(session))
 
 
-def _nodes(session: Session) -> list[Node]:
-    return [_node(row) for row in session.scalars(select(NodeRow).order_by(NodeRow.name))]
-
-
 def _node(row: NodeRow) -> Node:
     return Node(row.name, row.gpu_type, row.gpu_count, NodeState(row.state))
 

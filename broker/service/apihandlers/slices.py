@@ -166,13 +166,12 @@ class _OwnedSliceHandler(APIHandler):
         """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
         the schedule (then a pass follows) or is another ``write`` (as a heartbeat: it
         joins the group commit of writes as durable as the Broker declares it)."""
-        caller = self.identity
         try:
             if change:
-                return await self.runner.change(method, slice_id, caller=caller)
+                return await self.runner.change(method, slice_id, caller=self.identity)
             if write:
-                return await self.runner.write(method, slice_id, caller=caller)
-            return await self.runner.read(method, slice_id, caller=caller)
+                return await self.runner.write(method, slice_id, caller=self.identity)
+            return await self.runner.read(method, slice_id, caller=self.identity)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
 
