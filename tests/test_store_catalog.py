@@ -27,6 +27,7 @@ def random_step(rng: random.Random) -> tuple[str, Any]:
     """One request of a random workload: mostly slices, with catalog changes mixed in."""
     kind = rng.choice(
         ["submit"] * 5 + ["release"] * 2 + ["pass"] * 2 + ["heartbeat", "late pass"]
+        + ["checkpoint", "extend"]
         + ["put_project", "delete_project", "apply_tree", "node", "inventory"]
     )  # fmt: skip
     if kind == "submit":
@@ -37,8 +38,10 @@ def random_step(rng: random.Random) -> tuple[str, Any]:
             "kind": rng.choice(["batch", "interactive"]),
             "gpu_type": rng.choice([None, "h100", "b200", "a100"]),
         }
-    if kind in ("release", "heartbeat"):
+    if kind in ("release", "heartbeat", "checkpoint"):
         return kind, rng.randrange(1, 40)
+    if kind == "extend":
+        return kind, (rng.randrange(1, 40), rng.choice([600.0, 7200.0]))
     if kind == "put_project":
         return kind, {
             "name": rng.choice(PROJECTS),
@@ -74,6 +77,10 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
             return broker.release(argument)
         if kind == "heartbeat":
             return broker.heartbeat(argument)
+        if kind == "checkpoint":
+            return broker.checkpoint(argument)
+        if kind == "extend":
+            return broker.extend_protection(*argument)
         if kind == "late pass":  # the last pass long ago: leases are extended first
             return broker.run_pass_and_live(usual_gap=60.0)
         if kind == "put_project":
@@ -107,6 +114,9 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
             assert kept.projects() == read.projects(), (number, kind)
             assert kept.nodes() == read.nodes(), (number, kind)
             assert kept.list_slices() == read.list_slices(), (number, kind)
+        last = max(s["id"] for s in read.list_slices())
+        for slice_id in range(1, last + 1):
+            assert kept.events(slice_id) == read.events(slice_id), slice_id
     finally:
         kept.close()
         read.close()
@@ -169,6 +179,48 @@ def test_a_kept_slice_s_heartbeat_is_one_write_that_others_read(broker, db_url, 
         broker.heartbeat(held["id"], caller=Principal("alice"))
         broker.run_pass()
         assert [s for s in statements if "FROM slices" in s and s.startswith("SELECT")] == []
+    finally:
+        reader.close()
+
+
+def test_a_kept_live_slice_is_written_without_reading_its_row(broker, db_url, clock):
+    """A single writer releases, checkpoints and extends a live slice from its kept
+    copy of the row (no SELECT of it): a slice just submitted (never read back), one
+    granted by a pass and one whose lease a heartbeat renewed. What it writes is what
+    a Broker reading the database sees, events and charges included."""
+    waiting = ask(broker)
+    broker.live_slice_ids()  # the live slices are kept from here on
+    granted, renewed = ask(broker, gpus=2), ask(broker, gpus=2)
+    broker.run_pass()
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        clock.advance(600)
+        broker.heartbeat(renewed["id"])
+        submitted = ask(broker, user="bob", project="nlp")  # kept as its insert wrote it
+        statements: list[str] = []
+        record = _record(statements)
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        answers = [
+            broker.release(submitted["id"]),
+            broker.checkpoint(granted["id"], caller=Principal("alice")),
+            broker.extend_protection(granted["id"], 600.0),
+            broker.extend_protection(renewed["id"], 600.0),
+        ]
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert answers[-1] == reader.get_slice(renewed["id"])  # the renewed lease kept
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        answers += [broker.release(granted["id"]), broker.release(renewed["id"])]
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert [s for s in statements if s.startswith("SELECT") and "FROM slices" in s] == []
+        states = ["ended", "granted", "granted", "granted", "ended", "ended"]
+        assert [a["state"] for a in answers] == states
+        for slice_ in (waiting, submitted, granted, renewed):
+            assert broker.get_slice(slice_["id"]) == reader.get_slice(slice_["id"])
+            assert broker.events(slice_["id"]) == reader.events(slice_["id"])
+        assert reader.get_slice(granted["id"])["charged_gpu_seconds"] == pytest.approx(2 * 600)
+        with pytest.raises(NotYours):  # the owner is checked on the kept copy too
+            broker.release(waiting["id"], caller=Principal("bob"))
+        assert reader.get_slice(waiting["id"])["state"] == broker.get_slice(waiting["id"])["state"]
     finally:
         reader.close()
 

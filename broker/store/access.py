@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import Forbidden, NotFound
 from ..orm import SliceRow
-from .journal import _Catalog
+from .journal import Journal, _Catalog
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,13 @@ class NotYours(Forbidden):
     """Another user's slice: the API answers as if there were none (404)."""
 
 
-def _owned_row(session: Session, slice_id: int, caller: Principal | None) -> SliceRow:
+def _owned_row(
+    session: Session, slice_id: int, caller: Principal | None, journal: Journal | None = None
+) -> SliceRow:
     """The slice ``caller`` asks about (any slice with no ``caller``): :class:`NotFound`,
-    or :class:`Forbidden` for another user's slice unless ``caller`` acts for others."""
-    row = session.get(SliceRow, slice_id)
+    or :class:`Forbidden` for another user's slice unless ``caller`` acts for others.
+    A write passes its ``journal``, which may have the row without reading it."""
+    row = session.get(SliceRow, slice_id) if journal is None else journal.row(session, slice_id)
     if row is None:
         raise NotFound(f"no slice {slice_id}")
     _check_owner(slice_id, row.user, caller)

@@ -385,7 +385,7 @@ class Broker:
         terms that can never be granted.
         """
         with self.journal.write() as session:
-            old = _owned_row(session, slice_id, caller)
+            old = _owned_row(session, slice_id, caller, self.journal)
             if old.state != SliceState.PENDING.value:
                 raise Conflict(
                     f"slice {slice_id} is {old.state} now, not waiting: nothing replaced"
@@ -438,7 +438,7 @@ class Broker:
         backend whose job ended: ``released: job 12 FAILED in Slurm``).
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller)
+            row = _owned_row(session, slice_id, caller, self.journal)
             now = self._clock()
             costs = self.journal.catalog(session).costs
             if row.state == SliceState.PENDING:
@@ -508,7 +508,7 @@ class Broker:
         ``caller`` as for :meth:`release`.
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller)
+            row = _owned_row(session, slice_id, caller, self.journal)
             now = self._clock()
             try:
                 contract = extended_contract(_to_slice(row), by, now, self.config.policy)
@@ -531,7 +531,7 @@ class Broker:
         work to lose. ``caller`` as for :meth:`release`.
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller)
+            row = _owned_row(session, slice_id, caller, self.journal)
             if row.state not in HELD_STATES:
                 raise Conflict(
                     f"slice {slice_id} is {row.state}: only a slice that holds GPUs has work "

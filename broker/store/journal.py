@@ -20,8 +20,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from sqlalchemy import event, select, update
-from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
+from sqlalchemy import event, inspect, select, update
+from sqlalchemy.orm import ORMExecuteState, Session, make_transient_to_detached, sessionmaker
+from sqlalchemy.orm.util import identity_key
 
 from ..core.accounting import ClosedCharges, LedgerEntry, usage_by_project
 from ..core.fairshare import ProjectTree
@@ -61,6 +62,15 @@ CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
 #: Execution option of a statement whose effect on the live slices the journal
 #: applies itself (:meth:`Journal.renew_leases`), so they are not read again.
 FOLLOWED_OPTION = "slicebroker_followed"
+
+#: A slice row's columns, by attribute name, and those the database leaves NULL when
+#: an insert gives no value (no default of the database's own).
+_SLICE_COLUMNS = tuple(column.key for column in inspect(SliceRow).column_attrs)
+_NULL_UNLESS_GIVEN = frozenset(
+    column.key
+    for column in inspect(SliceRow).column_attrs
+    if column.columns[0].server_default is None
+)
 
 #: The live slices' rows, oldest first.
 LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
@@ -312,6 +322,19 @@ class Journal:
             return None
         return self.live_slices(session).get(slice_id)
 
+    def row(self, session: Session, slice_id: int) -> SliceRow | None:
+        """Slice ``slice_id``'s row for a write: the one ``session`` has already, or, for
+        a live slice a single writer keeps, rebuilt from the kept columns without a
+        read (the kept copy is the row as last written); else read."""
+        if identity_key(SliceRow, slice_id) not in session.identity_map:
+            kept = self.kept_live(session, slice_id)
+            if kept is not None and kept.columns is not None:
+                row = SliceRow(**kept.columns)
+                make_transient_to_detached(row)
+                session.add(row)
+                return row
+        return session.get(SliceRow, slice_id)
+
     def renew_leases(
         self, session: Session, slice_ids: Sequence[int], expires_at: float
     ) -> dict[int, _LiveSlice]:
@@ -331,6 +354,9 @@ class Journal:
             renewed[slice_id] = self._live[slice_id] = _LiveSlice(
                 replace(entry.slice, lease_expires_at=expires_at),
                 {**entry.view, "lease_expires_at": expires_at},
+                None
+                if entry.columns is None
+                else {**entry.columns, "lease_expires_at": expires_at},
             )
             self._touched.append(slice_id)
         return renewed
@@ -373,7 +399,8 @@ class Journal:
                 self._live = None
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
-        for row in (*session.new, *session.dirty):
+        new = session.new
+        for row in (*new, *session.dirty):
             if isinstance(row, LedgerRow):
                 if self._closed is not None:
                     self._closed.add(_ledger_entry(row))
@@ -381,7 +408,7 @@ class Journal:
                 if self._live is None:
                     continue
                 before = self._live.get(row.id)
-                after = _LiveSlice.of(row) if row.state in LIVE_STATES else None
+                after = _LiveSlice.of(row, row in new) if row.state in LIVE_STATES else None
                 if after is not None:
                     self._live[row.id] = after
                 else:
@@ -471,7 +498,22 @@ class _LiveSlice:
 
     slice: Slice
     view: dict[str, Any]
+    # The row's columns as written, from which a write rebuilds the row instead of
+    # reading it (Journal.row); None where the row did not have them all loaded.
+    columns: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, row: SliceRow) -> _LiveSlice:
-        return cls(_to_slice(row), _row_view(row))
+    def of(cls, row: SliceRow, inserted: bool = False) -> _LiveSlice:
+        """``row`` as kept; ``inserted``: the flush that wrote it was its insert, which
+        left the columns it gave no value NULL."""
+        loaded = row.__dict__
+        columns: dict[str, Any] | None = {}
+        for key in _SLICE_COLUMNS:
+            if key in loaded:
+                columns[key] = loaded[key]
+            elif inserted and key in _NULL_UNLESS_GIVEN:
+                columns[key] = None
+            else:
+                columns = None
+                break
+        return cls(_to_slice(row), _row_view(row), columns)
