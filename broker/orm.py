@@ -378,7 +378,12 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
                 **kwargs.pop("connect_args", {}),
             }
             kwargs["connect_args"] = connect_args
-        return create_engine(url, pool_pre_ping=True, **kwargs)
+        engine = create_engine(url, pool_pre_ping=True, **kwargs)
+        # PostgreSQL releases a transaction's savepoints when it commits, and a ROLLBACK
+        # TO one leaves those before it standing: the RELEASE after each write of a
+        # group commit is a round trip that changes nothing, so none is sent.
+        engine.dialect.do_release_savepoint = _savepoints_released_at_commit  # type: ignore[method-assign]
+        return engine
 
     busy_timeout = SQLITE_BUSY_TIMEOUT_S if timeout is None else timeout
     connect_args = {"timeout": busy_timeout, **kwargs.pop("connect_args", {})}
@@ -412,15 +417,24 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
     return engine
 
 
+def _savepoints_released_at_commit(_connection: Any, _name: str) -> None:
+    """What a PostgreSQL engine does to release a savepoint: nothing (see make_engine)."""
+
+
 def take_write_lock(connection: Any) -> None:
-    """Serialise writers on PostgreSQL until the transaction ends.
+    """Serialise writers on PostgreSQL until the transaction ends (a write that may
+    be lost also stops waiting for its commit to reach the disk, in the same round
+    trip).
 
     SQLite needs nothing here: its ``BEGIN IMMEDIATE`` already holds the lock.
     """
     if connection.dialect.name == "postgresql":
-        connection.execute(select(func.pg_advisory_xact_lock(WRITE_LOCK_KEY)))
+        lock = func.pg_advisory_xact_lock(WRITE_LOCK_KEY)
         if connection.get_execution_options().get(NOT_DURABLE_OPTION, False):
-            connection.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            no_flush = func.set_config("synchronous_commit", "off", True)  # SET LOCAL
+            connection.execute(select(lock, no_flush))
+        else:
+            connection.execute(select(lock))
 
 
 # ---- migrations -----------------------------------------------------------------

@@ -14,6 +14,7 @@ from sqlalchemy import event
 
 from broker.config import parse_config
 from broker.errors import Forbidden
+from broker.orm import LedgerRow
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
 from broker.store.access import Principal
@@ -169,31 +170,52 @@ async def test_a_group_s_heartbeat_statement_that_fails_fails_each_of_them_and_k
     assert runner.broker.get_slice(made[0]["id"]) == again
 
 
-async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(tmp_path):
-    broker = Broker(
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        parse_config(tomllib.loads(TEST_CONFIG)),
-        single_writer=True,
-    )
+async def test_a_write_undone_in_its_savepoint_leaves_no_trace_in_the_live_slices(db_url):
+    """On SQLite and PostgreSQL (which is sent no RELEASE: its savepoints end with the
+    commit), a write undone between two others leaves them and the kept slices whole."""
+    broker = Broker(db_url, parse_config(tomllib.loads(TEST_CONFIG)), single_writer=True)
     runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
+    statements: list[str] = []
+
+    def record(_conn, _cursor, statement, *_args) -> None:
+        statements.append(statement)
+
     try:
         held = await runner.submit(
             broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
         )
         assert held["state"] == "granted"
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
         # The release is written and flushed, then its flush fails: its savepoint is
         # undone, and the slice still holds its GPU.
-        fail_the_next_flush(broker, RuntimeError("the disk is full"))
+        before = submit(runner)
+
+        def fails_a_charge(session, _context) -> None:
+            if any(isinstance(row, LedgerRow) for row in session.new):
+                raise RuntimeError("the disk is full")
+
+        event.listen(broker.journal.sessions, "after_flush", fails_a_charge)
         release = runner.write(broker.release, held["id"])
         again = runner.submit(
             broker.submit, principal=Principal("alice"), project="vision", gpus=1, kind="batch"
         )
-        answers = await while_busy(runner, [release, again])
-        assert str(answers[0]) == "the disk is full"
-        assert answers[1]["state"] == "granted"
+        answers = await while_busy(runner, [before, release, again])
+        event.remove(broker.journal.sessions, "after_flush", fails_a_charge)
+        assert str(answers[1]) == "the disk is full"
+        assert answers[2]["state"] == "granted"
         await runner.run_pass()
-        assert [s["id"] for s in runner.remembered_live()] == [held["id"], answers[1]["id"]]
+        live = [held["id"], answers[0]["id"], answers[2]["id"]]
+        assert [s["id"] for s in runner.remembered_live()] == live
         assert runner.remembered(held["id"])["state"] == "granted"
+        reader = Broker(db_url, parse_config(tomllib.loads(TEST_CONFIG)))
+        try:  # what the database has
+            assert sorted(s["id"] for s in reader.list_slices(state="live")) == sorted(live)
+            assert [e["to_state"] for e in reader.events(held["id"])] == ["pending", "granted"]
+        finally:
+            reader.close()
+        assert any(s.startswith("ROLLBACK TO SAVEPOINT") for s in statements)
+        released = [s for s in statements if s.startswith("RELEASE SAVEPOINT")]
+        assert (released == []) == db_url.startswith("postgresql")
     finally:
         await runner.stop()
 
@@ -265,3 +287,20 @@ async def test_heartbeats_commit_before_database_work_queued_ahead_of_them(runne
     await asyncio.gather(*reads)
     assert (await beat)["id"] == held["id"]
     assert ran == ["heartbeat", "read 0", "read 1", "read 2"]
+
+
+def test_a_write_that_may_be_lost_skips_only_its_own_flush_to_disk(db_url):
+    """A not durable write commits without waiting for the disk (PostgreSQL's
+    ``synchronous_commit`` off, set with the write lock; SQLite's ``synchronous``
+    NORMAL); a durable one, in the same connection afterwards, waits again."""
+    broker = Broker(db_url, parse_config(tomllib.loads(TEST_CONFIG)))
+    postgres = db_url.startswith("postgresql")
+    setting = "SHOW synchronous_commit" if postgres else "PRAGMA synchronous"
+    try:
+        seen = []
+        for durable in (False, True, False):
+            with broker.journal.write(durable=durable) as session:
+                seen.append(session.connection().exec_driver_sql(setting).scalar())
+        assert seen == (["off", "on", "off"] if postgres else [1, 2, 1])
+    finally:
+        broker.close()
