@@ -287,6 +287,40 @@ def test_a_single_writer_lists_the_nodes_from_memory_as_the_database_has_them(
         reader.close()
 
 
+def test_a_single_writer_counts_the_projects_from_memory_as_the_database_has_them(
+    broker, db_url, clock
+):
+    """GET /projects reads no row from a single writer and walks no live slice: its
+    counts of waiting slices and held GPUs are moved by every write, and its usage
+    takes in the slices written since the last pass alone. The same answer as a
+    Broker reading the database, through submissions, a pass, a release and time."""
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        held = ask(broker, gpus=2)
+        ask(broker, user="bob", project="nlp")
+        broker.run_pass()
+        broker.projects()  # what is kept is loaded
+        ask(broker, gpus=1)  # waits for the next pass
+        clock.advance(600)
+        broker.heartbeat(held["id"])
+        statements: list[str] = []
+        record = _record(statements)
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        answer = broker.projects()
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert [s for s in statements if s.startswith("SELECT")] == []
+        assert answer == reader.projects()
+        counts = {p["name"]: (p["pending"], p["gpus_held"]) for p in answer}
+        assert counts == {"org": (1, 3), "vision": (1, 2), "nlp": (0, 1)}
+        broker.release(held["id"])
+        clock.advance(300)
+        assert broker.projects() == reader.projects()
+        broker.run_pass()
+        assert broker.projects() == reader.projects()
+    finally:
+        reader.close()
+
+
 def test_the_pass_takes_in_what_was_written_since_the_last_one_alone(broker, clock):
     """A single writer's pass looks again only at the slices written since the last
     pass (the journal lists them): a lease renewed by a heartbeat between two passes

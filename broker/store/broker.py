@@ -947,19 +947,22 @@ class Broker:
             now = self._clock()
             catalog = self.journal.catalog(session)
             tree = catalog.tree
-            live = self.journal.live_values(session)
-            usage = self._usage(session, now, catalog.costs, live)
+            usage = self._usage_now(session, now, catalog.costs)
             subtree = tree.subtree_usage(usage)
             values = tree.share_used(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
             members = catalog.members
             pending: dict[str, int] = {}
             held: dict[str, int] = {}
-            for slice_ in live:
-                if slice_.state is SliceState.PENDING:
-                    pending[slice_.project] = pending.get(slice_.project, 0) + 1
-                else:
-                    held[slice_.project] = held.get(slice_.project, 0) + slice_.gpus
+            if self.journal.single_writer:  # kept, moved by every write: no walk
+                for project, (waiting, gpus) in self.journal.project_tallies(session).items():
+                    pending[project], held[project] = waiting, gpus
+            else:
+                for slice_ in self.journal.live_values(session):
+                    if slice_.state is SliceState.PENDING:
+                        pending[slice_.project] = pending.get(slice_.project, 0) + 1
+                    else:
+                        held[slice_.project] = held.get(slice_.project, 0) + slice_.gpus
         # A parent's counts are its projects' (it holds nothing itself), as its usage is.
         pending_in = tree.subtree_usage(pending)
         held_in = tree.subtree_usage(held)
@@ -1129,6 +1132,19 @@ class Broker:
                     away,
                     len(leased),
                 )
+
+    def _usage_now(self, session: Session, now: float, costs: _Costs) -> dict[str, float]:
+        """Each project's charged usage at ``now`` between passes: a single writer's
+        kept usage takes in the slices written since the last pass alone (which the
+        next pass then finds already taken in)."""
+        live = self.journal.live_values(session)
+        changed = None
+        if self.journal.single_writer:
+            ids, _ = self.journal.live_changes(self._live_mark)
+            if ids is not None:
+                kept = self.journal.live_slices(session)
+                changed = {i: kept[i].slice if i in kept else None for i in ids}
+        return self._usage(session, now, costs, live, changed)
 
     def _usage(
         self,

@@ -14,7 +14,7 @@ request and pass; the database is their journal (design.md §8).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -26,7 +26,7 @@ from sqlalchemy.orm.util import identity_key
 
 from ..core.accounting import ClosedCharges, LedgerEntry, usage_by_project
 from ..core.fairshare import ProjectTree
-from ..core.model import Slice
+from ..core.model import Slice, SliceState
 from ..orm import (
     NOT_DURABLE_OPTION,
     READ_ONLY_OPTION,
@@ -138,6 +138,9 @@ class Journal:
         # slices say: built when first asked after they are loaded, then moved with
         # them (the store's own record for its last check of a grant, §5).
         self._holders: dict[str, dict[int, int]] | None = None
+        # project -> [slices waiting, GPUs held] as the kept live slices say: built and
+        # moved as the record of holders is (GET /projects' counts).
+        self._tallies: dict[str, list[int]] | None = None
         # What the window's closed charges add to usage, kept by a single writer
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
@@ -236,7 +239,7 @@ class Journal:
         session.flush()  # what the transaction changed so far reaches them first
         if self._live is None:
             self._live = {row.id: _LiveSlice.of(row) for row in session.scalars(LIVE_ROWS)}
-            self._holders = None
+            self._holders = self._tallies = None
             self._live_loads += 1
             self._touched, self._touched_from = [], 0
         return self._live
@@ -284,6 +287,26 @@ class Journal:
             for slice_id, entry in live.items():
                 self._move_holdings(slice_id, None, entry)
         return self._holders
+
+    def project_tallies(self, session: Session) -> Mapping[str, list[int]]:
+        """Each project's live slices as ``[waiting, GPUs held]``, from the kept live
+        slices (counted when first asked after they are loaded, then moved with them);
+        a project with none may be missing or count zeros."""
+        live = self._live if self._live is not None else self.live_slices(session)
+        if self._tallies is None:
+            self._tallies = {}
+            for entry in live.values():
+                self._tally(entry.slice, 1)
+        return self._tallies
+
+    def _tally(self, slice_: Slice, sign: int) -> None:
+        """Count ``slice_`` in (``sign`` 1) or out (-1) of its project's tallies."""
+        assert self._tallies is not None
+        counts = self._tallies.setdefault(slice_.project, [0, 0])
+        if slice_.state is SliceState.PENDING:
+            counts[0] += sign
+        else:
+            counts[1] += sign * slice_.gpus
 
     def _move_holdings(
         self, slice_id: int, before: _LiveSlice | None, after: _LiveSlice | None
@@ -416,6 +439,11 @@ class Journal:
                 self._touched.append(row.id)
                 if self._holders is not None:
                     self._move_holdings(row.id, before, after)
+                if self._tallies is not None:
+                    if before is not None:
+                        self._tally(before.slice, -1)
+                    if after is not None:
+                        self._tally(after.slice, 1)
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
 
