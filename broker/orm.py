@@ -378,12 +378,7 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
                 **kwargs.pop("connect_args", {}),
             }
             kwargs["connect_args"] = connect_args
-        engine = create_engine(url, pool_pre_ping=True, **kwargs)
-        # PostgreSQL releases a transaction's savepoints when it commits, and a ROLLBACK
-        # TO one leaves those before it standing: the RELEASE after each write of a
-        # group commit is a round trip that changes nothing, so none is sent.
-        engine.dialect.do_release_savepoint = _savepoints_released_at_commit  # type: ignore[method-assign]
-        return engine
+        return create_engine(url, pool_pre_ping=True, **kwargs)
 
     busy_timeout = SQLITE_BUSY_TIMEOUT_S if timeout is None else timeout
     connect_args = {"timeout": busy_timeout, **kwargs.pop("connect_args", {})}
@@ -415,10 +410,6 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
-
-
-def _savepoints_released_at_commit(_connection: Any, _name: str) -> None:
-    """What a PostgreSQL engine does to release a savepoint: nothing (see make_engine)."""
 
 
 def take_write_lock(connection: Any) -> None:

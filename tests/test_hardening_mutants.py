@@ -142,30 +142,29 @@ def catalog_accounts(broker: Broker) -> set[str]:
         return {account.name for account in broker.journal.catalog(session).accounts}
 
 
-def test_a_catalog_read_inside_a_write_that_is_rolled_back_to_its_savepoint_is_not_kept(
-    tmp_path,
-):
-    # Catches a journal that keeps a catalog read inside a savepoint that is then
-    # rolled back (issue 24's mutant 12; the catalog now follows the live slices'
-    # rule: any rollback that had written drops it). Inside
-    # a group commit each write is a savepoint; one that changes the catalog, reads it,
-    # then is refused must leave the kept catalog as the database has it, not as the
-    # refused write saw it. No Broker method reads the catalog after changing it today,
-    # so the journal's rule is driven directly: a later method that did would otherwise
-    # keep a project that never existed.
+def test_a_catalog_read_inside_a_write_that_spoils_its_group_is_not_kept(tmp_path):
+    # Catches a journal that keeps a catalog read inside a transaction that is then
+    # rolled back (issue 24's mutant 12, first found with savepoints; the catalog
+    # follows the live slices' rule: any rollback that had written drops it). Inside
+    # a group commit a write that changes the catalog, reads it, then is refused
+    # spoils the group, which is rolled back whole: the kept catalog must then be as
+    # the database has it, not as the refused write saw it. No Broker method reads
+    # the catalog after changing it today, so the journal's rule is driven directly:
+    # a later method that did would otherwise keep a project that never existed.
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}", parse_config(cluster()), single_writer=True
     )
     try:
         before = catalog_accounts(broker)
-        with broker.journal.group_commit():
+        with pytest.raises(RuntimeError, match="spoiled"), broker.journal.group_commit():
             with pytest.raises(RuntimeError, match="refused"), broker.journal.write() as session:
                 broker.journal.catalog_changes()
                 session.add(AccountRow(name="ghost", share=1.0, parent=None))
                 session.flush()
                 assert "ghost" in {a.name for a in broker.journal.catalog(session).accounts}
                 raise RuntimeError("refused")
-            assert catalog_accounts(broker) == before  # as a later write of the group reads it
+            assert broker.journal.group_spoiled
+            raise RuntimeError("spoiled")  # as the runner leaves a spoiled group
         assert catalog_accounts(broker) == before
     finally:
         broker.close()

@@ -10,8 +10,9 @@ until its lease lapses.
 
 Requests that write (:meth:`BrokerRunner.write`, :meth:`BrokerRunner.change`)
 are journaled by group commit: the writes that queued while the thread was
-busy run together, each in a savepoint of one transaction, which is committed
-once; each request is answered only after that commit (design.md §8). Under
+busy run together in one transaction, which is committed once (a write refused
+after it had written rolls it back, and the others run again without it); each
+request is answered only after that commit (design.md §8). Under
 load a commit, and its flush to disk, is shared by many requests; alone, a
 request waits for nothing more than its own commit. Requests in flight at the
 same time have no order between them, so a group runs its durable writes in one
@@ -245,6 +246,15 @@ class _Write:
 
 #: A write's outcome on the database thread: its answer, or its error.
 _Answer = tuple[_Write, Any, BaseException | None]
+
+
+class _GroupSpoiled(Exception):
+    """A write of a group commit was refused after it had written: the group is
+    rolled back (leaving by this exception) and run again without it."""
+
+    def __init__(self, answers: list[_Answer]):
+        super().__init__("a write of the group was refused after it had written")
+        self.answers = answers  # the refusals of the write (or heartbeats) that spoiled it
 
 
 class DatabaseTimeout(BrokerError):
@@ -617,22 +627,41 @@ class BrokerRunner:
         return refreshed, (decisions, live, time.perf_counter() - started)
 
     def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
+        """Run ``group`` in one transaction and commit it. A write refused after it had
+        written spoils the transaction: it is rolled back, that write (or the group's
+        heartbeats, one write) answered its refusal, and the others run again."""
+        refused: list[_Answer] = []
+        while group:
+            try:
+                return refused + self._group_once(group, durable)
+            except _GroupSpoiled as spoiled:  # rolled back: again, without the spoiler
+                refused += spoiled.answers
+                gone = {id(write) for write, _, _ in spoiled.answers}
+                group = [write for write in group if id(write) not in gone]
+            except Exception as err:  # no commit: none of the group happened
+                return refused + [(write, None, err) for write in group]
+        return refused
+
+    def _group_once(self, group: list[_Write], durable: bool) -> list[_Answer]:
+        """One try of :meth:`_run_group`: the answers, or :class:`_GroupSpoiled`."""
+        journal = self.broker.journal
         answers: list[_Answer] = []
         beats = [write for write in group if write.heartbeat is not None]
-        try:
-            with self.broker.journal.group_commit(durable=durable):
-                if beats:
-                    # The group's heartbeats as one write: their leases in one statement.
-                    answers += self._heartbeats(beats)
-                for write in group:
-                    if write.heartbeat is not None:
-                        continue
-                    try:
-                        answers.append((write, write.call(), None))
-                    except Exception as err:  # a refusal: its savepoint is undone
-                        answers.append((write, None, err))
-        except Exception as err:  # no commit: none of the group happened
-            return [(write, None, err) for write in group]
+        with journal.group_commit(durable=durable):
+            if beats:
+                # The group's heartbeats as one write: their leases in one statement.
+                answers += self._heartbeats(beats)
+                if journal.group_spoiled:
+                    raise _GroupSpoiled(answers)
+            for write in group:
+                if write.heartbeat is not None:
+                    continue
+                try:
+                    answers.append((write, write.call(), None))
+                except Exception as err:  # a refusal: what it wrote is undone
+                    if journal.group_spoiled:
+                        raise _GroupSpoiled([(write, None, err)]) from None
+                    answers.append((write, None, err))
         return answers
 
     def _heartbeats(self, beats: list[_Write]) -> list[_Answer]:
@@ -640,7 +669,7 @@ class BrokerRunner:
         answered its own slice or refusal, and all the error if the write fails."""
         try:
             values = self.broker.heartbeats([write.heartbeat for write in beats])
-        except Exception as err:  # its savepoint is undone: none of them happened
+        except Exception as err:  # none of them happened (undone with the group if it wrote)
             return [(write, None, err) for write in beats]
         return [
             (write, None, value) if isinstance(value, BaseException) else (write, value, None)

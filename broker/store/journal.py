@@ -123,6 +123,7 @@ class Journal:
         self._catalog: _Catalog | None = None
         self._transaction_depth = 0
         self._group: Session | None = None  # the transaction of a group commit under way
+        self.group_spoiled = False  # a write of it was refused after it had written
         # The live slices as the transaction under way sees them, by id (oldest first):
         # kept between transactions by a single writer, else loaded once per pass.
         # Every flush of a slice updates it; any rollback drops it.
@@ -145,7 +146,7 @@ class Journal:
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
         # Writes the journal saw reach the database (flushes and statements): a
-        # rollback of a transaction or savepoint that saw none leaves what is kept
+        # rollback of a transaction that saw none leaves what is kept
         # as the database has it, so a refused request does not make the next pass
         # read every live slice again.
         self._writes_seen = 0
@@ -182,12 +183,16 @@ class Journal:
             durable = _DURABLE.get()
         seen = self._writes_seen
         if self._group is not None:
-            # Inside a group commit: a savepoint, so that a refusal undoes only its own.
+            # Inside a group commit, with no savepoint of its own (on PostgreSQL each is a
+            # round trip): a write refused before it changed anything leaves the group as
+            # it was; one refused after spoils it (see group_commit).
+            session = self._group
             try:
-                with self._group.begin_nested():
-                    yield self._group
+                yield session
+                session.flush()
             except BaseException:
-                self._rolled_back(seen)
+                if self._writes_seen != seen or session.new or session.dirty or session.deleted:
+                    self.group_spoiled = True
                 raise
             return
         sessions = self.sessions if durable else self._not_durable
@@ -207,12 +212,14 @@ class Journal:
     @contextmanager
     def group_commit(self, *, durable: bool = True) -> Iterator[None]:
         """Writes made inside share one transaction, committed once on leaving: a
-        group commit (design.md §8). Each write is a savepoint of it, so a refused
-        one undoes only itself; if the commit fails, none of them happened.
-        ``durable`` as for every write (``False`` only for writes that may be lost).
+        group commit (design.md §8); if the commit fails, none of them happened.
+        A write refused after it had changed something sets :attr:`group_spoiled`:
+        the caller must then leave by an exception, which rolls the whole group
+        back, and run the other writes again. ``durable`` as for every write
+        (``False`` only for writes that may be lost).
         """
         with self.write(durable=durable) as session:
-            self._group = session
+            self._group, self.group_spoiled = session, False
             try:
                 yield
             finally:
@@ -333,8 +340,8 @@ class Journal:
             self._touched_from = mark[1]
 
     def _rolled_back(self, seen: int) -> None:
-        """A transaction or savepoint that began when ``seen`` writes had been seen
-        was rolled back: what it wrote is gone, so is what is kept of it."""
+        """A transaction that began when ``seen`` writes had been seen was rolled
+        back: what it wrote is gone, so is what is kept of it."""
         if self._writes_seen != seen:
             self._live = self._closed = self._catalog = None
 
