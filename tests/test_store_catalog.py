@@ -221,6 +221,15 @@ def test_a_kept_live_slice_is_written_without_reading_its_row(broker, db_url, cl
         with pytest.raises(NotYours):  # the owner is checked on the kept copy too
             broker.release(waiting["id"], caller=Principal("bob"))
         assert reader.get_slice(waiting["id"])["state"] == broker.get_slice(waiting["id"])["state"]
+        # A pass writes its grants and queue places on rows rebuilt the same way.
+        fresh = ask(broker, user="bob", project="nlp")
+        statements.clear()
+        event.listen(broker.journal.engine, "before_cursor_execute", record)
+        decisions = broker.run_pass()
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        assert {grant.slice_id for grant in decisions.grants} >= {fresh["id"]}
+        assert [s for s in statements if s.startswith("SELECT") and "FROM slices" in s] == []
+        assert broker.list_slices() == reader.list_slices()
     finally:
         reader.close()
 

@@ -16,8 +16,9 @@ The names below are what the rest of the broker and its tests import from
 """
 
 from .access import NotYours, Principal
-from .broker import DEFAULT_LEASE_S, IDS_PER_QUERY, Broker, Schedule
+from .broker import DEFAULT_LEASE_S, Broker, Schedule
 from .inventory import ADMIN_NODE_STATES, OUT_OF_SERVICE
+from .journal import IDS_PER_QUERY
 from .projects import CONTROL_CHARACTERS, MAX_MEMBER_NAME
 from .rows import HELD_STATES, LIVE_STATES, _to_slice, _write_state
 

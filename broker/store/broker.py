@@ -1196,7 +1196,7 @@ class Broker:
         # walk over every live slice for the few that wait.
         kept = self._kept_index
         waiting = live.keys() if kept is None else [s.id for s in kept.pending()]
-        rows = _rows(session, _changed_ids(decisions, live, promised, queue, waiting))
+        rows = self.journal.rows(session, _changed_ids(decisions, live, promised, queue, waiting))
         for ending in decisions.endings:
             row = _live(rows, ending.slice_id, LIVE_STATES, "end")
             if row is not None:
@@ -1355,21 +1355,6 @@ def _changed_ids(
         if now_shown != shown:
             ids.add(slice_id)
     return ids & live.keys()
-
-
-#: How many ids one ``IN`` list holds (SQLite allows a few thousand parameters).
-IDS_PER_QUERY = 1000
-
-
-def _rows(session: Session, ids: Iterable[int]) -> dict[int, SliceRow]:
-    """The slice rows of ``ids``, by id."""
-    wanted = sorted(ids)
-    rows: dict[int, SliceRow] = {}
-    for start in range(0, len(wanted), IDS_PER_QUERY):
-        chunk = wanted[start : start + IDS_PER_QUERY]
-        query = select(SliceRow).where(SliceRow.id.in_(chunk))
-        rows.update((row.id, row) for row in session.scalars(query))
-    return rows
 
 
 def _restorable_row(session: Session, slice_id: int, user: str) -> SliceRow:

@@ -72,6 +72,9 @@ _NULL_UNLESS_GIVEN = frozenset(
     if column.columns[0].server_default is None
 )
 
+#: How many ids one ``IN`` list holds (SQLite allows a few thousand parameters).
+IDS_PER_QUERY = 1000
+
 #: The live slices' rows, oldest first.
 LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(SliceRow.id)
 
@@ -353,17 +356,35 @@ class Journal:
         return self.live_slices(session).get(slice_id)
 
     def row(self, session: Session, slice_id: int) -> SliceRow | None:
-        """Slice ``slice_id``'s row for a write: the one ``session`` has already, or, for
-        a live slice a single writer keeps, rebuilt from the kept columns without a
-        read (the kept copy is the row as last written); else read."""
-        if identity_key(SliceRow, slice_id) not in session.identity_map:
-            kept = self.kept_live(session, slice_id)
-            if kept is not None and kept.columns is not None:
-                row = SliceRow(**kept.columns)
+        """Slice ``slice_id``'s row for a write, as :meth:`rows` finds it."""
+        return self.rows(session, (slice_id,)).get(slice_id)
+
+    def rows(self, session: Session, slice_ids: Iterable[int]) -> dict[int, SliceRow]:
+        """The slice rows of ``slice_ids`` for a write, by id: those ``session`` has
+        already; those of live slices a single writer keeps, rebuilt from the kept
+        columns without a read (the kept copy is the row as last written); the
+        rest read, :data:`IDS_PER_QUERY` to a query."""
+        kept = self.live_slices(session) if self.single_writer else {}
+        in_session = session.identity_map
+        rows: dict[int, SliceRow] = {}
+        unread = []
+        for slice_id in slice_ids:
+            held = in_session.get(identity_key(SliceRow, slice_id))
+            entry = kept.get(slice_id)
+            if held is not None:
+                rows[slice_id] = held
+            elif entry is not None and entry.columns is not None:
+                row = rows[slice_id] = SliceRow(**entry.columns)
                 make_transient_to_detached(row)
                 session.add(row)
-                return row
-        return session.get(SliceRow, slice_id)
+            else:
+                unread.append(slice_id)
+        unread.sort()
+        for start in range(0, len(unread), IDS_PER_QUERY):
+            chunk = unread[start : start + IDS_PER_QUERY]
+            query = select(SliceRow).where(SliceRow.id.in_(chunk))
+            rows.update((row.id, row) for row in session.scalars(query))
+        return rows
 
     def renew_leases(
         self, session: Session, slice_ids: Sequence[int], expires_at: float
