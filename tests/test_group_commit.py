@@ -34,24 +34,19 @@ async def runner(tmp_path) -> AsyncIterator[BrokerRunner]:
     await runner.stop()
 
 
+def count_events(broker: Broker, name: str) -> list[int]:
+    """A counter of the engine's ``name`` events (``commit``, ``rollback``) from now."""
+    seen = [0]
+
+    def happened(_connection) -> None:
+        seen[0] += 1
+
+    event.listen(broker.journal.engine, name, happened)
+    return seen
+
+
 def count_commits(broker: Broker) -> list[int]:
-    commits = [0]
-
-    def committed(_connection) -> None:
-        commits[0] += 1
-
-    event.listen(broker.journal.engine, "commit", committed)
-    return commits
-
-
-def count_rollbacks(broker: Broker) -> list[int]:
-    rollbacks = [0]
-
-    def rolled_back(_connection) -> None:
-        rollbacks[0] += 1
-
-    event.listen(broker.journal.engine, "rollback", rolled_back)
-    return rollbacks
+    return count_events(broker, "commit")
 
 
 async def while_busy(runner: BrokerRunner, writes) -> list:
@@ -93,7 +88,7 @@ async def test_writes_queued_together_share_one_commit(runner):
 
 
 async def test_a_write_refused_before_it_wrote_leaves_its_group_whole(runner):
-    commits, rollbacks = count_commits(runner.broker), count_rollbacks(runner.broker)
+    commits, rollbacks = count_commits(runner.broker), count_events(runner.broker, "rollback")
     answers = await while_busy(
         runner, [submit(runner), submit(runner, user="mallory"), submit(runner)]
     )
@@ -201,7 +196,7 @@ async def test_a_write_refused_after_it_wrote_is_undone_and_the_others_run_again
         )
         assert held["state"] == "granted"
         event.listen(broker.journal.engine, "before_cursor_execute", record)
-        rollbacks = count_rollbacks(broker)
+        rollbacks = count_events(broker, "rollback")
         # The release is written and flushed, then its flush fails: it is undone,
         # and the slice still holds its GPU.
         before = submit(runner)

@@ -5,7 +5,7 @@ reads every time."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -234,6 +234,17 @@ def test_a_kept_live_slice_is_written_without_reading_its_row(broker, db_url, cl
         reader.close()
 
 
+def _sent(broker: Broker, call: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``call()``'s answer and the statements it sent the database."""
+    statements: list[str] = []
+    record = _record(statements)
+    event.listen(broker.journal.engine, "before_cursor_execute", record)
+    try:
+        return call(), statements
+    finally:
+        event.remove(broker.journal.engine, "before_cursor_execute", record)
+
+
 def _record(statements: list[str]):
     def before_cursor_execute(_conn, _cursor, statement, *_args) -> None:
         statements.append(" ".join(statement.split()))
@@ -251,11 +262,8 @@ def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db
     try:
         clock.advance(300)
         broker.get_slice(held["id"])  # the live slices are kept from here on
-        statements: list[str] = []
-        record = _record(statements)
-        event.listen(broker.journal.engine, "before_cursor_execute", record)
-        answer = broker.get_slice(held["id"], caller=Principal("alice"))
-        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        alice = Principal("alice")
+        answer, statements = _sent(broker, lambda: broker.get_slice(held["id"], caller=alice))
         assert [s for s in statements if "FROM slices" in s] == []
         assert answer == reader.get_slice(held["id"])
         assert answer["charged_gpu_seconds"] > 0  # accrued to now, not as journaled
@@ -278,11 +286,7 @@ def test_a_single_writer_lists_the_nodes_from_memory_as_the_database_has_them(
         held = ask(broker, gpus=2)
         broker.run_pass()
         broker.nodes()  # the catalog and the holders are kept from here on
-        statements: list[str] = []
-        record = _record(statements)
-        event.listen(broker.journal.engine, "before_cursor_execute", record)
-        answer = broker.nodes()
-        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        answer, statements = _sent(broker, lambda: broker.nodes())
         assert [s for s in statements if s.startswith("SELECT")] == []
         assert answer == reader.nodes()
         assert sum(node["gpus_held"] for node in answer) == 2
@@ -312,11 +316,7 @@ def test_a_single_writer_counts_the_projects_from_memory_as_the_database_has_the
         ask(broker, gpus=1)  # waits for the next pass
         clock.advance(600)
         broker.heartbeat(held["id"])
-        statements: list[str] = []
-        record = _record(statements)
-        event.listen(broker.journal.engine, "before_cursor_execute", record)
-        answer = broker.projects()
-        event.remove(broker.journal.engine, "before_cursor_execute", record)
+        answer, statements = _sent(broker, lambda: broker.projects())
         assert [s for s in statements if s.startswith("SELECT")] == []
         assert answer == reader.projects()
         counts = {p["name"]: (p["pending"], p["gpus_held"]) for p in answer}
