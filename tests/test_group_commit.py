@@ -315,3 +315,31 @@ def test_a_write_that_may_be_lost_skips_only_its_own_flush_to_disk(db_url):
         assert seen == (["off", "on", "off"] if postgres else [1, 2, 1])
     finally:
         broker.close()
+
+
+async def test_a_spoiled_group_runs_again_without_writes_nobody_waits_for(runner):
+    """A write abandoned while its group ran (its client gave up) is not run again
+    when the group is: it never happens, and the others do."""
+    held = await submit(runner)
+    await runner.run_pass()  # granted: its release writes a charge
+    go = threading.Event()
+    busy = asyncio.ensure_future(runner.run(go.wait))
+    release = asyncio.ensure_future(runner.write(runner.broker.release, held["id"]))
+    first, given_up = asyncio.ensure_future(submit(runner)), asyncio.ensure_future(submit(runner))
+    await asyncio.sleep(0)  # all three queued together
+    queued = list(runner._writes[True])
+
+    def fails_a_charge(session, _context) -> None:
+        if any(isinstance(row, LedgerRow) for row in session.new):
+            queued[2].abandoned = True  # its client times out meanwhile
+            raise RuntimeError("the disk is full")
+
+    event.listen(runner.broker.journal.sessions, "after_flush", fails_a_charge)
+    go.set()
+    await busy
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        await release
+    made = await first
+    event.remove(runner.broker.journal.sessions, "after_flush", fails_a_charge)
+    assert [s["id"] for s in runner.broker.list_slices()] == [held["id"], made["id"]]
+    given_up.cancel()

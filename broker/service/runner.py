@@ -637,7 +637,8 @@ class BrokerRunner:
             except _GroupSpoiled as spoiled:  # rolled back: again, without the spoiler
                 refused += spoiled.answers
                 gone = {id(write) for write, _, _ in spoiled.answers}
-                group = [write for write in group if id(write) not in gone]
+                # Nobody waits any more for an abandoned write (its client timed out).
+                group = [w for w in group if id(w) not in gone and not w.abandoned]
             except Exception as err:  # no commit: none of the group happened
                 return refused + [(write, None, err) for write in group]
         return refused
