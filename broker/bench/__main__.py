@@ -1,5 +1,5 @@
-"""``python -m broker.bench [pass|storepass|api|failover|spawn|kube|pages|whatif] ...``: figures as
-JSON."""
+"""``python -m broker.bench [pass|storepass|api|writes|failover|spawn|kube|pages|whatif] ...``:
+figures as JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..orm import SCRATCH_POSTGRES_URL
-from . import api, failover, kube, pages, scheduling, spawn, storepass, whatif
+from . import api, failover, kube, pages, scheduling, spawn, storepass, whatif, writes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         help="a PostgreSQL database to create the run's database from (trust auth on "
         "127.0.0.1:5432 by default; $SLICEBROKER_TEST_POSTGRES)",
     )
+    written = sub.add_parser(
+        "writes", help="one request's write alone in a group commit: time and statements"
+    )
+    written.add_argument(
+        "--db", choices=("sqlite", "postgresql", "both"), default="both", help="database(s)"
+    )
+    written.add_argument("--count", type=int, default=300, help="writes timed per kind")
+    written.add_argument(
+        "--postgres-url", default=SCRATCH_POSTGRES_URL, help="as for the api benchmark"
+    )
     over = sub.add_parser(
         "failover", help="SIGKILL the leader under load: time until the standby serves"
     )
@@ -103,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         report = kube.run(nodes=args.nodes)
     elif args.which == "spawn":
         report = spawn.run(repeat=args.repeat)
+    elif args.which == "writes":
+        report = writes.run(args.db, args.count, args.postgres_url)
     elif args.which == "failover":
         report = failover.run(args.db, args.inflight, args.rounds, args.postgres_url)
     elif args.which == "api" and (args.open_loop or args.sweep):
