@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from servicefixtures import TEST_CONFIG
-from sqlalchemy import event
+from sqlalchemy import event, text
+from sqlalchemy.exc import DBAPIError
 
 from broker.config import parse_config
 from broker.errors import Forbidden
@@ -343,3 +344,31 @@ async def test_a_spoiled_group_runs_again_without_writes_nobody_waits_for(runner
     event.remove(runner.broker.journal.sessions, "after_flush", fails_a_charge)
     assert [s["id"] for s in runner.broker.list_slices()] == [held["id"], made["id"]]
     given_up.cancel()
+
+
+async def test_a_write_whose_statement_fails_spoils_its_group_even_before_it_wrote(db_url):
+    """A statement the database refuses leaves PostgreSQL's transaction aborted, even
+    a read: the group is run again without that write, so the writes around it are
+    committed, not lost with the aborted transaction (on both databases)."""
+    broker = Broker(db_url, parse_config(tomllib.loads(TEST_CONFIG)), single_writer=True)
+    runner = BrokerRunner(broker, pass_interval=600.0)
+
+    def fails_to_read() -> None:
+        with broker.journal.write() as session:
+            session.execute(text("SELECT * FROM no_such_table"))  # refused: writes nothing
+
+    try:
+        answers = await while_busy(
+            runner, [submit(runner), runner.write(fails_to_read), submit(runner)]
+        )
+        assert isinstance(answers[1], DBAPIError)
+        assert answers[0]["state"] == answers[2]["state"] == "pending"
+        reader = Broker(db_url, parse_config(tomllib.loads(TEST_CONFIG)))
+        try:
+            assert sorted(s["id"] for s in reader.list_slices()) == sorted(
+                [answers[0]["id"], answers[2]["id"]]
+            )
+        finally:
+            reader.close()
+    finally:
+        await runner.stop()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from sqlalchemy import event, inspect, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import ORMExecuteState, Session, make_transient_to_detached, sessionmaker
 from sqlalchemy.orm.util import identity_key
 
@@ -188,13 +189,21 @@ class Journal:
         if self._group is not None:
             # Inside a group commit, with no savepoint of its own (on PostgreSQL each is a
             # round trip): a write refused before it changed anything leaves the group as
-            # it was; one refused after spoils it (see group_commit).
+            # it was; one refused after spoils it (see group_commit), and so does any
+            # error of the database's, a failed read included (PostgreSQL aborts the
+            # whole transaction then: the writes before it would be lost with it).
             session = self._group
             try:
                 yield session
                 session.flush()
-            except BaseException:
-                if self._writes_seen != seen or session.new or session.dirty or session.deleted:
+            except BaseException as err:
+                if (
+                    isinstance(err, SQLAlchemyError)
+                    or self._writes_seen != seen
+                    or session.new
+                    or session.dirty
+                    or session.deleted
+                ):
                     self.group_spoiled = True
                 raise
             return
