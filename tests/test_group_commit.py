@@ -10,6 +10,8 @@ import tomllib
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from servicefixtures import TEST_CONFIG
 from sqlalchemy import event, text
 from sqlalchemy.exc import DBAPIError
@@ -372,3 +374,79 @@ async def test_a_write_whose_statement_fails_spoils_its_group_even_before_it_wro
             reader.close()
     finally:
         await runner.stop()
+
+
+# One group's writes, each of a kind: a submission; another user's, refused before
+# it writes; a release; a release whose charge fails once written; a write whose
+# read the database refuses.
+GROUP_STEPS = st.lists(
+    st.sampled_from(["submit", "stranger", "release", "charge fails", "read fails"]),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=GROUP_STEPS)
+def test_a_group_commits_exactly_the_writes_it_answers_done(db_url, steps):
+    """Whatever a group holds, the database ends with the writes answered done and
+    none of those refused, and the single writer's kept slices answer as a Broker
+    that reads them (on both databases)."""
+    asyncio.run(_run_one_group(db_url, steps))
+
+
+async def _run_one_group(db_url: str, steps: list[str]) -> None:
+    config = parse_config(tomllib.loads(TEST_CONFIG))
+    clock = [1_700_000_000.0]  # one instant: both Brokers charge held slices to it
+    broker = Broker(db_url, config, lambda: clock[0], single_writer=True)
+    runner = BrokerRunner(broker, pass_interval=600.0)
+    reader = Broker(db_url, config, lambda: clock[0])
+    try:
+        releases = [step for step in steps if step in ("release", "charge fails")]
+        held = [await submit(runner) for _ in releases]
+        await runner.run_pass()
+        doomed = {s["id"] for s, step in zip(held, releases, strict=True) if step == "charge fails"}
+
+        def fails_a_doomed_charge(session, _context) -> None:
+            if any(isinstance(r, LedgerRow) and r.slice_id in doomed for r in session.new):
+                raise RuntimeError("the disk is full")
+
+        def fails_to_read() -> None:
+            with broker.journal.write() as session:
+                session.execute(text("SELECT * FROM no_such_table"))
+
+        to_release = iter(held)
+        writes = []
+        for step in steps:
+            if step == "submit":
+                writes.append(submit(runner))
+            elif step == "stranger":
+                writes.append(submit(runner, user="mallory"))
+            elif step == "read fails":
+                writes.append(runner.write(fails_to_read))
+            else:
+                writes.append(runner.write(broker.release, next(to_release)["id"]))
+        before = {s["id"] for s in reader.list_slices()}
+        event.listen(broker.journal.sessions, "after_flush", fails_a_doomed_charge)
+        answers = await while_busy(runner, writes)
+        event.remove(broker.journal.sessions, "after_flush", fails_a_doomed_charge)
+        expected = {
+            "submit": dict, "stranger": Forbidden, "release": dict,
+            "charge fails": RuntimeError, "read fails": DBAPIError,
+        }  # fmt: skip
+        for step, answer in zip(steps, answers, strict=True):
+            assert isinstance(answer, expected[step]), (step, answer)
+        # New rows: exactly the submissions answered done.
+        made = {a["id"] for step, a in zip(steps, answers, strict=True) if step == "submit"}
+        states = {s["id"]: s["state"] for s in reader.list_slices()}
+        assert set(states) - before == made
+        for slice_ in held:
+            assert states[slice_["id"]] == ("granted" if slice_["id"] in doomed else "ended")
+        assert broker.list_slices() == reader.list_slices()
+    finally:
+        for live in reader.list_slices(state="live"):  # the next example: an empty cluster
+            reader.release(live["id"])
+        await runner.stop()
+        reader.close()
