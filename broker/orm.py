@@ -420,12 +420,10 @@ def take_write_lock(connection: Any) -> None:
     SQLite needs nothing here: its ``BEGIN IMMEDIATE`` already holds the lock.
     """
     if connection.dialect.name == "postgresql":
-        lock = func.pg_advisory_xact_lock(WRITE_LOCK_KEY)
+        asked = [func.pg_advisory_xact_lock(WRITE_LOCK_KEY)]
         if connection.get_execution_options().get(NOT_DURABLE_OPTION, False):
-            no_flush = func.set_config("synchronous_commit", "off", True)  # SET LOCAL
-            connection.execute(select(lock, no_flush))
-        else:
-            connection.execute(select(lock))
+            asked.append(func.set_config("synchronous_commit", "off", True))  # SET LOCAL
+        connection.execute(select(*asked))
 
 
 # ---- migrations -----------------------------------------------------------------

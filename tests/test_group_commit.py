@@ -331,6 +331,7 @@ async def test_a_spoiled_group_runs_again_without_writes_nobody_waits_for(runner
     first, given_up = asyncio.ensure_future(submit(runner)), asyncio.ensure_future(submit(runner))
     await asyncio.sleep(0)  # all three queued together
     queued = list(runner._writes[True])
+    assert len(queued) == 3  # else the group under test is not the one built here
 
     def fails_a_charge(session, _context) -> None:
         if any(isinstance(row, LedgerRow) for row in session.new):

@@ -36,12 +36,12 @@ class NotYours(Forbidden):
 
 
 def _owned_row(
-    session: Session, slice_id: int, caller: Principal | None, journal: Journal | None = None
+    journal: Journal, session: Session, slice_id: int, caller: Principal | None
 ) -> SliceRow:
-    """The slice ``caller`` asks about (any slice with no ``caller``): :class:`NotFound`,
-    or :class:`Forbidden` for another user's slice unless ``caller`` acts for others.
-    A write passes its ``journal``, which may have the row without reading it."""
-    row = session.get(SliceRow, slice_id) if journal is None else journal.row(session, slice_id)
+    """The slice ``caller`` asks about (any slice with no ``caller``), as the journal
+    finds it (:meth:`Journal.row`): :class:`NotFound`, or :class:`Forbidden` for
+    another user's slice unless ``caller`` acts for others."""
+    row = journal.row(session, slice_id)
     if row is None:
         raise NotFound(f"no slice {slice_id}")
     _check_owner(slice_id, row.user, caller)

@@ -385,7 +385,7 @@ class Broker:
         terms that can never be granted.
         """
         with self.journal.write() as session:
-            old = _owned_row(session, slice_id, caller, self.journal)
+            old = _owned_row(self.journal, session, slice_id, caller)
             if old.state != SliceState.PENDING.value:
                 raise Conflict(
                     f"slice {slice_id} is {old.state} now, not waiting: nothing replaced"
@@ -438,7 +438,7 @@ class Broker:
         backend whose job ended: ``released: job 12 FAILED in Slurm``).
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller, self.journal)
+            row = _owned_row(self.journal, session, slice_id, caller)
             now = self._clock()
             costs = self.journal.catalog(session).costs
             if row.state == SliceState.PENDING:
@@ -484,7 +484,7 @@ class Broker:
                         answers.append(slice_id)  # renewed below, with the others
                         continue
                     # Not kept in memory, or not live: the row.
-                    row = _owned_row(session, slice_id, caller)
+                    row = _owned_row(self.journal, session, slice_id, caller)
                     if row.state in LIVE_STATES:
                         row.lease_expires_at = now + self.lease
                     answers.append(_slice_dict(row, now, costs))
@@ -508,7 +508,7 @@ class Broker:
         ``caller`` as for :meth:`release`.
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller, self.journal)
+            row = _owned_row(self.journal, session, slice_id, caller)
             now = self._clock()
             try:
                 contract = extended_contract(_to_slice(row), by, now, self.config.policy)
@@ -531,7 +531,7 @@ class Broker:
         work to lose. ``caller`` as for :meth:`release`.
         """
         with self.journal.write() as session:
-            row = _owned_row(session, slice_id, caller, self.journal)
+            row = _owned_row(self.journal, session, slice_id, caller)
             if row.state not in HELD_STATES:
                 raise Conflict(
                     f"slice {slice_id} is {row.state}: only a slice that holds GPUs has work "
@@ -548,7 +548,7 @@ class Broker:
             now, costs = self._clock(), self.journal.catalog(session).costs
             kept = self._owned_kept(session, slice_id, caller)
             if kept is None:
-                return _slice_dict(_owned_row(session, slice_id, caller), now, costs)
+                return _slice_dict(_owned_row(self.journal, session, slice_id, caller), now, costs)
             return _kept_dict(kept.view, kept.slice, now, costs)
 
     def _owned_kept(
@@ -594,7 +594,7 @@ class Broker:
         """A slice's state transitions, oldest first: ``{at, from_state, to_state, reason}``;
         :class:`Forbidden` if ``caller`` may not see the slice."""
         with self.journal.read() as session:
-            _owned_row(session, slice_id, caller)
+            _owned_row(self.journal, session, slice_id, caller)
             rows = session.scalars(
                 select(SliceEventRow)
                 .where(SliceEventRow.slice_id == slice_id)
@@ -620,7 +620,7 @@ class Broker:
             if kept is not None:
                 state, user = kept.slice.state.value, kept.slice.user
             else:
-                row = _owned_row(session, slice_id, caller)
+                row = _owned_row(self.journal, session, slice_id, caller)
                 state, user = row.state, row.user
             now = self._clock()
             answer: dict[str, Any] = {"slice_id": slice_id, "now": now, "starts_at": None}
@@ -724,7 +724,7 @@ class Broker:
             nodes=catalog.nodes,
             accounts=catalog.accounts,
             slices=live,
-            usage=self._usage(session, now, catalog.costs, live),
+            usage=self._usage_now(session, now, catalog.costs, live),
             gpu_type_weights=catalog.costs.weights,
             policy=self.config.policy,
         )
@@ -947,22 +947,15 @@ class Broker:
             now = self._clock()
             catalog = self.journal.catalog(session)
             tree = catalog.tree
-            usage = self._usage_now(session, now, catalog.costs)
+            live = self.journal.live_values(session)
+            usage = self._usage_now(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
             values = tree.share_used(usage)
             rank = {name: i + 1 for i, name in enumerate(tree.project_order(usage))}
             members = catalog.members
-            pending: dict[str, int] = {}
-            held: dict[str, int] = {}
-            if self.journal.single_writer:  # kept, moved by every write: no walk
-                for project, (waiting, gpus) in self.journal.project_tallies(session).items():
-                    pending[project], held[project] = waiting, gpus
-            else:
-                for slice_ in self.journal.live_values(session):
-                    if slice_.state is SliceState.PENDING:
-                        pending[slice_.project] = pending.get(slice_.project, 0) + 1
-                    else:
-                        held[slice_.project] = held.get(slice_.project, 0) + slice_.gpus
+            tallies = self.journal.project_tallies(session, live)
+        pending = {project: waiting for project, (waiting, _) in tallies.items()}
+        held = {project: gpus for project, (_, gpus) in tallies.items()}
         # A parent's counts are its projects' (it holds nothing itself), as its usage is.
         pending_in = tree.subtree_usage(pending)
         held_in = tree.subtree_usage(held)
@@ -1133,11 +1126,12 @@ class Broker:
                     len(leased),
                 )
 
-    def _usage_now(self, session: Session, now: float, costs: _Costs) -> dict[str, float]:
-        """Each project's charged usage at ``now`` between passes: a single writer's
-        kept usage takes in the slices written since the last pass alone (which the
-        next pass then finds already taken in)."""
-        live = self.journal.live_values(session)
+    def _usage_now(
+        self, session: Session, now: float, costs: _Costs, live: Collection[Slice]
+    ) -> dict[str, float]:
+        """Each project's charged usage at ``now`` between passes, ``live`` the live
+        slices: a single writer's kept usage takes in the slices written since the
+        last pass alone (which the next pass then finds already taken in)."""
         changed = None
         if self.journal.single_writer:
             ids, _ = self.journal.live_changes(self._live_mark)

@@ -307,25 +307,22 @@ class Journal:
                 self._move_holdings(slice_id, None, entry)
         return self._holders
 
-    def project_tallies(self, session: Session) -> Mapping[str, list[int]]:
-        """Each project's live slices as ``[waiting, GPUs held]``, from the kept live
-        slices (counted when first asked after they are loaded, then moved with them);
-        a project with none may be missing or count zeros."""
-        live = self._live if self._live is not None else self.live_slices(session)
+    def project_tallies(self, session: Session, live: Iterable[Slice]) -> Mapping[str, list[int]]:
+        """Each project's live slices as ``[waiting, GPUs held]``: where a single writer
+        keeps them, counted when first asked after they are loaded and then moved with
+        them (no walk), else counted from ``live`` (the live slices' values). A project
+        with none may be missing or count zeros."""
+        if not self.single_writer:
+            tallies: dict[str, list[int]] = {}
+            for slice_ in live:
+                _tally(tallies, slice_, 1)
+            return tallies
+        kept = self._live if self._live is not None else self.live_slices(session)
         if self._tallies is None:
             self._tallies = {}
-            for entry in live.values():
-                self._tally(entry.slice, 1)
+            for entry in kept.values():
+                _tally(self._tallies, entry.slice, 1)
         return self._tallies
-
-    def _tally(self, slice_: Slice, sign: int) -> None:
-        """Count ``slice_`` in (``sign`` 1) or out (-1) of its project's tallies."""
-        assert self._tallies is not None
-        counts = self._tallies.setdefault(slice_.project, [0, 0])
-        if slice_.state is SliceState.PENDING:
-            counts[0] += sign
-        else:
-            counts[1] += sign * slice_.gpus
 
     def _move_holdings(
         self, slice_id: int, before: _LiveSlice | None, after: _LiveSlice | None
@@ -478,9 +475,9 @@ class Journal:
                     self._move_holdings(row.id, before, after)
                 if self._tallies is not None:
                     if before is not None:
-                        self._tally(before.slice, -1)
+                        _tally(self._tallies, before.slice, -1)
                     if after is not None:
-                        self._tally(after.slice, 1)
+                        _tally(self._tallies, after.slice, 1)
             elif isinstance(row, CATALOG_ROWS):
                 self.catalog_changes()
 
@@ -509,6 +506,16 @@ class Journal:
             return
         with self._reads() as session:
             yield session
+
+
+def _tally(tallies: dict[str, list[int]], slice_: Slice, sign: int) -> None:
+    """Count live ``slice_`` in (``sign`` 1) or out (-1) of its project's
+    ``[waiting, GPUs held]``."""
+    counts = tallies.setdefault(slice_.project, [0, 0])
+    if slice_.state is SliceState.PENDING:
+        counts[0] += sign
+    else:
+        counts[1] += sign * slice_.gpus
 
 
 def ledger_since(session: Session, since: float) -> list[LedgerEntry]:
