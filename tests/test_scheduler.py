@@ -341,6 +341,32 @@ def test_debug_headroom_is_for_sessions_within_the_lanes_limits():
     assert granted_ids(d) == {later.id}
 
 
+def test_work_borrowing_reserved_gpus_leaves_the_debug_headroom_alone():
+    # n0 is reserved for `large` until its holder ends; n1's one free GPU is the
+    # headroom kept for debug sessions. Work that fits on n0's lent GPUs may
+    # borrow them whatever the headroom, since it takes no free GPU: when the
+    # free GPUs are fewer than the headroom (two), and when best fit would
+    # rather have taken the free GPU (one).
+    holder = running("a", "n0", (0, 1), granted_ago=0, min_runtime=8 * HOUR, max_runtime=9 * HOUR)
+    busy = running("a", "n1", (0, 1, 2), granted_ago=0, min_runtime=8 * HOUR)
+    large = pending("b", 4)
+    one = pending("c", 1, min_runtime=0)
+    two = pending("c", 2, min_runtime=0)
+    for headroom, request in ((2, two), (1, one)):
+        d = schedule(
+            snapshot(
+                nodes(2, gpus=4),
+                flat_tree("a", "b", "c"),
+                [holder, busy, large, request],
+                policy=Policy(debug_headroom=headroom),
+            )
+        )
+        assert [r.slice_id for r in d.reservations] == [large.id]
+        (grant,) = d.grants
+        assert grant.slice_id == request.id
+        assert [p.node for p in grant.placements] == ["n0"]
+
+
 def test_debug_lane_is_capped_by_its_share_of_the_cluster():
     # 4 nodes x 8 GPUs at 3% -> one GPU of lane; one debug session already holds it.
     # heavy holds 17 GPUs against light's 15: fair share moves nothing to heavy.

@@ -849,15 +849,33 @@ class _Pass:
             return None
         taken = {(p.node, i) for p in placements for i in p.gpu_indices}
         if headroom:
+            # Only the free GPUs it takes beside the lent ones count against the
+            # headroom: where best fit chose too many of those, it may still fit
+            # on the lent GPUs alone, which leaves the headroom as it was.
             lent = {(p.node, i) for p in borrowed for i in p.gpu_indices}
-            if len(taken - lent) > self.free.free_total - headroom:
-                return None
+            unlent = len(taken - lent)
+            if unlent and unlent > self.free.free_total - headroom:
+                placements = self._fit_lent(slice_, borrowed)
+                if placements is None:
+                    return None
+                taken = {(p.node, i) for p in placements for i in p.gpu_indices}
         # GPUs lent out are no longer free to lend to the next request.
         for i in usable:
             self._lendable[i] = [
                 Placement(p.node, tuple(g for g in p.gpu_indices if (p.node, g) not in taken))
                 for p in self._lendable[i]
             ]
+        return placements
+
+    def _fit_lent(self, slice_: Slice, borrowed: list[Placement]) -> tuple[Placement, ...] | None:
+        """Where ``slice_`` fits on the ``borrowed`` (reserved) GPUs alone, leaving
+        every free GPU free."""
+        free = [Placement(node, tuple(gpus)) for node, gpus in self.free.free.items() if gpus]
+        self.free.take(free)
+        self.free.give(borrowed)
+        placements = self.free.fit(slice_.gpus, slice_.gpu_type, slice_.kind is SliceKind.BATCH)
+        self.free.take(borrowed)
+        self.free.give(free)
         return placements
 
     def _latest_due(self, reserved: list[tuple[Reservation, Slice]]) -> float:
