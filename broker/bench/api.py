@@ -74,7 +74,7 @@ def run(
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix="slicebroker-bench-") as directory:
             try:
-                with _database(backend, Path(directory), postgres_url) as url:
+                with bench_database(backend, Path(directory), postgres_url) as url:
                     work = _Work(clients, seconds, heartbeats)
                     results.append(_run_one(backend, url, Path(directory), work))
             except ScratchDatabaseUnavailable as err:
@@ -95,7 +95,7 @@ def run(
 
 
 @contextmanager
-def _database(backend: str, directory: Path, postgres_url: str) -> Iterator[str]:
+def bench_database(backend: str, directory: Path, postgres_url: str) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{directory / 'broker.sqlite'}"
         return
@@ -103,7 +103,7 @@ def _database(backend: str, directory: Path, postgres_url: str) -> Iterator[str]
         yield url
 
 
-def _config(gpus: int) -> str:
+def cluster_config(gpus: int) -> str:
     """A cluster of at least ``gpus`` GPUs, four projects of ten users each."""
     nodes = max(1, -(-gpus // GPUS_PER_NODE))
     lines = [
@@ -123,16 +123,16 @@ def _config(gpus: int) -> str:
         ]
     lines += ["[projects.org]"]
     for project in PROJECTS:
-        users = ", ".join(f'"{u}"' for u in _users(project))
+        users = ", ".join(f'"{u}"' for u in users_of(project))
         lines += [f"[projects.{project}]", 'parent = "org"', f"users = [{users}]"]
     return "\n".join(lines) + "\n"
 
 
-def _users(project: str) -> list[str]:
+def users_of(project: str) -> list[str]:
     return [f"{project}-user{i}" for i in range(USERS_PER_PROJECT)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -160,11 +160,11 @@ class _Server:
         return usage.ru_utime + usage.ru_stime
 
 
-def _start_broker(url: str, directory: Path, *options: str) -> _Server:
+def start_broker(url: str, directory: Path, *options: str) -> _Server:
     """A broker on ``directory``'s cluster file and database ``url``; ``options`` are
     more of its command line (``--BrokerApp.what_if_share=1``)."""
     config = directory / "cluster.toml"
-    port = _free_port()
+    port = free_port()
     return _start_server(
         [
             "broker.service",
@@ -304,13 +304,15 @@ async def _drive(url: str, tokens: Sequence[tuple[str, str]], work: _Work):
 def _run_one(backend: str, url: str, directory: Path, work: _Work) -> dict:
     from ..service.auth import TokenStore
 
-    (directory / "cluster.toml").write_text(_config(work.clients))
+    (directory / "cluster.toml").write_text(cluster_config(work.clients))
     store = TokenStore(url)  # initialises the schema too
     try:
-        tokens = [(project, store.create(user)) for project in PROJECTS for user in _users(project)]
+        tokens = [
+            (project, store.create(user)) for project in PROJECTS for user in users_of(project)
+        ]
     finally:
         store.close()
-    broker = _start_broker(url, directory)
+    broker = start_broker(url, directory)
     driver_before = resource.getrusage(resource.RUSAGE_SELF)
     try:
         record, elapsed, stuck = asyncio.run(_drive(broker.url, tokens, work))
@@ -345,14 +347,14 @@ def _summary(seconds: Sequence[float]) -> dict[str, Any]:
         return {"count": 0}
     return {
         "count": len(ordered),
-        "p50": round(1000 * _percentile(ordered, 0.50), 1),
-        "p90": round(1000 * _percentile(ordered, 0.90), 1),
-        "p99": round(1000 * _percentile(ordered, 0.99), 1),
+        "p50": round(1000 * percentile(ordered, 0.50), 1),
+        "p90": round(1000 * percentile(ordered, 0.90), 1),
+        "p99": round(1000 * percentile(ordered, 0.99), 1),
         "max": round(1000 * ordered[-1], 1),
     }
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
     """The nearest-rank percentile ``q`` (0..1) of sorted values."""
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
@@ -514,16 +516,16 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
     """One server on a fresh database, seeded with the sessions' slices, under ``work``."""
     with tempfile.TemporaryDirectory(prefix="slicebroker-bench-") as name:
         directory = Path(name)
-        with _database(backend, directory, postgres_url) as url:
+        with bench_database(backend, directory, postgres_url) as url:
             seeding = time.perf_counter()
             if server == "broker":
                 held, tokens = _seed_broker(url, directory, work)
-                process = _start_broker(url, directory)
+                process = start_broker(url, directory)
             else:
-                tokens = {user: f"reference-{user}" for p in PROJECTS for user in _users(p)}
-                owners = _owners(work.sessions + work.churn)
+                tokens = {user: f"reference-{user}" for p in PROJECTS for user in users_of(p)}
+                owners = slice_owners(work.sessions + work.churn)
                 held = [(i + 1, project, user) for i, (project, user) in enumerate(owners)]
-                port = _free_port()
+                port = free_port()
                 process = _start_server(
                     [f"{__package__}.reference_server", f"--db-url={url}", f"--port={port}"],
                     port,
@@ -546,15 +548,15 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
 _Held = tuple[int, str, str]
 
 
-def _owners(count: int) -> list[tuple[str, str]]:
+def slice_owners(count: int) -> list[tuple[str, str]]:
     """``(project, user)`` for ``count`` slices, spread over every project and user."""
-    users = [(project, user) for project in PROJECTS for user in _users(project)]
+    users = [(project, user) for project in PROJECTS for user in users_of(project)]
     return [users[i % len(users)] for i in range(count)]
 
 
 def pending_rows(count: int, gpus: int = 1, min_runtime: float = 3600.0) -> list:
     """``count`` waiting interactive requests of ``gpus`` each, spread over every project
-    and user (:func:`_owners`), as rows to write straight to the database."""
+    and user (:func:`slice_owners`), as rows to write straight to the database."""
     from ..orm import SliceRow
 
     now = time.time()
@@ -563,7 +565,7 @@ def pending_rows(count: int, gpus: int = 1, min_runtime: float = 3600.0) -> list
                  min_runtime=min_runtime, resumable=False, max_runtime=None, priority=0,
                  submitted_at=now, state="pending", placements=[], promised=[],
                  charged_gpu_seconds=0.0)
-        for project, user in _owners(count)
+        for project, user in slice_owners(count)
     ]  # fmt: skip
 
 
@@ -582,10 +584,10 @@ def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held]
     # Room for every live slice and the submits of the whole run, so that grants
     # measure the broker, not a queue.
     gpus = live + math.ceil(work.rate * MIX["submit"] * work.seconds) + GPUS_PER_NODE
-    (directory / "cluster.toml").write_text(_config(gpus))
+    (directory / "cluster.toml").write_text(cluster_config(gpus))
     store = TokenStore(url)  # initialises the schema too
     try:
-        tokens = {user: store.create(user) for project in PROJECTS for user in _users(project)}
+        tokens = {user: store.create(user) for project in PROJECTS for user in users_of(project)}
     finally:
         store.close()
     broker = Broker(url, load_config(directory / "cluster.toml"))

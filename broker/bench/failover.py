@@ -39,7 +39,7 @@ from ..orm import (
     SliceRow,
     make_engine,
 )
-from .api import PROJECTS, REPO_ROOT, _config, _database, _free_port, _users
+from .api import PROJECTS, REPO_ROOT, bench_database, cluster_config, free_port, users_of
 
 #: How long a broker may take to come up, or a standby to take over, before the run fails.
 START_TIMEOUT_S = 60.0
@@ -59,7 +59,7 @@ def run(
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix="slicebroker-bench-") as directory:
             try:
-                with _database(backend, Path(directory), postgres_url) as url:
+                with bench_database(backend, Path(directory), postgres_url) as url:
                     results.append(_run_one(backend, url, Path(directory), inflight, rounds))
             except ScratchDatabaseUnavailable as err:
                 results.append({"db": backend, "skipped": str(err)})
@@ -211,14 +211,16 @@ def _run_one(backend: str, url: str, directory: Path, inflight: int, rounds: int
     from ..service.auth import TokenStore
 
     config = directory / "cluster.toml"
-    config.write_text(_config(inflight))
+    config.write_text(cluster_config(inflight))
     store = TokenStore(url)  # initialises the schema too
     try:
-        tokens = [(project, store.create(user)) for project in PROJECTS for user in _users(project)]
+        tokens = [
+            (project, store.create(user)) for project in PROJECTS for user in users_of(project)
+        ]
         probe = store.create("root", admin=True)
     finally:
         store.close()
-    brokers = [_Broker(url, config, _free_port(), directory / f"broker-{i}.log") for i in (0, 1)]
+    brokers = [_Broker(url, config, free_port(), directory / f"broker-{i}.log") for i in (0, 1)]
     leader = 0
     load = _Load(brokers[0].api, tokens)
     threads = [

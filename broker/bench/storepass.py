@@ -33,7 +33,7 @@ def run(live: int = 10_000, repeat: int = 40, ledger: int = 50_000) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         folder = Path(directory)
         url = f"sqlite:///{folder / 'broker.db'}"
-        (folder / "cluster.toml").write_text(api._config(live + api.GPUS_PER_NODE))
+        (folder / "cluster.toml").write_text(api.cluster_config(live + api.GPUS_PER_NODE))
         broker = Broker(url, load_config(folder / "cluster.toml"), single_writer=True)
         engine = make_engine(url)
         try:
@@ -49,7 +49,7 @@ def run(live: int = 10_000, repeat: int = 40, ledger: int = 50_000) -> dict:
                     for i, row in zip(range(ledger), itertools.cycle(rows))
                 )  # fmt: skip
             broker.run_pass()  # grants every one of them
-            project, user = api._owners(1)[0]
+            project, user = api.slice_owners(1)[0]
             gc.collect()
             gc.freeze()  # as the service does once started
             service: tuple[list[float], list[float]] = ([], [])

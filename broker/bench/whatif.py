@@ -47,10 +47,10 @@ def _seed(url: str, directory: Path, gpus: int, waiting: int) -> tuple[list, dic
     from ..service.auth import TokenStore
     from ..store import Broker
 
-    (directory / "cluster.toml").write_text(api._config(gpus))
+    (directory / "cluster.toml").write_text(api.cluster_config(gpus))
     store = TokenStore(url)
     try:
-        tokens = {u: store.create(u) for p in api.PROJECTS for u in api._users(p)}
+        tokens = {u: store.create(u) for p in api.PROJECTS for u in api.users_of(p)}
     finally:
         store.close()
     broker = Broker(url, load_config(directory / "cluster.toml"))
@@ -105,8 +105,8 @@ async def _poll(server_url: str, path: str, asked: list, tokens: dict, rate: flo
         "answers": len(latencies),
         "stale": stale,
         "errors": errors,
-        "p50_ms": round(1000 * api._percentile(latencies, 0.5), 1) if latencies else None,
-        "p99_ms": round(1000 * api._percentile(latencies, 0.99), 1) if latencies else None,
+        "p50_ms": round(1000 * api.percentile(latencies, 0.5), 1) if latencies else None,
+        "p99_ms": round(1000 * api.percentile(latencies, 0.99), 1) if latencies else None,
     }
 
 
@@ -115,7 +115,7 @@ def _phase(share: float, path: str, rate: float, seconds: float, waiting: int) -
         directory = Path(tmp)
         url = f"sqlite:///{directory / 'broker.sqlite'}"
         asked, tokens = _seed(url, directory, 1024, waiting)
-        server = api._start_broker(url, directory, f"--BrokerApp.what_if_share={share}")
+        server = api.start_broker(url, directory, f"--BrokerApp.what_if_share={share}")
         try:
             before, began = _cpu_seconds(server.process.pid), time.perf_counter()
             figures = asyncio.run(_poll(server.url, path, asked, tokens, rate, seconds))

@@ -39,7 +39,7 @@ def run(backend: str = "both", count: int = 300, postgres_url: str = SCRATCH_POS
     report: dict[str, Any] = {"benchmark": "writes", "count": count, "results": []}
     for name in ("sqlite", "postgresql") if backend == "both" else (backend,):
         try:
-            with _database(name, postgres_url) as url:
+            with bench_database(name, postgres_url) as url:
                 report["results"].append({"db": name, **_measure(url, count)})
         except ScratchDatabaseUnavailable as err:
             report["results"].append({"db": name, "skipped": str(err)})
@@ -47,7 +47,7 @@ def run(backend: str = "both", count: int = 300, postgres_url: str = SCRATCH_POS
 
 
 @contextmanager
-def _database(backend: str, postgres_url: str) -> Iterator[str]:
+def bench_database(backend: str, postgres_url: str) -> Iterator[str]:
     if backend == "postgresql":
         with scratch_database("slicebroker_bench", postgres_url) as url:
             yield url
@@ -61,10 +61,10 @@ def _measure(url: str, count: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as directory:
         config_file = Path(directory) / "cluster.toml"
-        config_file.write_text(api._config(CLUSTER_GPUS))
+        config_file.write_text(api.cluster_config(CLUSTER_GPUS))
         broker = Broker(url, load_config(config_file), single_writer=True)
     project = api.PROJECTS[0]
-    user = Principal(api._users(project)[0])
+    user = Principal(api.users_of(project)[0])
     sent: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
