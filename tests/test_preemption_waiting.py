@@ -100,6 +100,45 @@ def test_a_sibling_under_its_share_is_served_from_its_over_share_sibling_first()
     assert len(victims) == 4 and victims <= {s.id for s in a_jobs}
 
 
+def test_a_project_its_siblings_keep_over_share_takes_from_a_cousin_over_share_too():
+    # Three organisations of 8 GPUs each on 24. a holds 9 in protected 1-GPU jobs,
+    # so o1 is above its share through a while b, under its own 4, asks for 4.
+    # Compared as organisations b could take nothing from c (o1 would end above
+    # o2); c is above its share in an organisation above its share too, so b may
+    # take one of its jobs as a project. Were c's organisation at its share, c
+    # would stay out of b's reach.
+    protected = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
+    accounts = [
+        Account("o1"),
+        Account("o2"),
+        Account("o3"),
+        Account("a", parent="o1"),
+        Account("b", parent="o1"),
+        Account("c", parent="o2"),
+        Account("e", parent="o3"),
+    ]
+    a_jobs = [running("a", "n0", (i,), **protected) for i in range(8)]
+    a_jobs.append(running("a", "n1", (0,), **protected))
+    e_jobs = [running("e", "n1", (1, 2, 3), **protected)]
+    c_jobs = [
+        running("c", "n1", (4, 5, 6, 7), min_runtime=HOUR),
+        running("c", "n2", (0, 1, 2, 3), min_runtime=HOUR),
+        running("c", "n2", (4, 5, 6, 7), min_runtime=HOUR),
+    ]
+    b_request = pending("b", 4)
+    d = schedule(snapshot(nodes(3), accounts, [*a_jobs, *e_jobs, *c_jobs, b_request]))
+    assert [p.reason for p in d.preemptions] == [PreemptReason.FAIR_SHARE]
+    assert d.preemptions[0].slice_id in {s.id for s in c_jobs}
+
+    # o2 at its share: c holds 7 (above its own 4), d beside it 1.
+    with_d = [*accounts, Account("d", parent="o2")]
+    c_jobs[1:] = [running("c", "n2", (0, 1, 2), min_runtime=HOUR)]
+    others = [running("d", "n2", (3,), **protected), running("e", "n2", (4, 5, 6, 7), **protected)]
+    b_request = pending("b", 2)  # c would stay at its share without its 3-GPU job
+    d = schedule(snapshot(nodes(3), with_d, [*a_jobs, *e_jobs, *c_jobs, *others, b_request]))
+    assert d.preemptions == ()
+
+
 def test_a_shape_is_gathered_from_one_nodes_one_gpu_holders():
     # hog holds both nodes, twice its share; its 1-GPU jobs past protection sit six
     # on n0 and two on n1, beside protected ones: a 4-GPU request takes four of

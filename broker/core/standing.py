@@ -108,6 +108,16 @@ class Standings:
         then take the victims back and forth (measured on Helios: one 8-GPU job
         preempted 96 times in 3,000 jobs).
 
+        Siblings compare as siblings, cousins as their organisations, with one
+        exception: a project under its own share now may also take from a cousin
+        above its own share whose organisation (where the paths part) is above its
+        share too, if the two projects' standings, compared as projects, keep the
+        rule above. Otherwise a project under its share inside an organisation that
+        its siblings keep above its share could only take from those siblings,
+        whose GPUs, spread over nodes as 1-GPU jobs, rarely make its shape
+        (design.md §5.7). A cousin at or under its share, or in an organisation at
+        or under its share, is never taken.
+
         A ``gang`` (a request larger than any node) is bigger than most projects'
         fair share, so that rule would never let it in. Once the nodes reserved
         for it fall due, it may also take them while ``mine`` holds less than its
@@ -128,4 +138,13 @@ class Standings:
             return False
         if gang and self.standing(level.mine) < 1.0 < self.standing(level.theirs):
             return True
-        return self.standing(level.mine, gained) <= self.standing(level.theirs, -lost)
+        if self.standing(level.mine, gained) <= self.standing(level.theirs, -lost):
+            return True
+        # A project under its own share whose organisation is over its share
+        # through its siblings may also take from a cousin above its share in an
+        # organisation above its share too, compared as projects.
+        return (
+            level.mine != mine
+            and self.standing(mine) < 1.0
+            and self.standing(mine, gained) <= self.standing(theirs, -lost)
+        )
