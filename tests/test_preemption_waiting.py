@@ -139,6 +139,30 @@ def test_a_project_its_siblings_keep_over_share_takes_from_a_cousin_over_share_t
     assert d.preemptions == ()
 
 
+def test_a_project_at_its_own_share_takes_nothing_from_a_cousin_as_a_project():
+    # As above, but b already holds its own 4 of o1's 8 (a the other 8): the
+    # exception is for projects under their share, so b's request of 1 takes
+    # nothing from c, though c as a project would stay above b after the move.
+    protected = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
+    accounts = [
+        Account("o1"),
+        Account("o2"),
+        Account("o3"),
+        Account("a", parent="o1"),
+        Account("b", parent="o1"),
+        Account("c", parent="o2"),
+        Account("e", parent="o3"),
+    ]
+    a_jobs = [running("a", "n0", (i,), **protected) for i in range(8)]
+    b_job = running("b", "n1", (0, 1, 2, 3), **protected)
+    c_jobs = [running("c", "n1", (i,), min_runtime=HOUR) for i in range(4, 8)]
+    c_jobs += [running("c", "n2", (i,), min_runtime=HOUR) for i in range(8)]
+    e_request = pending("e", 1)  # o3 wants GPUs: each program's share is 8
+    b_request = pending("b", 1)
+    d = schedule(snapshot(nodes(3), accounts, [*a_jobs, b_job, *c_jobs, e_request, b_request]))
+    assert all(p.for_slice != b_request.id for p in d.preemptions)
+
+
 def test_a_shape_is_gathered_from_one_nodes_one_gpu_holders():
     # hog holds both nodes, twice its share; its 1-GPU jobs past protection sit six
     # on n0 and two on n1, beside protected ones: a 4-GPU request takes four of
