@@ -100,6 +100,20 @@ def test_a_sibling_under_its_share_is_served_from_its_over_share_sibling_first()
     assert len(victims) == 4 and victims <= {s.id for s in a_jobs}
 
 
+#: Three programs of one project each, but o1 with two (a and b).
+THREE_PROGRAMS = [
+    Account("o1"),
+    Account("o2"),
+    Account("o3"),
+    Account("a", parent="o1"),
+    Account("b", parent="o1"),
+    Account("c", parent="o2"),
+    Account("e", parent="o3"),
+]
+#: A slice granted a minute ago with 8 hours of protection: nobody's victim.
+PROTECTED = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
+
+
 def test_a_project_its_siblings_keep_over_share_takes_from_a_cousin_over_share_too():
     # Three organisations of 8 GPUs each on 24. a holds 9 in protected 1-GPU jobs,
     # so o1 is above its share through a while b, under its own 4, asks for 4.
@@ -107,19 +121,10 @@ def test_a_project_its_siblings_keep_over_share_takes_from_a_cousin_over_share_t
     # o2); c is above its share in an organisation above its share too, so b may
     # take one of its jobs as a project. Were c's organisation at its share, c
     # would stay out of b's reach.
-    protected = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
-    accounts = [
-        Account("o1"),
-        Account("o2"),
-        Account("o3"),
-        Account("a", parent="o1"),
-        Account("b", parent="o1"),
-        Account("c", parent="o2"),
-        Account("e", parent="o3"),
-    ]
-    a_jobs = [running("a", "n0", (i,), **protected) for i in range(8)]
-    a_jobs.append(running("a", "n1", (0,), **protected))
-    e_jobs = [running("e", "n1", (1, 2, 3), **protected)]
+    accounts = THREE_PROGRAMS
+    a_jobs = [running("a", "n0", (i,), **PROTECTED) for i in range(8)]
+    a_jobs.append(running("a", "n1", (0,), **PROTECTED))
+    e_jobs = [running("e", "n1", (1, 2, 3), **PROTECTED)]
     c_jobs = [
         running("c", "n1", (4, 5, 6, 7), min_runtime=HOUR),
         running("c", "n2", (0, 1, 2, 3), min_runtime=HOUR),
@@ -133,7 +138,7 @@ def test_a_project_its_siblings_keep_over_share_takes_from_a_cousin_over_share_t
     # o2 at its share: c holds 7 (above its own 4), d beside it 1.
     with_d = [*accounts, Account("d", parent="o2")]
     c_jobs[1:] = [running("c", "n2", (0, 1, 2), min_runtime=HOUR)]
-    others = [running("d", "n2", (3,), **protected), running("e", "n2", (4, 5, 6, 7), **protected)]
+    others = [running("d", "n2", (3,), **PROTECTED), running("e", "n2", (4, 5, 6, 7), **PROTECTED)]
     b_request = pending("b", 2)  # c would stay at its share without its 3-GPU job
     d = schedule(snapshot(nodes(3), with_d, [*a_jobs, *e_jobs, *c_jobs, *others, b_request]))
     assert d.preemptions == ()
@@ -143,18 +148,9 @@ def test_a_project_at_its_own_share_takes_nothing_from_a_cousin_as_a_project():
     # As above, but b already holds its own 4 of o1's 8 (a the other 8): the
     # exception is for projects under their share, so b's request of 1 takes
     # nothing from c, though c as a project would stay above b after the move.
-    protected = {"min_runtime": 8 * HOUR, "granted_ago": MIN}
-    accounts = [
-        Account("o1"),
-        Account("o2"),
-        Account("o3"),
-        Account("a", parent="o1"),
-        Account("b", parent="o1"),
-        Account("c", parent="o2"),
-        Account("e", parent="o3"),
-    ]
-    a_jobs = [running("a", "n0", (i,), **protected) for i in range(8)]
-    b_job = running("b", "n1", (0, 1, 2, 3), **protected)
+    accounts = THREE_PROGRAMS
+    a_jobs = [running("a", "n0", (i,), **PROTECTED) for i in range(8)]
+    b_job = running("b", "n1", (0, 1, 2, 3), **PROTECTED)
     c_jobs = [running("c", "n1", (i,), min_runtime=HOUR) for i in range(4, 8)]
     c_jobs += [running("c", "n2", (i,), min_runtime=HOUR) for i in range(8)]
     e_request = pending("e", 1)  # o3 wants GPUs: each program's share is 8
