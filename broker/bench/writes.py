@@ -15,8 +15,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from ..orm import (
     SCRATCH_POSTGRES_URL,
     ScratchDatabaseUnavailable,
     SliceEventRow,
-    scratch_database,
 )
 from . import api
 
@@ -39,21 +37,14 @@ def run(backend: str = "both", count: int = 300, postgres_url: str = SCRATCH_POS
     report: dict[str, Any] = {"benchmark": "writes", "count": count, "results": []}
     for name in ("sqlite", "postgresql") if backend == "both" else (backend,):
         try:
-            with bench_database(name, postgres_url) as url:
+            with (
+                tempfile.TemporaryDirectory() as directory,
+                api.bench_database(name, Path(directory), postgres_url) as url,
+            ):
                 report["results"].append({"db": name, **_measure(url, count)})
         except ScratchDatabaseUnavailable as err:
             report["results"].append({"db": name, "skipped": str(err)})
     return report
-
-
-@contextmanager
-def bench_database(backend: str, postgres_url: str) -> Iterator[str]:
-    if backend == "postgresql":
-        with scratch_database("slicebroker_bench", postgres_url) as url:
-            yield url
-        return
-    with tempfile.TemporaryDirectory() as directory:
-        yield f"sqlite:///{Path(directory) / 'broker.db'}"
 
 
 def _measure(url: str, count: int) -> dict[str, Any]:
