@@ -140,9 +140,10 @@ class Standings:
             return True
         if self.standing(level.mine, gained) <= self.standing(level.theirs, -lost):
             return True
-        # A project under its own share whose organisation is over its share
-        # through its siblings may also take from a cousin above its share in an
-        # organisation above its share too, compared as projects.
+        # Refused as organisations (mostly: siblings keep the requester's above its
+        # share), a project under its own share may still take from a cousin,
+        # compared as projects; the checks above keep the cousin and its
+        # organisation above their shares.
         return (
             level.mine != mine
             and self.standing(mine) < 1.0
