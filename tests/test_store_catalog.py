@@ -106,6 +106,7 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
     )
     read = Broker(f"sqlite:///{tmp_path / 'read.sqlite'}", config, clock, lease=900.0)
     rng = random.Random(seed)
+    filters = random.Random(-seed)  # apart, so that the workloads stay as they were
     try:
         for number in range(120):
             kind, argument = random_step(rng)
@@ -114,6 +115,16 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
             assert kept.projects() == read.projects(), (number, kind)
             assert kept.nodes() == read.nodes(), (number, kind)
             assert kept.list_slices() == read.list_slices(), (number, kind)
+            state = filters.choice(["live", "pending", "granted", "preempting"])
+            mine = {
+                "user": filters.choice([None, *USERS]),
+                "project": filters.choice([None, *PROJECTS]),
+            }
+            assert kept.list_slices(state=state, **mine) == read.list_slices(state=state, **mine), (
+                number,
+                kind,
+                state,
+            )
         last = max(s["id"] for s in read.list_slices())
         for slice_id in range(1, last + 1):
             assert kept.events(slice_id) == read.events(slice_id), slice_id
@@ -271,6 +282,34 @@ def test_a_kept_live_slice_is_read_from_memory_as_the_database_has_it(broker, db
             broker.get_slice(other["id"], caller=Principal("alice"))
         broker.release(held["id"])
         assert broker.get_slice(held["id"]) == reader.get_slice(held["id"])
+    finally:
+        reader.close()
+
+
+def test_a_single_writer_lists_the_live_slices_from_memory_as_the_database_has_them(
+    broker, db_url, clock
+):
+    """GET /slices?state=live (the pages and the queue) reads no row from a single
+    writer: the same answer as a Broker reading the database, charged to now, through
+    a pass, time and a release; the filters hold and ended slices are read as before."""
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        held, other = ask(broker, gpus=2), ask(broker, user="bob", project="nlp")
+        broker.run_pass()
+        waiting = ask(broker, gpus=1)
+        clock.advance(300)
+        broker.list_slices(state="live")  # the live slices are kept from here on
+        answer, statements = _sent(broker, lambda: broker.list_slices(state="live"))
+        assert [s for s in statements if "FROM slices" in s] == []
+        assert answer == reader.list_slices(state="live")
+        assert [s["id"] for s in answer] == [held["id"], other["id"], waiting["id"]]
+        assert answer[0]["charged_gpu_seconds"] > 0  # accrued to now
+        mine = broker.list_slices(state="granted", user="alice")
+        assert [s["id"] for s in mine] == [held["id"]]
+        assert broker.list_slices(state="pending", project="nlp") == []
+        broker.release(held["id"])
+        assert broker.list_slices(state="live") == reader.list_slices(state="live")
+        assert [s["id"] for s in broker.list_slices(state="ended")] == [held["id"]]
     finally:
         reader.close()
 

@@ -568,10 +568,23 @@ class Broker:
         project: str | None = None,
         user: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Slices matching every filter given, oldest first. ``state="live"`` means not ended."""
+        """Slices matching every filter given, oldest first. ``state="live"`` means not ended.
+
+        A single writer answers live states from its kept copies, reading no row: the
+        pages and the queue ask for every live slice on each refresh."""
         if state is not None and state != "live" and state not in set(SliceState):
             choices = ", ".join([*(s.value for s in SliceState), "live"])
             raise InvalidRequest(f"unknown state {state!r}; expected one of {choices}")
+        if self.journal.single_writer and (state == "live" or state in LIVE_STATES):
+            with self.journal.read() as session:
+                now, costs = self._clock(), self.journal.catalog(session).costs
+                return [
+                    _kept_dict(entry.view, entry.slice, now, costs)
+                    for entry in self.journal.live_slices(session).values()
+                    if state in ("live", entry.view["state"])
+                    and project in (None, entry.view["project"])
+                    and user in (None, entry.view["user"])
+                ]
         query = select(SliceRow).order_by(SliceRow.id)
         if state == "live":
             query = query.where(SliceRow.state.in_(LIVE_STATES))
