@@ -708,10 +708,15 @@ class _Pass:
     def _releases_for(self, requester: Slice) -> backfill.Releases:
         """Expected releases per node for ``requester``, earliest first.
 
-        :meth:`_release_at` depends on the requester only through its project
-        and :func:`within_project_key`, so the lists are kept per node and that
-        class for the rest of the pass (until someone is preempted): the blocked
-        requests a pass plans for mostly share a few classes.
+        The lists are kept per node and requester class (project and
+        :func:`within_project_key`) for the rest of the pass (until someone is
+        preempted): the blocked requests a pass plans for mostly share a few
+        classes. That is an approximation: the rule also reads the requester's
+        size (what its project would gain, whether it is a gang), so a class's
+        list is the one computed for its first request, and a larger request of
+        the class may be told of releases that only a smaller one could force.
+        Keying the lists on the size too was measured and not kept
+        (docs/simulator.md, "Speed").
         """
         requester_class = (requester.project, within_project_key(requester))
 
