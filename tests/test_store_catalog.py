@@ -116,21 +116,26 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
             assert kept.nodes() == read.nodes(), (number, kind)
             assert kept.list_slices() == read.list_slices(), (number, kind)
             state = filters.choice(["live", "pending", "granted", "preempting"])
-            mine = {
-                "user": filters.choice([None, *USERS]),
-                "project": filters.choice([None, *PROJECTS]),
-            }
-            assert kept.list_slices(state=state, **mine) == read.list_slices(state=state, **mine), (
-                number,
-                kind,
-                state,
-            )
+            user, project = filters.choice([None, *USERS]), filters.choice([None, *PROJECTS])
+            listed = [b.list_slices(state=state, user=user, project=project) for b in (kept, read)]
+            assert listed[0] == listed[1], (number, kind, state)
+            report = (filters.choice(PROJECTS), clock() - filters.choice([600, 86400]), None)
+            by = filters.choice(["user", "project"])
+            assert _report(kept, *report, by) == _report(read, *report, by), (number, kind)
         last = max(s["id"] for s in read.list_slices())
         for slice_id in range(1, last + 1):
             assert kept.events(slice_id) == read.events(slice_id), slice_id
     finally:
         kept.close()
         read.close()
+
+
+def _report(broker: Broker, project: str, since: float, until: None, by: str) -> Any:
+    """A usage report, or the refusal's type and message."""
+    try:
+        return broker.usage_report(project, since, until, by=by)
+    except BrokerError as err:
+        return type(err).__name__, str(err)
 
 
 @pytest.fixture
@@ -310,6 +315,29 @@ def test_a_single_writer_lists_the_live_slices_from_memory_as_the_database_has_t
         broker.release(held["id"])
         assert broker.list_slices(state="live") == reader.list_slices(state="live")
         assert [s["id"] for s in broker.list_slices(state="ended")] == [held["id"]]
+    finally:
+        reader.close()
+
+
+def test_a_single_writer_reports_usage_with_running_slices_from_memory(broker, db_url, clock):
+    """A usage report (the pages ask one per day) reads no slice row from a single
+    writer: its running slices are the kept copies, charged to now; the same answer as
+    a Broker reading the database, before and after a release."""
+    reader = Broker(db_url, parse_config(cluster()), clock)
+    try:
+        held = ask(broker, gpus=2)
+        ask(broker, user="bob", project="nlp")
+        broker.run_pass()
+        clock.advance(600)
+        broker.list_slices(state="live")  # the live slices are kept from here on
+        since = clock() - 3600
+        answer, statements = _sent(broker, lambda: broker.usage_report("vision", since))
+        assert [s for s in statements if "FROM slices" in s] == []
+        assert answer == reader.usage_report("vision", since)
+        assert sum(row["gpu_seconds"] for row in answer) == pytest.approx(2 * 600)
+        broker.release(held["id"])
+        clock.advance(600)
+        assert broker.usage_report("vision", since) == reader.usage_report("vision", since)
     finally:
         reader.close()
 

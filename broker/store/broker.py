@@ -1033,14 +1033,26 @@ class Broker:
             )
             entries = [_ledger_entry(row) for row in closed]
             costs = catalog.costs
-            running = session.scalars(
-                select(SliceRow).where(SliceRow.state.in_(HELD_STATES), SliceRow.project.in_(names))
-            )
-            for row in running:
-                entry = costs.entry(_to_slice(row), now)
+            for slice_ in self._running(session, names):
+                entry = costs.entry(slice_, now)
                 if entry is not None:
                     entries.append(entry)
         return accounting.usage_rows(entries, since, until, by=by)
+
+    def _running(self, session: Session, projects: Collection[str]) -> list[Slice]:
+        """The slices of ``projects`` that hold GPUs: a single writer's kept copies (the
+        pages ask for a report per day), else read."""
+        if self.journal.single_writer:
+            wanted = set(projects)
+            return [
+                slice_
+                for slice_ in self.journal.live_values(session)
+                if slice_.holds_gpus and slice_.project in wanted
+            ]
+        query = select(SliceRow).where(
+            SliceRow.state.in_(HELD_STATES), SliceRow.project.in_(projects)
+        )
+        return [_to_slice(row) for row in session.scalars(query)]
 
     # ---- the scheduling pass ------------------------------------------------------
 
