@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -290,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         if not value >= 0:  # also refuses nan
             print(f"error: {option} takes seconds, 0 or more", file=sys.stderr)
             return USAGE_ERROR
+    say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         workload = build_workload(args)
     except FileNotFoundError as err:
@@ -298,6 +300,25 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidConfig, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_ERROR
+    workload, results = _simulate_all(args, workload, names, say)
+    data = comparison(workload, results)
+    print(table(data))
+    if "fairshare" in names:
+        print()
+        print(goals_markdown(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if args.report:
+        for path in write_report(args.report, workload, results, plots=not args.no_plots):
+            say(f"wrote {path}")
+    return 0
+
+
+def _simulate_all(
+    args: argparse.Namespace, workload: Workload, names: list[str], say: Callable[[str], None]
+) -> tuple[Workload, list[Result]]:
+    """Each policy of ``names`` simulated on ``workload`` as ``args`` says (progress
+    told to ``say``); the workload as named for the report, and the results."""
     warmup = args.warmup * HOUR if args.warmup is not None else min(24 * HOUR, workload.end / 10)
     if args.name:
         workload = replace(workload, name=args.name)
@@ -321,7 +342,6 @@ def run(args: argparse.Namespace) -> int:
         preemption_budget=args.preemption_budget or None,
         debug_grace_period=args.debug_grace,
     )
-    say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(
         f"{workload.name}: {len(workload.jobs):,} jobs, {len(workload.nodes)} nodes "
         f"({workload.capacity} GPUs), offered load {workload.offered_load():.2f}"
@@ -340,19 +360,7 @@ def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             results.append(_simulate(workload, name, config, policy, args.verbose))
             say(_progress(results[-1]) + f" [{time.perf_counter() - started:.1f} s]")
-    data = comparison(workload, results)
-    print(table(data))
-    if "fairshare" in names:
-        print()
-        print(goals_markdown(data))
-    if args.json:
-        import json
-
-        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
-    if args.report:
-        for path in write_report(args.report, workload, results, plots=not args.no_plots):
-            say(f"wrote {path}")
-    return 0
+    return workload, results
 
 
 def _progress(result: Result) -> str:
