@@ -10,7 +10,15 @@ import pytest
 from broker.sim.cli import main
 from broker.sim.engine import simulate
 from broker.sim.policies import POLICIES
-from broker.sim.report import comparison, fmt_duration, goals, render, table, write_report
+from broker.sim.report import (
+    LABELS,
+    comparison,
+    fmt_duration,
+    goals,
+    render,
+    table,
+    write_report,
+)
 from broker.sim.workloads import GeneratorConfig, generate
 
 SMALL = GeneratorConfig(days=1, slices=150, users=12, projects=3, programs=1, load=2.0)
@@ -178,9 +186,33 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, capsys):
+    small = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--quiet"]
+    out = tmp_path / "seeds.json"
+    assert main([*small, "--policies", "fairshare,fifo", "--seeds", "3,4", "--json", str(out)]) == 0
+    table_ = capsys.readouterr().out
+    runs = json.loads(out.read_text())["seeds"]
+    assert list(runs) == ["3", "4"] and list(runs["3"]["policies"]) == ["fairshare", "fifo"]
+    # Each seed's run is the run that --seed gives.
+    single = tmp_path / "single.json"
+    assert main([*small, "--policies", "fairshare,fifo", "--seed", "4", "--json", str(single)]) == 0
+    capsys.readouterr()
+    alone = json.loads(single.read_text())["policies"]
+    assert {p: alone[p]["summary"] for p in alone} == {
+        p: runs["4"]["policies"][p]["summary"] for p in alone
+    }
+    worst = [runs[s]["policies"]["fairshare"]["summary"]["worst_project_delivered"] for s in "34"]
+    assert worst[0] != worst[1]  # the seeds give other workloads
+    cells = [f"{100 * v:.1f}%" for v in (*worst, sum(worst) / 2)]
+    assert f"| worst project | {LABELS['fairshare']} | {' | '.join(cells)} |" in table_
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["generate", "--seeds", "1,1"], "--seeds takes distinct seeds"),
+        (["generate", "--seeds", "1,x"], "--seeds takes distinct seeds"),
+        (["generate", "--seeds", "1,2", "--report", "out"], "--report writes one run"),
         (["helios", "--trace", "no/such/trace.csv"], "Helios trace not found"),
         (["alibaba", "--trace", "no/such/pods.csv"], "Alibaba pod list not found"),
         (["generate", "--policies", "lottery"], "unknown policy lottery"),

@@ -21,7 +21,7 @@ from ..core.model import HOUR, Policy
 from ..errors import InvalidConfig
 from .engine import Result, SimConfig, Simulation
 from .policies import POLICIES
-from .report import comparison, goals_markdown, table, write_report
+from .report import comparison, goals_markdown, seeds_markdown, table, write_report
 from .workloads import (
     ALIBABA_DAYS,
     DEFAULT_ALIBABA,
@@ -45,6 +45,7 @@ examples:
   slicebroker simulate csv --trace jobs.csv --tree tree.csv --nodes 40 --json out.json
   slicebroker simulate alibaba --report docs/sim
   python -m broker.sim helios --policies fairshare --limit 2000
+  python -m broker.sim helios --policies fairshare --limit 4000 --seeds 1,2,3
 """
 
 
@@ -105,6 +106,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--users", type=int, default=150, help="users (default 150)")
     parser.add_argument("--limit", type=int, help="helios, alibaba: only the first N GPU jobs")
     parser.add_argument("--seed", type=int, default=1, help="seed of every random source")
+    parser.add_argument(
+        "--seeds",
+        help="run once per seed (comma-separated, e.g. 1,2,3) and print each headline "
+        "figure per seed and its mean, instead of --seed's one run",
+    )
     sim = parser.add_argument_group("simulation")
     sim.add_argument(
         "--quantum",
@@ -291,16 +297,37 @@ def run(args: argparse.Namespace) -> int:
         if not value >= 0:  # also refuses nan
             print(f"error: {option} takes seconds, 0 or more", file=sys.stderr)
             return USAGE_ERROR
+    seeds = [args.seed]
+    if args.seeds is not None:
+        seeds = _seed_list(args.seeds)
+        if seeds is None:
+            print(f"error: --seeds takes distinct seeds such as 1,2,3, got {args.seeds!r}",
+                  file=sys.stderr)  # fmt: skip
+            return USAGE_ERROR
+        if args.report:
+            print("error: --report writes one run: give it --seed, not --seeds", file=sys.stderr)
+            return USAGE_ERROR
     say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    try:
-        workload = build_workload(args)
-    except FileNotFoundError as err:
-        print(f"error: {err} (pass --trace PATH)", file=sys.stderr)
-        return USAGE_ERROR
-    except (InvalidConfig, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return USAGE_ERROR
-    workload, results = _simulate_all(args, workload, names, say)
+    runs: dict[int, tuple[Workload, list[Result]]] = {}
+    for seed in seeds:
+        one = argparse.Namespace(**{**vars(args), "seed": seed})
+        try:
+            workload = build_workload(one)
+        except FileNotFoundError as err:
+            print(f"error: {err} (pass --trace PATH)", file=sys.stderr)
+            return USAGE_ERROR
+        except (InvalidConfig, ValueError, KeyError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return USAGE_ERROR
+        runs[seed] = _simulate_all(one, workload, names, say)
+    if args.seeds is not None:
+        compared = {seed: comparison(*found) for seed, found in runs.items()}
+        print(seeds_markdown(compared))
+        if args.json:
+            by_seed = {str(seed): data for seed, data in compared.items()}
+            Path(args.json).write_text(json.dumps({"seeds": by_seed}, indent=1) + "\n")
+        return 0
+    workload, results = runs[args.seed]
     data = comparison(workload, results)
     print(table(data))
     if "fairshare" in names:
@@ -361,6 +388,15 @@ def _simulate_all(
             results.append(_simulate(workload, name, config, policy, args.verbose))
             say(_progress(results[-1]) + f" [{time.perf_counter() - started:.1f} s]")
     return workload, results
+
+
+def _seed_list(text: str) -> list[int] | None:
+    """``--seeds``: distinct whole numbers, comma-separated; None if it is not that."""
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        return None
+    return seeds if seeds and len(set(seeds)) == len(seeds) else None
 
 
 def _progress(result: Result) -> str:

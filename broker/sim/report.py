@@ -410,6 +410,42 @@ def goals_markdown(data: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The figures :func:`seeds_markdown` compares across seeds: (label, how to read it
+#: from a policy's summary, how to show it).
+SEED_FIGURES: tuple[tuple[str, Any, Any], ...] = (
+    ("debug wait p90 within the cap", lambda s: _wait(s, "debug within cap", "p90"), fmt_duration),
+    ("batch 1 wait p90", lambda s: _wait(s, "batch 1", "p90"), fmt_duration),
+    ("owed GPU-h delivered", lambda s: s.get("owed_delivered"), _pct),
+    ("worst project", lambda s: s.get("worst_project_delivered"), _pct),
+    ("owed delivered hour by hour", lambda s: s.get("owed_delivered_hourly"), _pct),
+    ("occupancy", lambda s: s.get("occupancy"), _pct),
+    ("preemptions per completed job", lambda s: s.get("preemptions_per_completed_job"),
+     lambda v: "–" if v is None else f"{v:.3f}"),
+    ("most preemptions of one job", lambda s: s.get("preemptions_per_job_max"),
+     lambda v: "–" if v is None else f"{v:g}"),
+    ("musical chairs", lambda s: s.get("musical_chairs_share"), _pct),
+)  # fmt: skip
+
+
+def seeds_markdown(runs: Mapping[int, Mapping[str, Any]]) -> str:
+    """The headline figures of one comparison run under several seeds (``runs``: seed ->
+    :func:`comparison`): per policy, each seed's value and their mean. The figures of
+    one run move between seeds (the worst project by ten points and more): a change
+    to the policy is judged on the means and the spread, not on one run."""
+    seeds = list(runs)
+    policies = list(next(iter(runs.values()))["policies"])
+    header = " | ".join(f"seed {seed}" for seed in seeds)
+    lines = [f"| figure | policy | {header} | mean |", "|---|---|" + "---:|" * (len(seeds) + 1)]
+    for label, read, show in SEED_FIGURES:
+        for policy in policies:
+            values = [read(runs[seed]["policies"][policy]["summary"]) for seed in seeds]
+            known = [v for v in values if v is not None]
+            mean = sum(known) / len(known) if known else None
+            cells = " | ".join(show(v) for v in [*values, mean])
+            lines.append(f"| {label} | {LABELS.get(policy, policy)} | {cells} |")
+    return "\n".join(lines)
+
+
 # ---- files ---------------------------------------------------------------------------------
 
 
