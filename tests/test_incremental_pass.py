@@ -170,6 +170,20 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
 
     assert kept.due(now, nodes) == sorted(s.id for s in slices if due(s))
 
+    def wakes(s) -> list[float]:
+        """When a pass may have something to do for ``s``: its lease; a holder's end
+        of protection, of grace and of maximum runtime."""
+        times = [] if s.lease_expires_at is None else [s.lease_expires_at]
+        if s.holds_gpus:
+            times += [t for t in (s.protected_until, s.preempt_deadline) if t is not None]
+            if s.contract.max_runtime is not None and s.granted_at is not None:
+                times.append(s.granted_at + s.contract.max_runtime)
+        return times
+
+    for after in (now - HOUR, now, now + rng.uniform(0, 4 * HOUR)):
+        soonest = min((t for s in slices for t in wakes(s) if t > after), default=None)
+        assert kept.next_wake(after) == soonest, after
+
 
 CHANGES = (
     *("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock"),
@@ -236,6 +250,14 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         told_of = now_of
         assert schedule(snap, index=told) == decisions
         check_pass(snap, decisions)
+        # The store's index takes in what the pass wrote at once (told which slices,
+        # or not): then it answers for the slices as the pass left them.
+        written = apply(now_of, nodes, decisions, now, WEIGHTS).slices
+        gone_or_new = now_of.keys() ^ written.keys()
+        said = {i: written.get(i) for i in gone_or_new | set(decisions_ids(decisions))}
+        for taken, changed in ((told.copy(), said), (told.copy(), None)):
+            taken.take_in(changed, list(written.values()))
+            check_index(taken, replace(snap, slices=tuple(written.values())), rng)
         waiting = sorted(s.id for s in snap.slices if not s.holds_gpus)
         if waiting and rng.random() < 0.3:
             # What-if passes start from copies of the kept index: the same answers
@@ -252,6 +274,17 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         ):
             if count:
                 event(what)
+
+
+def decisions_ids(decisions) -> list[int]:
+    """The slices a pass's decisions change (and its queue's places, written too)."""
+    return [
+        *(g.slice_id for g in decisions.grants),
+        *(p.slice_id for p in decisions.preemptions),
+        *(e.slice_id for e in decisions.endings),
+        *(r.slice_id for r in decisions.reservations),
+        *(q.slice_id for q in decisions.queue),
+    ]
 
 
 def test_the_kept_state_follows_slices_through_their_life():

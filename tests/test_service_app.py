@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from servicefixtures import TEST_CONFIG, make_service, service_env
 from traitlets import TraitError
 
@@ -34,7 +32,7 @@ from broker.service.auth import (
     revoke_token,
     revoke_user_tokens,
 )
-from broker.service.runner import Deadlines, SliceWatchers
+from broker.service.runner import SliceWatchers
 from broker.service.schema import COMPONENTS, ref, validate
 from broker.slurm.inventory import SlurmInventory
 from broker.store import NotYours, Principal
@@ -496,81 +494,6 @@ async def test_requests_with_one_token_wait_for_one_look_up(tmp_path):
 
 
 # ---- the scheduling loop's helpers -----------------------------------------------------------
-
-
-def _slice(**fields):
-    base = {
-        "state": "granted",
-        "queue_position": None,
-        "granted_at": None,
-        "max_runtime": None,
-        "protected_until": None,
-        "preempt_deadline": None,
-        "lease_expires_at": None,
-    }
-    return base | fields
-
-
-@pytest.mark.parametrize(
-    ("slices", "expected"),
-    [
-        pytest.param([], None, id="nothing live"),
-        pytest.param([_slice(lease_expires_at=150)], 150, id="a lease"),
-        pytest.param([_slice(granted_at=100, max_runtime=30, lease_expires_at=200)], 130,
-                     id="max runtime before the lease"),
-        pytest.param([_slice(protected_until=120), _slice(preempt_deadline=110)], 110,
-                     id="the earliest of several slices"),
-        pytest.param([_slice(lease_expires_at=90, protected_until=99)], None,
-                     id="deadlines already past are not waited for"),
-    ],
-)  # fmt: skip
-def test_the_next_deadline(slices, expected):
-    live = {i: s for i, s in enumerate(slices)}
-    assert Deadlines().next_after(live, now=100) == expected == next_deadline(slices, 100)
-
-
-def next_deadline(slices, now: float) -> float | None:
-    """The earliest deadline after ``now`` of ``slices``, by a walk over every one."""
-    times = []
-    for s in slices:
-        times += [s[k] for k in ("protected_until", "preempt_deadline", "lease_expires_at")]
-        if s["granted_at"] is not None and s["max_runtime"] is not None:
-            times.append(s["granted_at"] + s["max_runtime"])
-    return min((at for at in times if at is not None and at > now), default=None)
-
-
-DEADLINE_FIELDS = ["protected_until", "preempt_deadline", "lease_expires_at", "granted_at"]
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["new view", "new view", "gone", "time"]),
-            st.integers(0, 6),
-            st.sampled_from(
-                ["protected_until", "preempt_deadline", "lease_expires_at", "granted_at"]
-            ),
-            st.integers(0, 60),
-        ),
-        max_size=30,
-    )
-)
-def test_deadlines_kept_between_passes_answer_as_next_deadline(steps):
-    """Views replaced (a slice the pass changed), slices gone and time passing:
-    the kept heap answers what a walk over every live slice answers."""
-    kept = Deadlines()
-    live: dict[int, dict] = {}
-    now = 100.0
-    for what, slice_id, field, at in steps:
-        live = dict(live)  # each pass hands over a map of its own
-        if what == "new view":  # with max_runtime, granted_at makes a deadline too
-            live[slice_id] = _slice(**{field: now + at - 10}, max_runtime=20)
-        elif what == "gone":
-            live.pop(slice_id, None)
-        else:
-            now += at
-        assert kept.next_after(live, now) == next_deadline(live.values(), now)
 
 
 async def test_waiters_wake_on_news_only():

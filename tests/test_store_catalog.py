@@ -111,6 +111,11 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
         for number in range(120):
             kind, argument = random_step(rng)
             assert apply(kept, kind, argument) == apply(read, kind, argument), (number, kind)
+            if kind in ("pass", "late pass"):  # the kept index took in what the pass wrote
+                wakes = [
+                    b.next_wake(clock() + ahead) for b in (kept, read) for ahead in (-1, 0, 60)
+                ]
+                assert wakes[:3] == wakes[3:], (number, kind)
             clock.advance(rng.choice([0, 30, 600]))
             assert kept.projects() == read.projects(), (number, kind)
             assert kept.nodes() == read.nodes(), (number, kind)

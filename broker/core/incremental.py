@@ -29,8 +29,8 @@ update looks at those alone.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator, Mapping
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
@@ -98,6 +98,8 @@ class PassState:
         self.holding_ids: list[int] = []  # slices that hold GPUs, in id order
         self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
+        # (when a holder's protection ends, slice id), sorted: a pass may preempt then
+        self.protection_ends: list[tuple[float, int]] = []
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
 
@@ -123,12 +125,27 @@ class PassState:
         if not self.slices:
             self._build(snapshot.slices)
             return self.tree
-        if expected is not None and self._take_expected(expected, len(snapshot.slices)):
-            return self.tree
+        if expected is None or not self._take_expected(expected, len(snapshot.slices)):
+            self._take_all(snapshot.slices)
+        return self.tree
+
+    def take_in(self, changed: Mapping[int, Slice | None] | None, live: Collection[Slice]) -> None:
+        """The slices a pass just wrote (id -> the slice as it is now, None for one no
+        longer live; None: unknown), ``live`` every live slice now: filed at once, so
+        that :meth:`next_wake` counts the pass's own decisions. A list that does not
+        add up is checked against ``live`` whole. The next :meth:`update` finds these
+        slices filed already."""
+        if not self.slices:
+            return  # nothing kept yet: the next update builds the index
+        if changed is None or not self._take_expected(changed, len(live)):
+            self._take_all(live)
+
+    def _take_all(self, slices: Iterable[Slice]) -> None:
+        """Take in ``slices``, every live slice, comparing each with the one kept."""
         known = self.slices
         current: dict[int, Slice] = {}
         added = 0
-        for slice_ in snapshot.slices:
+        for slice_ in slices:
             before = known.get(slice_.id)
             if before is slice_ or (before is not None and before == slice_):
                 current[slice_.id] = before  # unchanged: the same object from now on
@@ -143,7 +160,6 @@ class PassState:
             for gone in known.keys() - current.keys():
                 self._forget(known[gone])
         self.slices = current
-        return self.tree
 
     def copy(self) -> PassState:
         """An independent index of the same slices: updating either leaves the other
@@ -160,6 +176,7 @@ class PassState:
         other.holding_ids = self.holding_ids[:]
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
         other.deadlines = self.deadlines[:]
+        other.protection_ends = self.protection_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
 
@@ -184,6 +201,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
+        self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
 
@@ -193,7 +211,7 @@ class PassState:
         self.slices = {s.id: s for s in slices}
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
-        deadlines = []
+        deadlines, protection_ends = [], []
         for slice_ in self.slices.values():
             if slice_.holds_gpus:
                 holding.append(slice_.id)
@@ -205,8 +223,10 @@ class PassState:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
             deadlines += ((at, slice_.id) for at in _deadlines(slice_))
+            protection_ends += ((at, slice_.id) for at in _protection_end(slice_))
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
+        self.protection_ends = sorted(protection_ends)
         for where, keyed in pending.items():
             keyed.sort(key=lambda pair: pair[0])
             self.queues[where] = ([key for key, _ in keyed], [s for _, s in keyed])
@@ -226,6 +246,18 @@ class PassState:
             if held and (node is None or node.state is NodeState.DOWN):
                 ids.update(held)
         return sorted(ids)
+
+    def next_wake(self, now: float) -> float | None:
+        """When a pass next has something to do for a live slice, after ``now``: the
+        earliest end of a protection (its holder may then be preempted), a grace
+        period, a maximum runtime or a lease, of the slices as last taken in."""
+        after = (now, math.inf)
+        times = [
+            ordered[at][0]
+            for ordered in (self.deadlines, self.protection_ends)
+            if (at := bisect_right(ordered, after)) < len(ordered)
+        ]
+        return min(times, default=None)
 
     def holding(self) -> Iterator[Slice]:
         """The slices that hold GPUs, in id order."""
@@ -310,6 +342,8 @@ class PassState:
             slices.insert(at, slice_)
         for at in _deadlines(slice_):
             insort(self.deadlines, (at, slice_.id))
+        for at in _protection_end(slice_):
+            insort(self.protection_ends, (at, slice_.id))
 
     def _forget(self, slice_: Slice) -> None:
         if slice_.holds_gpus:
@@ -330,11 +364,25 @@ class PassState:
                 del self.queues[where]
         for at in _deadlines(slice_):
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
+        for at in _protection_end(slice_):
+            del self.protection_ends[bisect_left(self.protection_ends, (at, slice_.id))]
 
 
 def _queue_key(slice_: Slice) -> tuple:
     """A pending slice's place within its project's queue (design.md §5.1, 3–4)."""
     return (*within_project_key(slice_), slice_.submitted_at, slice_.id)
+
+
+def wake_times(slice_: Slice) -> list[float]:
+    """When a pass may have something to do for ``slice_`` (:meth:`PassState.next_wake`,
+    for a caller that keeps no index)."""
+    return [*_deadlines(slice_), *_protection_end(slice_)]
+
+
+def _protection_end(slice_: Slice) -> list[float]:
+    """When a holder's protection ends (none: it holds nothing, or has none)."""
+    until = slice_.protected_until
+    return [until] if slice_.holds_gpus and until is not None else []
 
 
 def _deadlines(slice_: Slice) -> list[float]:

@@ -28,7 +28,7 @@ The scheduling loop (:meth:`BrokerRunner.run_forever`) runs a pass
    requests arriving while a pass runs are coalesced into one more pass;
 2. at the earliest deadline of a live slice — end of protection, end of a
    grace period, ``max_runtime``, lease expiry — so contracts end on time
-   without any request;
+   without any request (the pass's own index tells it: ``Broker.next_wake``);
 3. every ``pass_interval`` seconds otherwise (usage windows slide, other
    processes may share the database).
 
@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
 import itertools
 import logging
 import threading
@@ -97,53 +96,10 @@ WHAT_IF_KEPT = 4096
 #: pass leaves what-if passes as they were but for the usage accrued since and the
 #: clock, which move estimates slowly; the pending page marks older answers.
 WHAT_IF_SHARED_FOR = 60.0
-#: Keys of a slice that are deadlines at which a pass may have something to do.
-DEADLINE_KEYS = ("protected_until", "preempt_deadline", "lease_expires_at")
 
 
 def slice_key(slice_: Mapping[str, Any]) -> SliceKey:
     return slice_["state"], slice_["queue_position"]
-
-
-def _deadlines(slice_: Mapping[str, Any]) -> list[float]:
-    """When a pass may have something to do for ``slice_`` (:data:`DEADLINE_KEYS`, and
-    ``granted_at + max_runtime``)."""
-    times = [at for at in map(slice_.get, DEADLINE_KEYS) if at is not None]
-    if slice_.get("granted_at") is not None and slice_.get("max_runtime") is not None:
-        times.append(slice_["granted_at"] + slice_["max_runtime"])
-    return times
-
-
-class Deadlines:
-    """The earliest deadline after now of one pass's live slices after another — end of
-    protection, end of a grace period, ``max_runtime``, lease expiry — reading only
-    the slices whose view is new since the last pass (a pass keeps the view of
-    every slice it did not change): a heap of their deadlines, where one of a view
-    replaced or gone is skipped when it comes up."""
-
-    def __init__(self) -> None:
-        self._seen: Mapping[int, Mapping[str, Any]] = {}
-        # (deadline, n, slice id, the view it was read from); n breaks ties
-        self._heap: list[tuple[float, int, int, Mapping[str, Any]]] = []
-        self._pushed = 0
-
-    def next_after(self, live: Mapping[int, Mapping[str, Any]], now: float) -> float | None:
-        if len(self._heap) > 4 * len(live) + 64:  # mostly views replaced since: start again
-            self._seen, self._heap = {}, []
-        seen = self._seen
-        for slice_id, view in live.items():
-            if seen.get(slice_id) is not view:
-                for at in _deadlines(view):
-                    self._pushed += 1
-                    heapq.heappush(self._heap, (at, self._pushed, slice_id, view))
-        self._seen = live
-        heap = self._heap
-        while heap:
-            at, _, slice_id, view = heap[0]
-            if at > now and live.get(slice_id) is view:
-                return at
-            heapq.heappop(heap)  # past (time only moves on), or of a view replaced or gone
-        return None
 
 
 class _Keys(Mapping[int, SliceKey]):
@@ -223,8 +179,11 @@ class SliceWatchers:
                     future.set_result(key)
 
 
-#: A pass that followed a group commit: its decisions, the live slices, seconds.
-GroupPass = tuple[Decisions, dict[int, dict[str, Any]], float]
+#: A pass's decisions, the live slices after it (by id) and when the next pass has
+#: something to do (epoch seconds; None: nothing timed).
+PassOutcome = tuple[Decisions, dict[int, dict[str, Any]], float | None]
+#: A pass that followed a group commit: its outcome, and the seconds it took.
+GroupPass = tuple[Decisions, dict[int, dict[str, Any]], float | None, float]
 
 
 @dataclass(eq=False)
@@ -315,7 +274,6 @@ class BrokerRunner:
         self.db_timeout = db_timeout
         # The live slices as the last pass (or a later change) left them, by id.
         self._live: dict[int, dict[str, Any]] = {}
-        self._deadlines = Deadlines()
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = DatabaseThread("slicebroker-db")
@@ -614,7 +572,7 @@ class BrokerRunner:
         and the loop's next pass takes them."""
         started = time.perf_counter()
         try:
-            decisions, live = self.broker.run_pass_and_live()
+            decisions, live, wake = self._pass_and_live()
         except Exception as err:  # the loop's pass, which the writes ask for, tries again
             self._pass_failed(err)
             return answers, None
@@ -624,7 +582,7 @@ class BrokerRunner:
             if write.wants_pass and error is None:
                 value = live.get(value["id"], value)
             refreshed.append((write, value, error))
-        return refreshed, (decisions, live, time.perf_counter() - started)
+        return refreshed, (decisions, live, wake, time.perf_counter() - started)
 
     def _run_group(self, group: list[_Write], durable: bool) -> list[_Answer]:
         """Run ``group`` in one transaction and commit it. A write refused after it had
@@ -788,14 +746,14 @@ class BrokerRunner:
         """One pass, then metrics, the next deadline and news for waiters."""
         started = time.perf_counter()
         try:
-            decisions, live = await self.run(self._pass_and_live)
+            decisions, live, wake = await self.run(self._pass_and_live)
         except asyncio.CancelledError:
             raise
         except Exception as err:
             self.next_wake = None
             self._pass_failed(err)
             return None
-        self._passed(decisions, live, time.perf_counter() - started)
+        self._passed(decisions, live, wake, time.perf_counter() - started)
         return decisions
 
     def _pass_failed(self, err: Exception) -> None:
@@ -810,10 +768,14 @@ class BrokerRunner:
                       exc_info=err)  # fmt: skip
 
     def _passed(
-        self, decisions: Decisions, live: dict[int, dict[str, Any]], seconds: float
+        self,
+        decisions: Decisions,
+        live: dict[int, dict[str, Any]],
+        next_wake: float | None,
+        seconds: float,
     ) -> None:
-        """Take in a pass: metrics, the live slices (by id), the next deadline, news for
-        waiters."""
+        """Take in a pass (:data:`PassOutcome`, and the seconds it took): metrics, the
+        live slices, the next deadline, news for waiters."""
         self.passes += 1
         self._between_passes.clear()
         now = self._clock()
@@ -826,7 +788,7 @@ class BrokerRunner:
             self._until_decided.clear()
             self._until_decided_since = now
         self.metrics.record_pass(decisions, live, seconds)
-        self.next_wake = self._deadlines.next_after(live, time.time())
+        self.next_wake = next_wake
         self.watchers.publish(_Keys(live), complete=True)
         self._live = live  # the pass's own map: nothing else keeps it
         if decisions.grants or decisions.preemptions or decisions.endings:
@@ -839,6 +801,9 @@ class BrokerRunner:
                 1000 * seconds,
             )
 
-    def _pass_and_live(self) -> tuple[Decisions, dict[int, dict[str, Any]]]:
-        # One transaction: no request slips between the pass and the list.
-        return self.broker.run_pass_and_live()
+    def _pass_and_live(self) -> PassOutcome:
+        """On the database thread: a pass and the live slices after it (one
+        transaction: no request slips between them), and when the next pass has
+        something to do, from the pass's own index (``Broker.next_wake``)."""
+        decisions, live = self.broker.run_pass_and_live()
+        return decisions, live, self.broker.next_wake(time.time())

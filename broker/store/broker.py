@@ -24,7 +24,7 @@ from ..config import ClusterConfig, format_duration
 from ..core import accounting, transitions, whatif
 from ..core.extension import ExtensionRefused, extended_contract
 from ..core.fairshare import ProjectTree
-from ..core.incremental import PassState
+from ..core.incremental import PassState, wake_times
 from ..core.model import (
     Account,
     Contract,
@@ -1106,10 +1106,29 @@ class Broker:
         decisions = self._schedule(snapshot)
         nodes = {node.name: node for node in snapshot.nodes}
         self._apply(session, decisions, live, nodes, now, costs)
+        after = self.journal.live_slices(session)
+        if self._kept_index is not None:
+            # The index takes in the pass's own writes now, so that it tells the next
+            # wake (next_wake) as the pass left the slices.
+            written, _ = self.journal.live_changes(mark)
+            changed = None
+            if written is not None:
+                changed = {i: after[i].slice if i in after else None for i in written}
+            self._kept_index.take_in(changed, [entry.slice for entry in after.values()])
         self._live_mark = mark
         self.journal.forget_changes_before(mark)
         # As journaled: a held slice's charge is not accrued to now here.
-        return decisions, {i: entry.view for i, entry in self.journal.live_slices(session).items()}
+        return decisions, {i: entry.view for i, entry in after.items()}
+
+    def next_wake(self, after: float) -> float | None:
+        """When a pass next has something to do for a live slice, after ``after``: the
+        earliest end of a protection, a grace period, a maximum runtime or a lease, as
+        the last pass left them (a single writer's kept index; other Brokers read)."""
+        if self._kept_index is not None:
+            return self._kept_index.next_wake(after)
+        with self.journal.read() as session:
+            times = [at for s in self.journal.live_values(session) for at in wake_times(s)]
+        return min((at for at in times if at > after), default=None)
 
     def _cover_absence(self, session: Session, now: float, usual_gap: float) -> None:
         """Extend every live lease by the time no broker could take heartbeats.
