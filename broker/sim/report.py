@@ -422,7 +422,7 @@ SEED_FIGURES: tuple[tuple[str, Any, Any], ...] = (
     ("preemptions per completed job", lambda s: s.get("preemptions_per_completed_job"),
      lambda v: "–" if v is None else f"{v:.3f}"),
     ("most preemptions of one job", lambda s: s.get("preemptions_per_job_max"),
-     lambda v: "–" if v is None else f"{v:g}"),
+     lambda v: "–" if v is None else f"{v:.1f}".removesuffix(".0")),
     ("musical chairs", lambda s: s.get("musical_chairs_share"), _pct),
 )  # fmt: skip
 
