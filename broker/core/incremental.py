@@ -15,7 +15,9 @@ otherwise find by walking or sorting every live slice:
 - the free map of the ``ready`` nodes as the holders leave it, which a pass
   copies instead of building it from every holder;
 - when each slice is due to end (max runtime, grace, lease), so that the first
-  phase looks only at slices that are due or on a node that went away.
+  phase looks only at slices that are due or on a node that went away, and when
+  each holder's protection ends: with those, :meth:`PassState.next_wake` tells
+  a long-running caller when the next pass has something to do.
 
 It learns what changed by comparing each snapshot's slices with the last one's:
 slices are immutable values, so a slice object seen before is unchanged (one
@@ -23,7 +25,9 @@ made anew, as from a database row, is compared by value), and only new or
 changed ones (submitted, granted, preempted, ended, requeued) are filed again.
 A caller that knows which slices changed since the last update (the service's
 store follows every write) says so with :meth:`PassState.expect`, and the next
-update looks at those alone.
+update looks at those alone; at the end of a pass it hands over what the pass
+wrote (:meth:`PassState.take_in`), so that the index answers for the slices as
+the pass left them.
 """
 
 from __future__ import annotations
