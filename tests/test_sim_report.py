@@ -201,6 +201,15 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
     assert {p: alone[p]["summary"] for p in alone} == {
         p: runs["4"]["policies"][p]["summary"] for p in alone
     }
+    # --jobs spreads the seeds over processes: the same runs.
+    spread = tmp_path / "spread.json"
+    argv = [*small, "--policies", "fairshare,fifo", "--seeds", "3,4", "--jobs", "2"]
+    assert main([*argv, "--json", str(spread)]) == 0
+    assert capsys.readouterr().out == table_
+    apart = json.loads(spread.read_text())["seeds"]
+    assert {s: {p: apart[s]["policies"][p]["summary"] for p in alone} for s in apart} == {
+        s: {p: runs[s]["policies"][p]["summary"] for p in alone} for s in runs
+    }
     worst = [runs[s]["policies"]["fairshare"]["summary"]["worst_project_delivered"] for s in "34"]
     assert worst[0] != worst[1]  # the seeds give other workloads
     cells = [f"{100 * v:.1f}%" for v in (*worst, sum(worst) / 2)]

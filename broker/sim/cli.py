@@ -203,7 +203,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--check", action="store_true", help="assert design.md §5 invariants each pass"
     )
-    sim.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel")
+    sim.add_argument(
+        "--jobs", type=int, default=1, help="policies (with --seeds: seeds) simulated in parallel"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--report", metavar="DIR", help="write JSON, Markdown and PNG plots here")
     out.add_argument("--json", metavar="FILE", help="write the figures as JSON here")
@@ -307,27 +309,26 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             print("error: --report writes one run: give it --seed, not --seeds", file=sys.stderr)
             return USAGE_ERROR
-    say = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    runs: dict[int, tuple[Workload, list[Result]]] = {}
+    say = _teller(args.quiet)
+    workloads: dict[int, tuple[argparse.Namespace, Workload]] = {}
     for seed in seeds:
         one = argparse.Namespace(**{**vars(args), "seed": seed})
         try:
-            workload = build_workload(one)
+            workloads[seed] = (one, build_workload(one))
         except FileNotFoundError as err:
             print(f"error: {err} (pass --trace PATH)", file=sys.stderr)
             return USAGE_ERROR
         except (InvalidConfig, ValueError, KeyError) as err:
             print(f"error: {err}", file=sys.stderr)
             return USAGE_ERROR
-        runs[seed] = _simulate_all(one, workload, names, say)
     if args.seeds is not None:
-        compared = {seed: comparison(*found) for seed, found in runs.items()}
+        compared = _compare_seeds(workloads, names, args.jobs)
         print(seeds_markdown(compared))
         if args.json:
             by_seed = {str(seed): data for seed, data in compared.items()}
             Path(args.json).write_text(json.dumps({"seeds": by_seed}, indent=1) + "\n")
         return 0
-    workload, results = runs[args.seed]
+    workload, results = _simulate_all(args, workloads[args.seed][1], names, say)
     data = comparison(workload, results)
     print(table(data))
     if "fairshare" in names:
@@ -339,6 +340,32 @@ def run(args: argparse.Namespace) -> int:
         for path in write_report(args.report, workload, results, plots=not args.no_plots):
             say(f"wrote {path}")
     return 0
+
+
+def _teller(quiet: bool) -> Callable[[str], None]:
+    """Where progress goes: standard error, or nowhere with ``--quiet``."""
+    return (lambda _: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def _compare_seeds(
+    workloads: dict[int, tuple[argparse.Namespace, Workload]], names: list[str], jobs: int
+) -> dict[int, dict]:
+    """Each seed's comparison (:func:`~broker.sim.report.comparison`) of the policies
+    ``names`` on its workload, ``jobs`` seeds at once, each in a process of its own."""
+    if jobs <= 1:
+        return {seed: _seed_comparison(*found, names) for seed, found in workloads.items()}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {
+            seed: pool.submit(_seed_comparison, *found, names) for seed, found in workloads.items()
+        }
+        return {seed: future.result() for seed, future in futures.items()}
+
+
+def _seed_comparison(args: argparse.Namespace, workload: Workload, names: list[str]) -> dict:
+    """One seed's comparison; its policies one after the other (``--jobs`` spreads
+    the seeds)."""
+    alone = argparse.Namespace(**{**vars(args), "jobs": 1})
+    return comparison(*_simulate_all(alone, workload, names, _teller(args.quiet)))
 
 
 def _simulate_all(
