@@ -256,7 +256,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         gone_or_new = now_of.keys() ^ written.keys()
         said = {i: written.get(i) for i in gone_or_new | set(decisions_ids(decisions))}
         for taken, changed in ((told.copy(), said), (told.copy(), None)):
-            taken.take_in(changed, list(written.values()))
+            taken.take_in(changed, len(written), written.values())
             check_index(taken, replace(snap, slices=tuple(written.values())), rng)
         waiting = sorted(s.id for s in snap.slices if not s.holds_gpus)
         if waiting and rng.random() < 0.3:

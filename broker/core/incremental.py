@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
@@ -133,15 +133,17 @@ class PassState:
             self._take_all(snapshot.slices)
         return self.tree
 
-    def take_in(self, changed: Mapping[int, Slice | None] | None, live: Collection[Slice]) -> None:
+    def take_in(
+        self, changed: Mapping[int, Slice | None] | None, count: int, live: Iterable[Slice]
+    ) -> None:
         """The slices a pass just wrote (id -> the slice as it is now, None for one no
-        longer live; None: unknown), ``live`` every live slice now: filed at once, so
-        that :meth:`next_wake` counts the pass's own decisions. A list that does not
-        add up is checked against ``live`` whole. The next :meth:`update` finds these
-        slices filed already."""
+        longer live; None: unknown), of ``count`` live slices now: filed at once, so
+        that :meth:`next_wake` counts the pass's own decisions. Only a list that does
+        not add up has ``live``, every live slice, walked. The next :meth:`update`
+        finds these slices filed already."""
         if not self.slices:
             return  # nothing kept yet: the next update builds the index
-        if changed is None or not self._take_expected(changed, len(live)):
+        if changed is None or not self._take_expected(changed, count):
             self._take_all(live)
 
     def _take_all(self, slices: Iterable[Slice]) -> None:

@@ -1114,7 +1114,8 @@ class Broker:
             changed = None
             if written is not None:
                 changed = {i: after[i].slice if i in after else None for i in written}
-            self._kept_index.take_in(changed, [entry.slice for entry in after.values()])
+            every = (entry.slice for entry in after.values())  # walked only if needed
+            self._kept_index.take_in(changed, len(after), every)
         self._live_mark = mark
         self.journal.forget_changes_before(mark)
         # As journaled: a held slice's charge is not accrued to now here.
