@@ -225,11 +225,15 @@ class PassState:
                     self.holders.setdefault(placement.node, set()).add(slice_.id)
                 self.held.add(slice_, self.node_types, self.policy, 1)
                 self._hold(slice_.placements, 1)
+                deadlines += ((at, slice_.id) for at in _deadlines(slice_))
+                protection_ends += ((at, slice_.id) for at in _protection_end(slice_))
             else:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
-            deadlines += ((at, slice_.id) for at in _deadlines(slice_))
-            protection_ends += ((at, slice_.id) for at in _protection_end(slice_))
+                # A slice that holds nothing has no protection, and no deadline
+                # but its lease: most of a backlog is skipped without a call.
+                if slice_.lease_expires_at is not None:
+                    deadlines += ((at, slice_.id) for at in _deadlines(slice_))
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
         self.protection_ends = sorted(protection_ends)
