@@ -37,6 +37,12 @@ class SliceState(enum.StrEnum):
     ENDED = "ended"
 
 
+# Bound once: on Python 3.11 reading a member off its enum class goes through the
+# enum type's __getattr__ hook (several times slower than a global), and a pass
+# asks these of every slice.
+_HOLDING = (SliceState.GRANTED, SliceState.PREEMPTING)
+
+
 class EndReason(enum.StrEnum):
     RELEASED = "released"  # the holder let it go
     CANCELLED = "cancelled"  # withdrawn before a grant
@@ -154,7 +160,7 @@ class Slice:
 
     @property
     def holds_gpus(self) -> bool:
-        return self.state in (SliceState.GRANTED, SliceState.PREEMPTING)
+        return self.state in _HOLDING
 
     def is_protected(self, now: float) -> bool:
         until = self.protected_until

@@ -11,6 +11,9 @@ from operator import attrgetter
 
 from .model import Node, Slice, SliceKind
 
+# Bound once: on Python 3.11 a member read off its enum class goes through a slow hook.
+_INTERACTIVE = SliceKind.INTERACTIVE
+
 
 def within_project_key(slice_: Slice) -> tuple[int, int]:
     """A project's own order of its work: higher ``priority`` first, then
@@ -19,7 +22,7 @@ def within_project_key(slice_: Slice) -> tuple[int, int]:
     Used both to order the queue and to decide which of a project's running
     slices its pending slice may preempt (strictly lower key only).
     """
-    return (-slice_.priority, 0 if slice_.kind is SliceKind.INTERACTIVE else 1)
+    return (-slice_.priority, 0 if slice_.kind is _INTERACTIVE else 1)
 
 
 def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> dict[str, int]:

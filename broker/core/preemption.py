@@ -16,11 +16,16 @@ from .model import Node, Placement, Policy, PreemptReason, Slice, SliceKind, Sli
 from .ordering import victim_key, within_project_key
 from .standing import Standings
 
+# Bound once: on Python 3.11 a member read off its enum class goes through a slow
+# hook, and the rule and the victim indexes ask these of every candidate.
+_GRANTED = SliceState.GRANTED
+_INTERACTIVE, _BATCH_KIND = SliceKind.INTERACTIVE, SliceKind.BATCH
+
 
 def is_debug(slice_: Slice, policy: Policy) -> bool:
     """A short, small interactive session: what the debug lane is for."""
     return (
-        slice_.kind is SliceKind.INTERACTIVE
+        slice_.kind is _INTERACTIVE
         and slice_.allocated
         and slice_.gpus <= policy.debug_max_gpus
         and slice_.contract.min_runtime <= policy.debug_max_min_runtime
@@ -39,7 +44,7 @@ def preemption_delay(slice_: Slice, policy: Policy) -> float:
     allocated work: short for a debug session, longer for batch (design.md §5.7)."""
     if is_debug(slice_, policy):
         return policy.debug_preemption_delay
-    if slice_.kind is SliceKind.INTERACTIVE:
+    if slice_.kind is _INTERACTIVE:
         return policy.interactive_preemption_delay
     return policy.batch_preemption_delay
 
@@ -51,7 +56,7 @@ def grace_for(requester: Slice | None, victim: Slice, policy: Policy) -> float:
     batch runner checkpoints on SIGTERM), so that the session starts in seconds;
     every other victim, a notebook above all, gets ``grace_period``.
     """
-    if requester is not None and victim.kind is SliceKind.BATCH and is_debug(requester, policy):
+    if requester is not None and victim.kind is _BATCH_KIND and is_debug(requester, policy):
         return min(policy.debug_grace_period, policy.grace_period)
     return policy.grace_period
 
@@ -118,7 +123,7 @@ def preempt_reason(
        to this request (``gang``: the request is larger than any node);
     4. a batch slice, for a debug session the debug lane admits.
     """
-    if not requester.allocated or victim.state is not SliceState.GRANTED:
+    if not requester.allocated or victim.state is not _GRANTED:
         return None
     if not victim.allocated:
         return PreemptReason.UNALLOCATED
@@ -134,7 +139,7 @@ def preempt_reason(
         requester.project, victim.project, gained, lost, gang=gang, lost_before=lost_before
     ):
         return PreemptReason.FAIR_SHARE
-    if victim.kind is SliceKind.BATCH and is_debug(requester, policy) and lane.admits(requester):
+    if victim.kind is _BATCH_KIND and is_debug(requester, policy) and lane.admits(requester):
         return PreemptReason.DEBUG_LANE
     return None
 
@@ -168,7 +173,7 @@ class Preemptor:
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         for slice_ in running:
             if (
-                slice_.state is SliceState.GRANTED
+                slice_.state is _GRANTED
                 and not slice_.is_protected(now)
                 and not past_budget(slice_, policy)
             ):
@@ -198,7 +203,7 @@ class Preemptor:
     def _tally(self, slice_: Slice, node_name: str, gpus: int, step: int) -> None:
         self.by_project[slice_.project] += step
         self.unallocated += step * (not slice_.allocated)
-        self.batch += step * (slice_.kind is SliceKind.BATCH)
+        self.batch += step * (slice_.kind is _BATCH_KIND)
         for group in _groups(slice_):
             nodes = self.nodes_of.get(group)
             if nodes is None:  # not setdefault: that would build a Counter every time
@@ -413,7 +418,7 @@ def _groups(slice_: Slice) -> tuple[_Group, ...]:
     """The victim-index groups a candidate belongs to (see :class:`Preemptor`)."""
     if not slice_.allocated:
         return (_UNALLOCATED,)
-    if slice_.kind is SliceKind.BATCH:
+    if slice_.kind is _BATCH_KIND:
         return ((_PROJECT, slice_.project), _BATCH)
     return ((_PROJECT, slice_.project),)
 
