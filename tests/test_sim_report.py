@@ -186,6 +186,19 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_hands_the_reservation_bound_to_the_policy(tmp_path, capsys):
+    def summary(*extra: str) -> dict:
+        out = tmp_path / "out.json"
+        argv = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--no-failures"]
+        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]
+
+    assert summary("--max-reservations", "8") == summary()  # the policy's default
+    # Without reservations the blocked requests that had them wait differently.
+    assert summary("--max-reservations", "0")["waits"] != summary()["waits"]
+    capsys.readouterr()
+
+
 def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, capsys):
     small = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--quiet"]
     out = tmp_path / "seeds.json"
@@ -228,6 +241,7 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
         (["csv"], "csv needs --trace"),
         (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),
         (["generate", "--preemption-backoff", "0.5"], "--preemption-backoff takes a factor"),
+        (["generate", "--max-reservations", "-1"], "--max-reservations takes a count"),
         (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
         (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),
     ],

@@ -159,6 +159,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "0 = no budget)",
     )
     sim.add_argument(
+        "--max-reservations",
+        type=int,
+        default=8,
+        metavar="N",
+        help="blocked requests, highest ranked first, that get a backfill reservation each "
+        "pass (policy max_reservations; 8)",
+    )
+    sim.add_argument(
         "--debug-grace",
         type=float,
         default=20.0,
@@ -290,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
     if args.preemption_budget < 0:
         print("error: --preemption-budget takes a count, 0 or more", file=sys.stderr)
         return USAGE_ERROR
+    if args.max_reservations < 0:
+        print("error: --max-reservations takes a count, 0 or more", file=sys.stderr)
+        return USAGE_ERROR
     for option, value in (
         ("--batch-preemption-delay", args.batch_preemption_delay),
         ("--debug-grace", args.debug_grace),
@@ -394,6 +405,7 @@ def _simulate_all(
         preemption_backoff=args.preemption_backoff,
         batch_preemption_delay=args.batch_preemption_delay,
         preemption_budget=args.preemption_budget or None,
+        max_reservations=args.max_reservations,
         debug_grace_period=args.debug_grace,
     )
     say(
