@@ -225,6 +225,19 @@ def test_fairshare_waits_for_a_release_due_within_its_delay_and_counts_it_avoide
     assert s["musical_chairs"] == 0
 
 
+def test_fairshare_preempts_when_its_wait_ends_without_waiting_for_another_event():
+    # b's jobs now run until 3000; no event falls between a's request and then, and
+    # the service passes every few seconds: a preempts the moment its 900 s are up.
+    long_holders = [
+        replace(TWO_HOLDERS[0], duration=3000.0),
+        replace(TWO_HOLDERS[1], duration=3000.0),
+    ]
+    jobs = [*long_holders, TWO_HOLDERS[2]]
+    result = run(FairShare(ACCOUNTS, Policy(batch_preemption_delay=900)), workload(jobs))
+    assert first(result, "preempted (fair_share)") == {0: 1000.0}
+    assert first(result, "granted")[2] == 1060.0  # after the victim's 60 s grace
+
+
 def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chairs():
     policy = Policy(batch_preemption_delay=0)
     result = run(FairShare(ACCOUNTS, policy), workload(TWO_HOLDERS), restart_cost=30)

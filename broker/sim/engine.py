@@ -53,6 +53,7 @@ from ..core.model import (
     SliceState,
     Snapshot,
 )
+from ..core.preemption import preemption_delay
 from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,
@@ -84,8 +85,9 @@ class SimConfig:
     ``quantum``: the events of each quantum are handled together, then one
     pass runs at its end (0: a pass at every distinct event time).
     ``tick``: while work is pending, a pass at least this often (fair share
-    drifts as usage accrues). ``drain_deadline``: after this, a drain that
-    has not emptied needs an operator.
+    drifts as usage accrues); a request the pass let wait before preempting
+    gets a pass when that wait ends, as the service's frequent passes give it.
+    ``drain_deadline``: after this, a drain that has not emptied needs an operator.
 
     What a preempted (or failed) resumable job pays: ``checkpoint_interval``
     is how often it checkpoints, in seconds of work, from a phase in
@@ -514,6 +516,13 @@ class Simulation:
             run = self.runs[slice_id]
             if run.deferred_at is None:
                 run.deferred_at = now
+                # The service passes every few seconds, so it preempts for this
+                # request as soon as its wait ends; a pass then here does the same.
+                waited_until = self.slices[slice_id].waiting_since + preemption_delay(
+                    self.slices[slice_id], self.scheduler.policy
+                )
+                if waited_until > now:
+                    self._push(waited_until, _WAKE)
         for preemption in decisions.preemptions:
             run = self.runs[preemption.slice_id]
             job = run.job
