@@ -292,23 +292,18 @@ def run(args: argparse.Namespace) -> int:
     if args.preemption_backoff < 1:
         print("error: --preemption-backoff takes a factor, 1 or more", file=sys.stderr)
         return USAGE_ERROR
-    if args.debug_headroom < 0:  # before the workload is built, which can take a while
-        print("error: --debug-headroom takes a number of GPUs, 0 or more", file=sys.stderr)
-        return USAGE_ERROR
-    if args.preemption_budget < 0:
-        print("error: --preemption-budget takes a count, 0 or more", file=sys.stderr)
-        return USAGE_ERROR
-    if args.max_reservations < 0:
-        print("error: --max-reservations takes a count, 0 or more", file=sys.stderr)
-        return USAGE_ERROR
-    for option, value in (
-        ("--batch-preemption-delay", args.batch_preemption_delay),
-        ("--debug-grace", args.debug_grace),
-        ("--restart-cost", args.restart_cost),
-        ("--checkpoint-interval", args.checkpoint_interval),
+    # Checked before the workload is built, which can take a while.
+    for option, value, what in (
+        ("--debug-headroom", args.debug_headroom, "a number of GPUs"),
+        ("--preemption-budget", args.preemption_budget, "a count"),
+        ("--max-reservations", args.max_reservations, "a count"),
+        ("--batch-preemption-delay", args.batch_preemption_delay, "seconds"),
+        ("--debug-grace", args.debug_grace, "seconds"),
+        ("--restart-cost", args.restart_cost, "seconds"),
+        ("--checkpoint-interval", args.checkpoint_interval, "seconds"),
     ):
         if not value >= 0:  # also refuses nan
-            print(f"error: {option} takes seconds, 0 or more", file=sys.stderr)
+            print(f"error: {option} takes {what}, 0 or more", file=sys.stderr)
             return USAGE_ERROR
     seeds = [args.seed]
     if args.seeds is not None:
