@@ -518,8 +518,9 @@ class Simulation:
                 run.deferred_at = now
                 # The service passes every few seconds, so it preempts for this
                 # request as soon as its wait ends; a pass then here does the same.
-                waited_until = self.slices[slice_id].waiting_since + preemption_delay(
-                    self.slices[slice_id], self.scheduler.policy
+                request = self.slices[slice_id]
+                waited_until = request.waiting_since + preemption_delay(
+                    request, self.scheduler.policy
                 )
                 if waited_until > now:
                     self._push(waited_until, _WAKE)
