@@ -107,6 +107,7 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
     read = Broker(f"sqlite:///{tmp_path / 'read.sqlite'}", config, clock, lease=900.0)
     rng = random.Random(seed)
     filters = random.Random(-seed)  # apart, so that the workloads stay as they were
+    published = 0  # steps after which the last commit's state was there to read
     try:
         for number in range(120):
             kind, argument = random_step(rng)
@@ -116,6 +117,15 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
                     b.next_wake(clock() + ahead) for b in (kept, read) for ahead in (-1, 0, 60)
                 ]
                 assert wakes[:3] == wakes[3:], (number, kind)
+            # What the step left, read as the event loop reads it (before any other read
+            # of the kept Broker's): as the database has it.
+            live = read.list_slices(state="live")
+            committed = kept.committed_live_slices()
+            assert committed in (None, live), (number, kind)
+            assert kept.committed_nodes() in (None, read.nodes()), (number, kind)
+            for answer in filters.sample(live, min(3, len(live))):
+                assert kept.committed_slice(answer["id"]) in (None, answer), (number, kind)
+            published += committed is not None
             clock.advance(rng.choice([0, 30, 600]))
             assert kept.projects() == read.projects(), (number, kind)
             assert kept.nodes() == read.nodes(), (number, kind)
@@ -130,6 +140,7 @@ def test_a_single_writer_answers_as_a_broker_that_reads_every_time(tmp_path, clo
         last = max(s["id"] for s in read.list_slices())
         for slice_id in range(1, last + 1):
             assert kept.events(slice_id) == read.events(slice_id), slice_id
+        assert published > 60  # mostly read from memory: a rare fallback, not the rule
     finally:
         kept.close()
         read.close()
@@ -158,6 +169,29 @@ def test_a_refused_change_leaves_the_kept_catalog_as_the_database_has_it(broker)
     assert [p["parent"] for p in broker.projects() if p["name"] == "vision"] == ["org"]
     broker.put_project("speech", share=1.0, parent="org", users=["carol"])
     assert ask(broker, user="carol", project="speech")["project"] == "speech"
+
+
+def test_readers_off_the_database_thread_see_the_last_commit_whole(broker, clock):
+    """What the event loop reads (``committed_*``) moves only when a write commits: a
+    write under way, or one rolled back, leaves it as the database has it."""
+    held = ask(broker)
+    broker.run_pass()
+    before = broker.committed_slice(held["id"])
+    assert before is not None and before["state"] == "granted"
+    with pytest.raises(RuntimeError), broker.journal.group_commit():
+        broker.release(held["id"])
+        # Written, not committed: readers on other threads still see the grant.
+        assert broker.committed_slice(held["id"]) == before
+        assert {n["name"]: n["gpus_held"] for n in broker.committed_nodes()}["h0"] == 1
+        raise RuntimeError("the group fails")  # and is rolled back
+    assert broker.committed_slice(held["id"]) == before
+    with broker.journal.group_commit():
+        broker.release(held["id"])
+    # Committed: nothing read in between, the readers see it at once.
+    assert broker.committed_slice(held["id"]) is None  # ended: ask the database
+    assert broker.committed_live_slices() == []
+    assert {n["name"]: n["gpus_held"] for n in broker.committed_nodes()}.get("h0", 0) == 0
+    assert broker.get_slice(held["id"])["state"] == "ended"
 
 
 def test_a_pass_that_drains_a_node_is_seen_by_the_next_request(broker):

@@ -578,13 +578,8 @@ class Broker:
         if self.journal.single_writer and (state == "live" or state in LIVE_STATES):
             with self.journal.read() as session:
                 now, costs = self._clock(), self.journal.catalog(session).costs
-                return [
-                    _kept_dict(entry.view, entry.slice, now, costs)
-                    for entry in self.journal.live_slices(session).values()
-                    if state in ("live", entry.view["state"])
-                    and project in (None, entry.view["project"])
-                    and user in (None, entry.view["user"])
-                ]
+                live = self.journal.live_slices(session).values()
+                return _live_views(live, state, project, user, now, costs)
         query = select(SliceRow).order_by(SliceRow.id)
         if state == "live":
             query = query.where(SliceRow.state.in_(LIVE_STATES))
@@ -597,6 +592,39 @@ class Broker:
         with self.journal.read() as session:
             now, costs = self._clock(), self.journal.catalog(session).costs
             return [_slice_dict(row, now, costs) for row in session.scalars(query)]
+
+    # ---- reads off the database thread ------------------------------------------
+
+    def committed_slice(
+        self, slice_id: int, *, caller: Principal | None = None
+    ) -> dict[str, Any] | None:
+        """:meth:`get_slice` of a slice live at the last commit, from what that commit
+        left (:class:`~.journal.Committed`): safe on any thread, as every method named
+        ``committed_*``. None where that does not hold the slice: ask :meth:`get_slice`."""
+        committed = self.journal.committed
+        kept = None if committed is None else committed.live.get(slice_id)
+        if kept is None:
+            return None
+        _check_owner(slice_id, kept.view["user"], caller)
+        return _kept_dict(kept.view, kept.slice, self._clock(), committed.catalog.costs)
+
+    def committed_live_slices(
+        self, *, state: str = "live", project: str | None = None, user: str | None = None
+    ) -> list[dict[str, Any]] | None:
+        """:meth:`list_slices` of live states from what the last commit left; None where
+        it is not kept or ``state`` is not ``live`` or a live state."""
+        committed = self.journal.committed
+        if committed is None or not (state == "live" or state in LIVE_STATES):
+            return None
+        live, costs = committed.live.values(), committed.catalog.costs
+        return _live_views(live, state, project, user, self._clock(), costs)
+
+    def committed_nodes(self) -> list[dict[str, Any]] | None:
+        """:meth:`nodes` as the last commit left them; None where that is not kept."""
+        committed = self.journal.committed
+        if committed is None:
+            return None
+        return _node_views(committed.catalog, committed.gpus_held)
 
     def live_slice_ids(self) -> set[int]:
         """The ids of the slices not ended (pending, granted, preempting)."""
@@ -775,7 +803,7 @@ class Broker:
         with self.journal.read() as session:
             catalog = self.journal.catalog(session)
             held = self.journal.gpus_held(session)
-        return [{**view, "gpus_held": held.get(view["name"], 0)} for view in catalog.node_views]
+        return _node_views(catalog, held)
 
     def set_node_state(self, name: str, state: str, reason: str = "") -> dict[str, Any]:
         """An admin's drain (``draining``), undrain (``ready``) or ``down``; returns the node.
@@ -1418,6 +1446,30 @@ def _request_digest(**terms: Any) -> str:
     """A digest of a submission's terms as given, to tell a replay from another request."""
     text = json.dumps(terms, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _live_views(
+    live: Iterable[_LiveSlice],
+    state: str | None,
+    project: str | None,
+    user: str | None,
+    now: float,
+    costs: _Costs,
+) -> list[dict[str, Any]]:
+    """The views of the kept ``live`` slices that match the filters (``state``: one
+    live state, or ``live`` for all), charged up to ``now``."""
+    return [
+        _kept_dict(entry.view, entry.slice, now, costs)
+        for entry in live
+        if state in ("live", entry.view["state"])
+        and project in (None, entry.view["project"])
+        and user in (None, entry.view["user"])
+    ]
+
+
+def _node_views(catalog: _Catalog, held: Mapping[str, int]) -> list[dict[str, Any]]:
+    """Every node of ``catalog`` as the API shows it, with the GPUs ``held`` on it."""
+    return [{**view, "gpus_held": held.get(view["name"], 0)} for view in catalog.node_views]
 
 
 def _live_count(session: Session, project: str) -> int:

@@ -149,6 +149,9 @@ class Journal:
         # What the window's closed charges add to usage, kept by a single writer
         # under the same rule: every flushed charge is added, any rollback drops it.
         self._closed: ClosedCharges | None = None
+        # What the last commit left, for readers off the database thread (see
+        # :class:`Committed`); None until a commit finds it all kept.
+        self.committed: Committed | None = None
         # Writes the journal saw reach the database (flushes and statements): a
         # rollback of a transaction that saw none leaves what is kept
         # as the database has it, so a refused request does not make the next pass
@@ -209,10 +212,14 @@ class Journal:
             return
         sessions = self.sessions if durable else self._not_durable
         self._transaction_depth += 1
+        committed = None
         try:
             with sessions.begin() as session:
                 take_write_lock(session.connection())
                 yield session
+                if self.single_writer and self._transaction_depth == 1:
+                    session.flush()  # what is kept is what commits
+                    committed = self._as_committed()
         except BaseException:
             self._rolled_back(seen)
             raise
@@ -220,6 +227,19 @@ class Journal:
             self._transaction_depth -= 1
             if self._transaction_depth == 0 and not self.single_writer:
                 self._live = None
+        self.committed = committed
+
+    def _as_committed(self) -> Committed | None:
+        """What is kept, as the transaction about to commit leaves it; None where any
+        of it is not kept (a reader asks the database thread then)."""
+        if self._live is None or self._catalog is None:
+            return None
+        holders = self._holders_record_of(self._live)
+        return Committed(
+            dict(self._live),
+            self._catalog,
+            {node: len(gpus) for node, gpus in holders.items()},
+        )
 
     @contextmanager
     def group_commit(self, *, durable: bool = True) -> Iterator[None]:
@@ -300,7 +320,12 @@ class Journal:
     def _holders_record(self, session: Session) -> dict[str, dict[int, int]]:
         """The record of who holds each GPU (:attr:`_holders`), built from the live
         slices when first asked after they are loaded."""
-        live = self._live if self._live is not None else self.live_slices(session)
+        return self._holders_record_of(
+            self._live if self._live is not None else self.live_slices(session)
+        )
+
+    def _holders_record_of(self, live: dict[int, _LiveSlice]) -> dict[str, dict[int, int]]:
+        """:meth:`_holders_record` once the live slices are loaded (``live``)."""
         if self._holders is None:
             self._holders = {}
             for slice_id, entry in live.items():
@@ -506,6 +531,9 @@ class Journal:
             return
         with self._reads() as session:
             yield session
+        if self.single_writer and self.committed is None and not self._transaction_depth:
+            # No write under way: what it kept (loaded again, maybe) is what was committed.
+            self.committed = self._as_committed()
 
 
 def _tally(tallies: dict[str, list[int]], slice_: Slice, sign: int) -> None:
@@ -561,6 +589,21 @@ class _Catalog:
     def is_member(self, project: str, user: str, groups: Iterable[str]) -> bool:
         users, member_groups = self.members.get(project, (set(), set()))
         return user in users or not member_groups.isdisjoint(groups)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a single writer's last commit left of what it keeps, for readers on
+    other threads (the service's event loop answers live slices and nodes from it,
+    design.md §8): built by the database thread at each commit and never changed
+    after, so a reader holding one sees one commit whole, whatever is written
+    meanwhile."""
+
+    #: The live slices, by id, oldest first.
+    live: Mapping[int, _LiveSlice]
+    catalog: _Catalog
+    #: GPUs held per node (nodes holding none may be missing).
+    gpus_held: Mapping[str, int]
 
 
 @dataclass(frozen=True)
