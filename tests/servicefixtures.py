@@ -439,20 +439,24 @@ async def serving_in_process(
     authenticate_metrics: bool = True,
     admin_user: str = ADMIN_USER,
     shed_after: float = 0.0,
+    single_writer: bool = False,
+    token_cache_max_age: float = 0.0,
 ) -> AsyncIterator[InProcessBroker]:
     """The service's application for ``db_url`` on a free port, in this event loop.
 
-    Token answers are not cached (revocations show at once); the rest is as in
+    Token answers are cached ``token_cache_max_age`` seconds (by default not at all:
+    revocations show at once); the Broker keeps the catalog and live slices in memory
+    if ``single_writer`` (as the service's leader does); the rest is as in
     ``python -m broker.service``.
     """
     import tomllib
 
     cluster = parse_config(tomllib.loads(config))
-    broker = Broker(db_url, cluster, lease=lease)
+    broker = Broker(db_url, cluster, lease=lease, single_writer=single_writer)
     runner = BrokerRunner(broker, pass_interval=pass_interval, shed_after=shed_after)
     store = TokenStore(db_url)
     authenticator = TokenAuthenticator(
-        store, runner.read_urgent, admins=cluster.admins, cache_max_age=0
+        store, runner.read_urgent, admins=cluster.admins, cache_max_age=token_cache_max_age
     )
     app = make_app(
         runner, authenticator, max_wait=max_wait, authenticate_metrics=authenticate_metrics

@@ -475,6 +475,32 @@ async def quick(request, tmp_path) -> InProcessBroker:
         yield served
 
 
+async def test_live_slices_and_nodes_are_answered_while_the_database_thread_is_busy(tmp_path):
+    """A single writer answers live slices and nodes from its last commit on the event
+    loop: a long pass or write on the database thread does not hold them up."""
+    url = f"sqlite:///{tmp_path / 'busy.sqlite'}"
+    async with serving_in_process(url, single_writer=True, token_cache_max_age=60) as api:
+        alice, admin = api.token("alice"), api.admin_token
+        made = await granted(api, alice, (await submit(api, alice))["id"])
+        ok(await api.call("GET", "/nodes", token=admin))  # both tokens known from here on
+        release = threading.Event()
+        busy = api.runner.executor.submit(release.wait)
+        try:
+            got = ok(await api.call("GET", f"/slices/{made['id']}", token=alice, timeout=5))
+            listed = ok(await api.call("GET", "/slices", token=alice, params={"state": "live"}))
+            nodes = ok(await api.call("GET", "/nodes", token=admin, timeout=5))["nodes"]
+            assert not busy.done()  # all answered while the thread was held
+        finally:
+            release.set()
+        assert (got["state"], got["placements"]) == ("granted", made["placements"])
+        assert [s["id"] for s in listed["slices"]] == [made["id"]]
+        held = {n["name"]: n["gpus_held"] for n in nodes}
+        assert held[made["placements"][0]["node"]] == 1
+        # Others' slices stay hidden from memory as from the database.
+        bob = api.token("bob")
+        assert (await api.call("GET", f"/slices/{made['id']}", token=bob)).status == 404
+
+
 async def test_a_lapsed_lease_ends_the_slice_as_lost_on_time_without_any_request(quick):
     alice = quick.token("alice")
     made = await submit(quick, alice, kind="interactive", min_runtime="15m")

@@ -406,6 +406,18 @@ class BrokerRunner:
         """
         return await self.run(fn, *args, **kwargs)
 
+    async def read_committed(
+        self, committed: Callable[..., T | None], fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """``committed(*args, **kwargs)``, a Broker's ``committed_*`` read, answered here on
+        the event loop from what the last commit left, never queued behind passes and
+        writes; where it has no answer, ``fn(*args, **kwargs)`` read as :meth:`read` does.
+        A write answered before the read began is in what the last commit left."""
+        answer = committed(*args, **kwargs)
+        if answer is not None:
+            return answer
+        return await self.read(fn, *args, **kwargs)
+
     async def read_between_passes(self, fn: Callable[[], T], key: Hashable | None = None) -> T:
         """``fn()``'s answer, computed once until the next pass or change (per ``key``,
         by default ``fn`` itself).

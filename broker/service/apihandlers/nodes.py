@@ -20,7 +20,9 @@ class NodeListHandler(APIHandler):
     }
 
     async def get(self) -> None:
-        self.write_json({"nodes": await self.runner.read(self.broker.nodes)})
+        broker = self.broker
+        nodes = await self.runner.read_committed(broker.committed_nodes, broker.nodes)
+        self.write_json({"nodes": nodes})
 
 
 def _node_operation(summary: str, description: str) -> dict:

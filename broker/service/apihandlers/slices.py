@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.exc import OperationalError
@@ -92,8 +93,12 @@ class SliceListHandler(APIHandler):
             user = self.identity.name
         state, project = params.get("state"), params.get("project")
         try:
-            slices = await self.runner.read(
-                self.broker.list_slices, state=state, project=project, user=user
+            slices = await self.runner.read_committed(
+                self.broker.committed_live_slices,
+                self.broker.list_slices,
+                state=state,
+                project=project,
+                user=user,
             )
         except (DatabaseTimeout, OperationalError):
             # The database does not answer: live slices are as the last pass left them.
@@ -161,16 +166,28 @@ class _OwnedSliceHandler(APIHandler):
     """A handler of one slice: the caller's own, unless an agent or admin."""
 
     async def owned(
-        self, method, slice_id: int, *, change: bool = False, write: bool = False
+        self,
+        method,
+        slice_id: int,
+        *,
+        change: bool = False,
+        write: bool = False,
+        committed: Callable[..., Any] | None = None,
     ) -> Any:
         """``method(slice_id, ...)`` for the caller: a read, unless it may ``change``
         the schedule (then a pass follows) or is another ``write`` (as a heartbeat: it
-        joins the group commit of writes as durable as the Broker declares it)."""
+        joins the group commit of writes as durable as the Broker declares it). A read
+        with its ``committed`` counterpart is answered from the last commit where it can
+        (:meth:`~broker.service.runner.BrokerRunner.read_committed`)."""
         try:
             if change:
                 return await self.runner.change(method, slice_id, caller=self.identity)
             if write:
                 return await self.runner.write(method, slice_id, caller=self.identity)
+            if committed is not None:
+                return await self.runner.read_committed(
+                    committed, method, slice_id, caller=self.identity
+                )
             return await self.runner.read(method, slice_id, caller=self.identity)
         except Forbidden:
             raise NotFound(f"no slice {slice_id}") from None
@@ -220,7 +237,7 @@ class SliceHandler(_OwnedSliceHandler):
         params = self.params()
         generation = self.runner.watchers.generation
         try:
-            current = await self.owned(self.broker.get_slice, slice_id)
+            current = await self._get(slice_id)
         except (DatabaseTimeout, OperationalError):
             # The database does not answer: a live slice is as the last pass left it.
             remembered = self.runner.remembered(slice_id)
@@ -270,8 +287,13 @@ class SliceHandler(_OwnedSliceHandler):
                 if self._waiting.cancelled() or watchers.closed:  # client gone, or stopping
                     break
             generation = watchers.generation
-            current = await self.owned(self.broker.get_slice, slice_id)
+            current = await self._get(slice_id)
         return current
+
+    async def _get(self, slice_id: int) -> dict[str, Any]:
+        """The slice for the caller, from the last commit where it is live."""
+        broker = self.broker
+        return await self.owned(broker.get_slice, slice_id, committed=broker.committed_slice)
 
     async def delete(self, id: str) -> None:
         slice_ = await self.owned(self.broker.release, self.slice_id(id), change=True)

@@ -229,8 +229,11 @@ class PageHandler(HubOAuthenticated, web.RequestHandler):
     # ---- what each page shows ---------------------------------------------------------
 
     async def cluster(self) -> Cluster:
-        live = await self.runner.read(self.broker.list_slices, state="live")
-        nodes = await self.runner.read(self.broker.nodes)
+        broker = self.broker
+        live = await self.runner.read_committed(
+            broker.committed_live_slices, broker.list_slices, state="live"
+        )
+        nodes = await self.runner.read_committed(broker.committed_nodes, broker.nodes)
         projects = await self.runner.read_between_passes(self.broker.projects)
         return Cluster(nodes, {p["name"]: p for p in projects}, live, self.broker.config.policy)
 
