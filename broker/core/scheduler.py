@@ -101,6 +101,7 @@ class _Pass:
         self._latest_due_memo: tuple[int, float] = (0, -math.inf)
         self._as_granted: dict[int, Slice] = {}  # see _may_use_reserved
         self._lendable: list[list[Placement]] = []  # per backfill reservation
+        self._lendable_gpus = 0  # how many GPUs _lendable holds in all
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
@@ -565,6 +566,7 @@ class _Pass:
                 if reservation is not None:
                     backfill_reserved.append((reservation, slice_))
                     self._lendable.append(list(reservation.placements))
+                    self._lendable_gpus += sum(len(p.gpu_indices) for p in reservation.placements)
                     self.reservations.append(reservation)
                     self.free.take(reservation.placements)
                     estimated = reservation.due_at
@@ -819,8 +821,10 @@ class _Pass:
                 if placements is not None:
                     return placements
                 self._smallest_misfit[key] = slice_.gpus
-        if not reserved:
-            return None  # no reserved GPUs to borrow
+        if not reserved or slice_.gpus > self.free.free_total + self._lendable_gpus:
+            # No reserved GPUs to borrow, or too few with every free one: as a long
+            # blocked queue mostly is once the reservations have lent theirs out.
+            return None
         if slice_.allocated:
             # It may use none if it would outlast every reservation: the first
             # tests of _may_use_reserved, asked of the latest due time at once.
@@ -870,6 +874,7 @@ class _Pass:
                 Placement(p.node, tuple(g for g in p.gpu_indices if (p.node, g) not in taken))
                 for p in self._lendable[i]
             ]
+        self._lendable_gpus = sum(len(p.gpu_indices) for lent in self._lendable for p in lent)
         return placements
 
     def _fit_lent(self, slice_: Slice, borrowed: list[Placement]) -> tuple[Placement, ...] | None:
