@@ -2,7 +2,8 @@
 
 Beside it, in the same run: a minimal pass (sort the backlog, best-fit what
 fits onto free GPUs, nothing else) as the reference, and the pass from kept
-state (:class:`~broker.core.incremental.PassState`) after one change.
+state (:class:`~broker.core.incremental.PassState`) after one change; all three
+again from the state the passes settle the first size into (``settled``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..core.model import (
 )
 from ..core.placement import FreeGpus
 from ..core.scheduler import schedule
+from ..core.transitions import apply
 from ..core.whatif import alternatives, expected_starts, request_shapes
 
 HOUR = 3600.0
@@ -125,6 +127,32 @@ def synthetic_snapshot(scale: Scale, seed: int = 1) -> Snapshot:
         usage=usage,
         policy=Policy(),
     )
+
+
+def settled(snapshot: Snapshot, step: float = 61.0, most: int = 200) -> tuple[Snapshot, int]:
+    """``snapshot`` after passes ``step`` seconds apart, each pass's decisions applied,
+    until a pass grants, preempts and ends nothing (at most ``most`` passes): a state
+    such as the service is in between two changes, where the synthetic snapshot is
+    one that no pass left (it preempts dozens at once). Returns it and the passes."""
+    tree = ProjectTree(snapshot.accounts)
+    for passes in range(1, most + 1):
+        decisions = schedule(snapshot, tree)
+        if not (decisions.grants or decisions.preemptions or decisions.endings):
+            return snapshot, passes
+        applied = apply(
+            {s.id: s for s in snapshot.slices},
+            {n.name: n for n in snapshot.nodes},
+            decisions,
+            snapshot.now,
+            snapshot.gpu_type_weights,
+        )
+        snapshot = replace(
+            snapshot,
+            now=snapshot.now + step,
+            slices=tuple(applied.slices[i] for i in sorted(applied.slices)),
+            nodes=tuple(applied.nodes[n] for n in sorted(applied.nodes)),
+        )
+    raise RuntimeError(f"the snapshot did not settle in {most} passes")
 
 
 def minimal_pass(snapshot: Snapshot) -> list[Grant]:
@@ -296,6 +324,9 @@ def run(repeat: int = 100, factors: tuple[int, ...] = (1, 8)) -> dict:
     base = Scale()
     results = [time_passes(synthetic_snapshot(base.times(f)), repeat) for f in factors]
     report: dict = {"benchmark": "scheduling_pass", "results": results}
+    # The service's case: a state its passes settled, then one change at a time.
+    calm, passes = settled(synthetic_snapshot(base))
+    report["settled"] = {"passes_to_settle": passes, **time_passes(calm, repeat)}
     # Eight passes each: a tenth as many requests keeps the run's length.
     report["what_if"] = time_what_if(synthetic_snapshot(base), max(3, repeat // 10))
     if len(results) >= 2:
