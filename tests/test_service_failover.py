@@ -279,20 +279,16 @@ def test_a_hung_database_answers_503_in_bounded_time(tmp_path, db_url):
             metrics.status_code == 200 and "slicebroker_pass_duration_seconds_count" in metrics.text
         )
         assert metrics_s <= DB_TIMEOUT_S + SLACK_S, metrics_s
+        # A live slice and the live list are answered from the last commit, off the
+        # database thread: at once, and as committed (not stale), hung or not.
         read, read_s = results["read"]
         assert read.status_code == 200 and read.json()["id"] == slice_id, read.text
-        assert read_s <= 2 * (DB_TIMEOUT_S + SLACK_S), read_s
-        if not db_url.startswith("sqlite"):  # there the lock stops reads: from memory
-            # A live slice's GET reads no row: reaching the database thread before the
-            # hung heartbeat it is answered at once from the kept copy (not stale);
-            # queued behind it, after the timeout, as the last pass left it (stale).
-            stale = read.headers.get("Slicebroker-Stale")
-            assert stale == ("true" if read_s >= DB_TIMEOUT_S else None), (stale, read_s)
-            assert results["list"][0].headers["Slicebroker-Stale"] == "true"
         listed, listed_s = results["list"]
         assert listed.status_code == 200, listed.text
         assert [s["id"] for s in listed.json()["slices"]] == [slice_id]
-        assert listed_s <= 3 * (DB_TIMEOUT_S + SLACK_S), listed_s
+        for reply, seconds in (results["read"], results["list"]):
+            assert seconds < DB_TIMEOUT_S, seconds
+            assert "Slicebroker-Stale" not in reply.headers
         # The database is back: the service answers from it again.
         after = service.post(f"/slices/{slice_id}/heartbeat", token=alice)
         assert after.status_code == 200 and after.json()["state"] == "granted", after.text
