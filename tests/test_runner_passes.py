@@ -54,9 +54,11 @@ async def test_a_submission_granted_at_once_is_the_pass(runner):
     assert runner.passes == passes + 1  # the submission's own pass, taken in
     assert runner.remembered(made["id"])["state"] == "granted"
     assert not runner.pass_requested  # and no second pass asked for it
-    # A release is a change: the loop's pass is asked for.
+    # A release is a change: the loop's pass is asked for. Until it runs, what the
+    # service remembers for an outage is the pass's map less the released slice.
     await runner.change(runner.broker.release, made["id"])
     assert runner.pass_requested
+    assert runner.remembered(made["id"]) is None and runner.remembered_live() == []
     before = runner.passes
     await runner.run_pass()  # the loop's pass, as it will run it: one more
     assert runner.passes == before + 1

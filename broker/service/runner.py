@@ -181,9 +181,9 @@ class SliceWatchers:
 
 #: A pass's decisions, the live slices after it (by id) and when the next pass has
 #: something to do (epoch seconds; None: nothing timed).
-PassOutcome = tuple[Decisions, dict[int, dict[str, Any]], float | None]
+PassOutcome = tuple[Decisions, Mapping[int, dict[str, Any]], float | None]
 #: A pass that followed a group commit: its outcome, and the seconds it took.
-GroupPass = tuple[Decisions, dict[int, dict[str, Any]], float | None, float]
+GroupPass = tuple[Decisions, Mapping[int, dict[str, Any]], float | None, float]
 
 
 @dataclass(eq=False)
@@ -272,8 +272,10 @@ class BrokerRunner:
         broker.usual_gap = USUAL_GAP_PASSES * pass_interval
         self.pass_gap = pass_gap
         self.db_timeout = db_timeout
-        # The live slices as the last pass (or a later change) left them, by id.
-        self._live: dict[int, dict[str, Any]] = {}
+        # The live slices as the last pass left them, by id (shared views: never
+        # changed here), and as changes since left them (None: no longer live).
+        self._live: Mapping[int, dict[str, Any]] = {}
+        self._changed_since_pass: dict[int, dict[str, Any] | None] = {}
         self.metrics = metrics or BrokerMetrics()
         self.watchers = SliceWatchers()
         self.executor = DatabaseThread("slicebroker-db")
@@ -386,17 +388,18 @@ class BrokerRunner:
     def remembered(self, slice_id: int) -> dict[str, Any] | None:
         """Slice ``slice_id`` as the last pass or change left it, if it was live then:
         what a read answers when the database does not."""
+        if slice_id in self._changed_since_pass:
+            return self._changed_since_pass[slice_id]
         return self._live.get(slice_id)
 
     def remembered_live(self) -> list[dict[str, Any]]:
         """Every slice live at the last pass or change, oldest first, as then."""
-        return [self._live[i] for i in sorted(self._live)]
+        ids = sorted(set(self._live).union(self._changed_since_pass))
+        return [slice_ for slice_ in map(self.remembered, ids) if slice_ is not None]
 
     def _remember(self, slice_: Mapping[str, Any]) -> None:
-        if slice_.get("state") in ("pending", "granted", "preempting"):
-            self._live[slice_["id"]] = dict(slice_)
-        else:
-            self._live.pop(slice_.get("id"), None)
+        live = slice_.get("state") in ("pending", "granted", "preempting")
+        self._changed_since_pass[slice_["id"]] = dict(slice_) if live else None
 
     async def read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, which must only read, off the event loop.
@@ -782,7 +785,7 @@ class BrokerRunner:
     def _passed(
         self,
         decisions: Decisions,
-        live: dict[int, dict[str, Any]],
+        live: Mapping[int, dict[str, Any]],
         next_wake: float | None,
         seconds: float,
     ) -> None:
@@ -802,7 +805,8 @@ class BrokerRunner:
         self.metrics.record_pass(decisions, live, seconds)
         self.next_wake = next_wake
         self.watchers.publish(_Keys(live), complete=True)
-        self._live = live  # the pass's own map: nothing else keeps it
+        self._live = live
+        self._changed_since_pass.clear()
         if decisions.grants or decisions.preemptions or decisions.endings:
             log.info(
                 "pass: %d granted, %d preempted, %d ended, %d waiting (%.1f ms)",

@@ -57,7 +57,7 @@ from ..orm import (
 from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Principal, _check_member, _check_owner, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
-from .journal import Journal, _Catalog, _LiveSlice, ledger_since, not_durable
+from .journal import Journal, LiveViews, _Catalog, _LiveSlice, ledger_since, not_durable
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -1090,26 +1090,31 @@ class Broker:
 
     def run_pass_and_live(
         self, usual_gap: float | None = None
-    ) -> tuple[Decisions, dict[int, dict[str, Any]]]:
+    ) -> tuple[Decisions, Mapping[int, dict[str, Any]]]:
         """:meth:`run_pass`, and the live slices right after it by id (as
-        ``list_slices`` shows them, oldest first), read in the same transaction.
+        ``list_slices`` shows them, oldest first, charged as journaled), read in the
+        same transaction. The views are shared: not to be changed.
 
         The scheduling loop needs both; the pass has the live rows loaded
         already, so this saves reloading them (about as costly as the pass's
-        own snapshot load). ``usual_gap`` (seconds) is the longest time between
-        two passes of a broker at work: past it, see :meth:`_cover_absence`
-        (``None``: the Broker's own ``usual_gap``; ``None`` there too: passes are
-        driven by hand, as in tests, and leases are left alone).
+        own snapshot load); a single writer answers with what its commit left
+        (:class:`~.journal.Committed`), copying nothing. ``usual_gap`` (seconds)
+        is the longest time between two passes of a broker at work: past it, see
+        :meth:`_cover_absence` (``None``: the Broker's own ``usual_gap``; ``None``
+        there too: passes are driven by hand, as in tests, and leases are left alone).
         """
         with self.journal.write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
-            return self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
+            decisions = self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
+            after = self.journal.live_slices(session)
+        committed = self.journal.committed
+        if committed is None or self.journal.in_transaction or not self.single_writer:
+            return decisions, LiveViews(dict(after))  # a copy: later writes change them
+        return decisions, LiveViews(committed.live)  # what this pass's commit left
 
-    def _pass(
-        self, session: Session, now: float, usual_gap: float | None
-    ) -> tuple[Decisions, dict[int, dict[str, Any]]]:
-        """Snapshot, schedule and apply in ``session``; the live slices after it, by id."""
+    def _pass(self, session: Session, now: float, usual_gap: float | None) -> Decisions:
+        """Snapshot, schedule and apply in ``session``."""
         catalog = self.journal.catalog(session)
         costs = catalog.costs
         if usual_gap is not None:
@@ -1146,8 +1151,7 @@ class Broker:
             self._kept_index.take_in(changed, len(after), every)
         self._live_mark = mark
         self.journal.forget_changes_before(mark)
-        # As journaled: a held slice's charge is not accrued to now here.
-        return decisions, {i: entry.view for i, entry in after.items()}
+        return decisions
 
     def next_wake(self, after: float) -> float | None:
         """When a pass next has something to do for a live slice, after ``after``: the

@@ -229,6 +229,11 @@ class Journal:
                 self._live = None
         self.committed = committed
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a write is under way (its commit is yet to come)."""
+        return self._transaction_depth > 0
+
     def _as_committed(self) -> Committed | None:
         """What is kept, as the transaction about to commit leaves it; None where any
         of it is not kept (a reader asks the database thread then)."""
@@ -604,6 +609,23 @@ class Committed:
     catalog: _Catalog
     #: GPUs held per node (nodes holding none may be missing).
     gpus_held: Mapping[str, int]
+
+
+class LiveViews(Mapping[int, dict[str, Any]]):
+    """The API's views of kept live slices, by id, oldest first: looked up as asked,
+    not copied (a pass tells its caller of thousands, which asks of a few)."""
+
+    def __init__(self, live: Mapping[int, _LiveSlice]):
+        self._live = live
+
+    def __getitem__(self, slice_id: int) -> dict[str, Any]:
+        return self._live[slice_id].view
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
 
 
 @dataclass(frozen=True)
