@@ -33,6 +33,9 @@ class FreeGpus:
             if free is not None:
                 free.difference_update(placement.gpu_indices)
         self.free_total = sum(map(len, self.free.values()))  # free GPUs of every node
+        # Nodes whose set of free GPUs is this map's alone: a copy shares every set
+        # until one side changes it (a pass copies the kept map and changes a few).
+        self._own: set[str] = set(self.free)
         self.largest: dict[str, int] = {}
         self.total: dict[str, int] = {}
         for node in self.nodes.values():
@@ -54,7 +57,8 @@ class FreeGpus:
         """A free map of its own to change, as this one is now (nodes and weights shared)."""
         other = FreeGpus.__new__(FreeGpus)
         other.nodes, other.weights = self.nodes, self.weights
-        other.free = {name: set(free) for name, free in self.free.items()}
+        other.free = dict(self.free)  # every set shared now: neither side owns one
+        other._own, self._own = set(), set()
         other.free_total = self.free_total
         other.largest, other.total = dict(self.largest), dict(self.total)
         other._buckets = {t: [list(b) for b in buckets] for t, buckets in self._buckets.items()}
@@ -94,6 +98,9 @@ class FreeGpus:
             free = self.free.get(placement.node)
             if free is None:
                 continue
+            if placement.node not in self._own:  # shared with a copy: change its own
+                free = self.free[placement.node] = set(free)
+                self._own.add(placement.node)
             before = len(free)
             how(free, placement.gpu_indices)
             if len(free) != before:
