@@ -194,6 +194,26 @@ def test_readers_off_the_database_thread_see_the_last_commit_whole(broker, clock
     assert broker.get_slice(held["id"])["state"] == "ended"
 
 
+def test_a_pass_takes_its_slices_from_the_last_commit_while_none_is_written(broker):
+    """A pass's snapshot walks no live slice when none was written since the last
+    commit: its slices are that commit's copy, and only then."""
+    journal = broker.journal
+    held, waiting = ask(broker), ask(broker, gpus=4)
+    broker.run_pass()
+    with journal.read() as session:
+        live = journal.live_values(session)
+    assert [s.id for s in live] == [held["id"], waiting["id"]]
+    assert list(journal.committed_values()) == live
+    with pytest.raises(RuntimeError), journal.write() as session:
+        journal.row(session, waiting["id"]).priority = 5
+        journal.live_slices(session)  # flushed: written, not committed
+        assert journal.committed_values() is None
+        raise RuntimeError("rolled back")
+    assert journal.committed_values() is None  # rolled back: the slices are read again
+    broker.heartbeat(held["id"])
+    assert journal.committed_values()[0].lease_expires_at is not None  # as committed
+
+
 def test_a_pass_that_drains_a_node_is_seen_by_the_next_request(broker):
     broker.set_node_state("h0", "draining")
     broker.run_pass()  # nothing runs on h0: it reports drained

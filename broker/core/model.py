@@ -8,7 +8,7 @@ Times are seconds since the epoch (floats), durations are seconds.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -224,7 +224,7 @@ class Snapshot:
     now: float
     nodes: tuple[Node, ...]
     accounts: tuple[Account, ...]
-    slices: tuple[Slice, ...]
+    slices: Sequence[Slice]  # oldest first: a tuple, or a read-only view of the live slices
     usage: Mapping[str, float] = field(default_factory=dict)
     gpu_type_weights: Mapping[str, float] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)

@@ -1120,7 +1120,9 @@ class Broker:
         if usual_gap is not None:
             self._cover_absence(session, now, usual_gap)
         live = self.journal.live_slices(session)
-        slices = tuple(entry.slice for entry in live.values())
+        slices = self.journal.committed_values()
+        if slices is None:
+            slices = tuple(entry.slice for entry in live.values())
         # What the journal saw written since the last pass: the kept usage and index
         # look at those slices alone (both check that the result adds up).
         ids, mark = self.journal.live_changes(self._live_mark)

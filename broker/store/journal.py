@@ -152,6 +152,8 @@ class Journal:
         # What the last commit left, for readers off the database thread (see
         # :class:`Committed`); None until a commit finds it all kept.
         self.committed: Committed | None = None
+        # Where the kept live slices' changes stood at that commit (see live_changes).
+        self._committed_mark: tuple[int, int] | None = None
         # Writes the journal saw reach the database (flushes and statements): a
         # rollback of a transaction that saw none leaves what is kept
         # as the database has it, so a refused request does not make the next pass
@@ -227,7 +229,23 @@ class Journal:
             self._transaction_depth -= 1
             if self._transaction_depth == 0 and not self.single_writer:
                 self._live = None
+        self._publish(committed)
+
+    def _publish(self, committed: Committed | None) -> None:
+        """``committed`` is what the database now has (None: not all of it kept)."""
         self.committed = committed
+        self._committed_mark = self.live_changes(None)[1] if committed is not None else None
+
+    def committed_values(self) -> Sequence[Slice] | None:
+        """The live slices' values, oldest first, from the copy the last commit left,
+        where none of them has been written since (then they are the same): a pass's
+        snapshot walks none of them. None otherwise. Asked after :meth:`live_slices`."""
+        if self.committed is None or self._committed_mark is None:
+            return None
+        written, _ = self.live_changes(self._committed_mark)
+        if written is None or written:
+            return None
+        return SliceValues(self.committed.live)
 
     @property
     def in_transaction(self) -> bool:
@@ -538,7 +556,7 @@ class Journal:
             yield session
         if self.single_writer and self.committed is None and not self._transaction_depth:
             # No write under way: what it kept (loaded again, maybe) is what was committed.
-            self.committed = self._as_committed()
+            self._publish(self._as_committed())
 
 
 def _tally(tallies: dict[str, list[int]], slice_: Slice, sign: int) -> None:
@@ -609,6 +627,26 @@ class Committed:
     catalog: _Catalog
     #: GPUs held per node (nodes holding none may be missing).
     gpus_held: Mapping[str, int]
+
+
+class SliceValues(Sequence[Slice]):
+    """The values of kept live slices, oldest first, as a sequence over a mapping of
+    them that is never changed (a commit's copy): walked only when iterated."""
+
+    def __init__(self, live: Mapping[int, _LiveSlice]):
+        self._live = live
+        self._values: tuple[Slice, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Slice]:
+        return (entry.slice for entry in self._live.values())
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._values is None:
+            self._values = tuple(self)
+        return self._values[index]
 
 
 class LiveViews(Mapping[int, dict[str, Any]]):
