@@ -257,12 +257,7 @@ class Journal:
         of it is not kept (a reader asks the database thread then)."""
         if self._live is None or self._catalog is None:
             return None
-        holders = self._holders_record_of(self._live)
-        return Committed(
-            dict(self._live),
-            self._catalog,
-            {node: len(gpus) for node, gpus in holders.items()},
-        )
+        return Committed(dict(self._live), self._catalog)
 
     @contextmanager
     def group_commit(self, *, durable: bool = True) -> Iterator[None]:
@@ -343,12 +338,7 @@ class Journal:
     def _holders_record(self, session: Session) -> dict[str, dict[int, int]]:
         """The record of who holds each GPU (:attr:`_holders`), built from the live
         slices when first asked after they are loaded."""
-        return self._holders_record_of(
-            self._live if self._live is not None else self.live_slices(session)
-        )
-
-    def _holders_record_of(self, live: dict[int, _LiveSlice]) -> dict[str, dict[int, int]]:
-        """:meth:`_holders_record` once the live slices are loaded (``live``)."""
+        live = self._live if self._live is not None else self.live_slices(session)
         if self._holders is None:
             self._holders = {}
             for slice_id, entry in live.items():
@@ -625,8 +615,17 @@ class Committed:
     #: The live slices, by id, oldest first.
     live: Mapping[int, _LiveSlice]
     catalog: _Catalog
-    #: GPUs held per node (nodes holding none may be missing).
-    gpus_held: Mapping[str, int]
+
+    @functools.cached_property
+    def gpus_held(self) -> Mapping[str, int]:
+        """GPUs held per node (nodes holding none may be missing): counted by the
+        first reader that asks, not at every commit (most are never asked)."""
+        held: dict[str, int] = {}
+        for entry in self.live.values():
+            if entry.slice.holds_gpus:
+                for placement in entry.slice.placements:
+                    held[placement.node] = held.get(placement.node, 0) + len(placement.gpu_indices)
+        return held
 
 
 class SliceValues(Sequence[Slice]):
