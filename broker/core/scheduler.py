@@ -90,7 +90,9 @@ class _Pass:
         self.node_changes: list[NodeChange] = []
         self.queue: list[QueueEntry] = []
         self.timings: dict[str, float] = {}
-        self.live: dict[int, Slice] = dict(kept.slices)
+        # The index's own map until the pass requeues a slice (see _end): most passes
+        # requeue none, and a copy of thousands is the dearest part of a small pass.
+        self.live: dict[int, Slice] = kept.slices
         self.ended: set[int] = set()
         # Slices preempted in this pass -> their grace deadline (when their GPUs are free)
         self.leaving: dict[int, float] = {}
@@ -162,6 +164,8 @@ class _Pass:
         self.endings.append(Ending(slice_.id, reason, requeue, protect_next))
         if requeue:
             # Back in the queue at once, so this very pass may grant it again.
+            if self.live is self.kept.slices:
+                self.live = dict(self.live)  # never changed in the index's own map
             self.live[slice_.id] = requeued(slice_, self.now, protect_next)
         else:
             self.ended.add(slice_.id)
