@@ -5,7 +5,6 @@ for it; one pass serves every submission of a group."""
 from __future__ import annotations
 
 import asyncio
-import time
 import tomllib
 from collections.abc import AsyncIterator
 
@@ -92,6 +91,11 @@ async def test_readers_of_a_shared_read_wait_for_one_computation(runner):
     assert all(answer == answers[0] for answer in answers)
 
 
+#: The database thread's work as the what-if tests count it: seconds, moved by the
+#: computations of :func:`what_ifs` (a sleep would be overshot on a loaded machine).
+WORK = [0.0]
+
+
 def what_if_runner(tmp_path, now: list[float], share: float) -> BrokerRunner:
     """A runner on a single writer whose clock is ``now[0]``, with a 1 s interval of
     which what-ifs may take ``share`` (not started: the tests drive its passes)."""
@@ -100,17 +104,23 @@ def what_if_runner(tmp_path, now: list[float], share: float) -> BrokerRunner:
         parse_config(tomllib.loads(TEST_CONFIG)),
         single_writer=True,
     )
-    return BrokerRunner(broker, pass_interval=1.0, what_if_share=share, clock=lambda: now[0])
+    return BrokerRunner(
+        broker,
+        pass_interval=1.0,
+        what_if_share=share,
+        clock=lambda: now[0],
+        work_clock=lambda: WORK[0],
+    )
 
 
 def what_ifs(calls: list[str]):
     """``what_if(name, seconds)``: a computation that takes ``seconds`` of the database
-    thread and answers ``"<name> #<how many times it ran>"``."""
+    thread (counted in :data:`WORK`) and answers ``"<name> #<how many times it ran>"``."""
 
     def what_if(name: str, seconds: float):
         def compute() -> str:
             calls.append(name)
-            time.sleep(seconds)  # the work itself, on the database thread
+            WORK[0] += seconds  # the work itself, on the database thread
             return f"{name} #{calls.count(name)}"
 
         return compute
@@ -142,10 +152,13 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
             True,
         )
         assert calls == ["a"]
-        # 0.15 s earned back in 1.5 s: the most credit, 0.1 s. A second more, as the
-        # cost is the computation's measured time, which a loaded machine's sleep
-        # overshoots (seen once in CI).
-        now[0] += 2.5
+        # 0.15 s spent of 0.1 s: 0.05 s owed, earned back at 0.1 s a second.
+        now[0] += 0.4  # 0.04 s of it: still owed, nothing computed
+        assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == (
+            "b: checked, nothing computed",
+            True,
+        )
+        now[0] += 1.1  # paid, and the most credit earned: "b" computed, "a" refreshed
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", False)
         assert await runner.read_what_if(what_if("a", 0.0), "a", checks("a")) == ("a #2", False)
         # Time overspent is owed, not forgotten when the next interval starts: 0.25 s
@@ -154,7 +167,7 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
         assert await runner.read_what_if(what_if("c", 0.25), "c", checks("c")) == ("c #1", False)
         now[0] += 1.0
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #1", True)
-        now[0] += 2.5  # paid back (0.5 s more was enough), with a second's margin as above
+        now[0] += 1.2  # the 0.05 s owed paid, and over half the most earned: refreshed
         assert await runner.read_what_if(what_if("b", 0.0), "b", checks("b")) == ("b #2", False)
     finally:
         await runner.stop()
