@@ -16,6 +16,7 @@ from broker.config import parse_config
 from broker.core.model import Node, NodeState
 from broker.errors import BrokerError
 from broker.store import Broker
+from broker.store import journal as journal_module
 from broker.store.access import NotYours, Principal
 from tests.test_store import ask, cluster
 
@@ -192,6 +193,37 @@ def test_readers_off_the_database_thread_see_the_last_commit_whole(broker, clock
     assert broker.committed_live_slices() == []
     assert {n["name"]: n["gpus_held"] for n in broker.committed_nodes()}.get("h0", 0) == 0
     assert broker.get_slice(held["id"])["state"] == "ended"
+
+
+@pytest.mark.parametrize("rebase_after", [1, 8, 1000])
+def test_a_commits_copy_of_the_live_slices_holds_them_as_they_are(monkeypatch, rebase_after):
+    """Each commit's copy (the whole copy it shares, and what was written since) holds
+    exactly the live slices, oldest first, whether or not it was copied whole again."""
+    monkeypatch.setattr(journal_module, "REBASE_AFTER", rebase_after)
+    rng = random.Random(rebase_after)
+    live: dict[int, Any] = {i: object() for i in range(1, 30)}
+    committed = journal_module.CommittedLive(dict(live), {}, len(live))
+    next_id = 30
+    for _ in range(300):
+        written = []
+        for _ in range(rng.randrange(1, 5)):
+            change = rng.choice(["new", "new", "change", "end"])
+            if change == "new" or not live:
+                live[next_id] = object()
+                written.append(next_id)
+                next_id += 1
+            else:
+                slice_id = rng.choice(list(live))
+                if change == "change":
+                    live[slice_id] = object()
+                else:
+                    del live[slice_id]
+                written.append(slice_id)
+        committed = committed.then(live, written)
+        assert list(committed.items()) == list(live.items()) and len(committed) == len(live)
+        gone = rng.randrange(next_id)
+        assert (gone in committed) == (gone in live)
+        assert committed.get(gone) is live.get(gone)
 
 
 def test_a_pass_takes_its_slices_from_the_last_commit_while_none_is_written(broker):

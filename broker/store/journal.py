@@ -14,6 +14,7 @@ request and pass; the database is their journal (design.md §8).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -257,7 +258,12 @@ class Journal:
         of it is not kept (a reader asks the database thread then)."""
         if self._live is None or self._catalog is None:
             return None
-        return Committed(dict(self._live), self._catalog)
+        written = None
+        if self.committed is not None and self._committed_mark is not None:
+            written, _ = self.live_changes(self._committed_mark)
+        if written is None:  # loaded again since, or nothing published: copied whole
+            return Committed(CommittedLive(dict(self._live), {}, len(self._live)), self._catalog)
+        return Committed(self.committed.live.then(self._live, written), self._catalog)
 
     @contextmanager
     def group_commit(self, *, durable: bool = True) -> Iterator[None]:
@@ -613,7 +619,7 @@ class Committed:
     meanwhile."""
 
     #: The live slices, by id, oldest first.
-    live: Mapping[int, _LiveSlice]
+    live: CommittedLive
     catalog: _Catalog
 
     @functools.cached_property
@@ -691,3 +697,60 @@ class _LiveSlice:
                 columns = None
                 break
         return cls(_to_slice(row), _row_view(row), columns)
+
+
+#: A commit's copy of the live slices is copied whole again once the slices written
+#: since the last whole copy number more than this many, or this share of them.
+REBASE_AFTER = 8
+REBASE_SHARE = 1 / 8
+
+
+class CommittedLive(Mapping[int, _LiveSlice]):
+    """The live slices as a commit left them, by id, oldest first: a copy of them
+    all, shared with the commits after it, and the slices written since that copy
+    (None: no longer live). So a commit copies what was written since the last
+    whole copy, not every live slice (100 µs and more at 10,000); the whole copy
+    is made again once that list grows past :data:`REBASE_AFTER` and
+    :data:`REBASE_SHARE` of the slices. Never changed after it is made."""
+
+    def __init__(
+        self, base: dict[int, _LiveSlice], written: dict[int, _LiveSlice | None], count: int
+    ):
+        self._base, self._written, self._count = base, written, count
+
+    def then(self, live: Mapping[int, _LiveSlice], written: Iterable[int]) -> CommittedLive:
+        """The next commit's copy: ``live`` the kept slices as it leaves them,
+        ``written`` the ids written since this copy was made."""
+        since = dict(self._written)
+        for slice_id in written:
+            since[slice_id] = live.get(slice_id)
+        if len(since) > max(REBASE_AFTER, len(live) * REBASE_SHARE):
+            return CommittedLive(dict(live), {}, len(live))
+        return CommittedLive(self._base, since, len(live))
+
+    def get(self, slice_id: int, default: Any = None) -> Any:
+        if slice_id in self._written:
+            entry = self._written[slice_id]
+            return default if entry is None else entry
+        return self._base.get(slice_id, default)
+
+    def __getitem__(self, slice_id: int) -> _LiveSlice:
+        entry = self.get(slice_id)
+        if entry is None:
+            raise KeyError(slice_id)
+        return entry
+
+    def __contains__(self, slice_id: object) -> bool:
+        return self.get(slice_id) is not None  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        written, base = self._written, self._base
+        if not written:
+            return iter(base)
+        # Ids only grow: those written since the copy and not in it come after it.
+        kept = (i for i in base if written.get(i, base[i]) is not None)
+        new = (i for i, entry in written.items() if entry is not None and i not in base)
+        return itertools.chain(kept, new)
+
+    def __len__(self) -> int:
+        return self._count
