@@ -221,6 +221,7 @@ def test_a_commits_copy_of_the_live_slices_holds_them_as_they_are(monkeypatch, r
                 written.append(slice_id)
         committed = committed.then(live, written)
         assert list(committed.items()) == list(live.items()) and len(committed) == len(live)
+        assert list(committed) == list(live) and list(committed.values()) == list(live.values())
         gone = rng.randrange(next_id)
         assert (gone in committed) == (gone in live)
         assert committed.get(gone) is live.get(gone)

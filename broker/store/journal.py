@@ -14,7 +14,6 @@ request and pass; the database is their journal (design.md §8).
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -743,14 +742,32 @@ class CommittedLive(Mapping[int, _LiveSlice]):
     def __contains__(self, slice_id: object) -> bool:
         return self.get(slice_id) is not None  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator[int]:
+    def items(self) -> Iterable[tuple[int, _LiveSlice]]:  # type: ignore[override]
+        """``(id, slice)`` oldest first, walked once: without the lookup per id that
+        the mapping's own views make (5 to 30 times slower at 10,000)."""
+        return self._base.items() if not self._written else self._merged()
+
+    def values(self) -> Iterable[_LiveSlice]:  # type: ignore[override]
+        """The slices oldest first, walked once (see :meth:`items`)."""
+        if not self._written:
+            return self._base.values()
+        return (entry for _, entry in self._merged())
+
+    def _merged(self) -> Iterator[tuple[int, _LiveSlice]]:
         written, base = self._written, self._base
-        if not written:
-            return iter(base)
+        for slice_id, entry in base.items():
+            if slice_id in written:
+                entry = written[slice_id]
+                if entry is None:
+                    continue
+            yield slice_id, entry
         # Ids only grow: those written since the copy and not in it come after it.
-        kept = (i for i in base if written.get(i, base[i]) is not None)
-        new = (i for i, entry in written.items() if entry is not None and i not in base)
-        return itertools.chain(kept, new)
+        for slice_id, entry in written.items():
+            if entry is not None and slice_id not in base:
+                yield slice_id, entry
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._base) if not self._written else (i for i, _ in self._merged())
 
     def __len__(self) -> int:
         return self._count
