@@ -91,14 +91,14 @@ async def test_readers_of_a_shared_read_wait_for_one_computation(runner):
     assert all(answer == answers[0] for answer in answers)
 
 
-#: The database thread's work as the what-if tests count it: seconds, moved by the
-#: computations of :func:`what_ifs` (a sleep would be overshot on a loaded machine).
-WORK = [0.0]
-
-
-def what_if_runner(tmp_path, now: list[float], share: float) -> BrokerRunner:
+def what_if_runner(
+    tmp_path, now: list[float], share: float, work: list[float] | None = None
+) -> BrokerRunner:
     """A runner on a single writer whose clock is ``now[0]``, with a 1 s interval of
-    which what-ifs may take ``share`` (not started: the tests drive its passes)."""
+    which what-ifs may take ``share`` (not started: the tests drive its passes). It
+    counts the database thread's work as ``work[0]`` seconds, which the computations
+    of :func:`what_ifs` move (a sleep would be overshot on a loaded machine)."""
+    work = [0.0] if work is None else work
     broker = Broker(
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         parse_config(tomllib.loads(TEST_CONFIG)),
@@ -109,18 +109,18 @@ def what_if_runner(tmp_path, now: list[float], share: float) -> BrokerRunner:
         pass_interval=1.0,
         what_if_share=share,
         clock=lambda: now[0],
-        work_clock=lambda: WORK[0],
+        work_clock=lambda: work[0],
     )
 
 
-def what_ifs(calls: list[str]):
+def what_ifs(calls: list[str], work: list[float]):
     """``what_if(name, seconds)``: a computation that takes ``seconds`` of the database
-    thread (counted in :data:`WORK`) and answers ``"<name> #<how many times it ran>"``."""
+    thread (counted in ``work[0]``) and answers ``"<name> #<how many times it ran>"``."""
 
     def what_if(name: str, seconds: float):
         def compute() -> str:
             calls.append(name)
-            WORK[0] += seconds  # the work itself, on the database thread
+            work[0] += seconds  # the work itself, on the database thread
             return f"{name} #{calls.count(name)}"
 
         return compute
@@ -133,9 +133,10 @@ async def test_what_if_reads_past_their_share_of_the_interval_answer_again_as_la
 ):
     now = [1000.0]
     # A 1 s interval of which what-ifs may take a tenth: 100 ms.
-    runner = what_if_runner(tmp_path, now, 0.1)
+    work = [0.0]
+    runner = what_if_runner(tmp_path, now, 0.1, work)
     calls: list[str] = []
-    what_if = what_ifs(calls)
+    what_if = what_ifs(calls, work)
 
     def checks(name: str):
         return lambda: f"{name}: checked, nothing computed"
@@ -224,8 +225,9 @@ async def test_low_on_what_if_credit_first_answers_come_before_refreshes(tmp_pat
     one: below half its most, the credit goes to first answers only."""
     now = [1000.0]
     # At most 0.1 s of credit: refreshes need 0.05 s of it.
-    runner = what_if_runner(tmp_path, now, 0.1)
-    what_if = what_ifs([])
+    work = [0.0]
+    runner = what_if_runner(tmp_path, now, 0.1, work)
+    what_if = what_ifs([], work)
 
     try:
         assert await runner.read_what_if(what_if("a", 0.07), "a", list) == ("a #1", False)

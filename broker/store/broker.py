@@ -1109,7 +1109,7 @@ class Broker:
             decisions = self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
             after = self.journal.live_slices(session)
         committed = self.journal.committed
-        if committed is None or self.journal.in_transaction or not self.single_writer:
+        if committed is None or self.journal.in_transaction:  # a single writer's alone
             return decisions, LiveViews(dict(after))  # a copy: later writes change them
         return decisions, LiveViews(committed.live)  # what this pass's commit left
 
