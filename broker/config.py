@@ -163,6 +163,7 @@ _POLICY_KEYS = (
     "max_reservations",
     "preemption_backoff",
     "preemption_budget",
+    "fair_share_margin",
     "batch_preemption_delay",
     "interactive_preemption_delay",
     "debug_preemption_delay",
@@ -385,6 +386,20 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
                 at,
             )
         settings["preemption_backoff"] = backoff
+    if "fair_share_margin" in table:
+        at = _at(where, "fair_share_margin")
+        margin = table["fair_share_margin"]
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise InvalidConfig(
+                f"expected a margin in shares, a number from 0 to 1, got {_describe(margin)}", at
+            )
+        if not 0 <= margin <= 1:
+            raise InvalidConfig(
+                f"expected a margin in shares from 0 to 1 (0: off, 0.5: half a share), "
+                f"got {margin!r}",
+                at,
+            )
+        settings["fair_share_margin"] = float(margin)
     if "debug_lane_fraction" in table:
         at = _at(where, "debug_lane_fraction")
         fraction = _positive_number(table["debug_lane_fraction"], at, "a fraction in (0, 1]")

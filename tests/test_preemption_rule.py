@@ -114,12 +114,14 @@ def clusters(draw):
 LANE_POLICY = Policy(debug_lane_fraction=0.25)  # a lane of 4 GPUs: debug sessions get in
 
 
-def preemptor_for(slices, requester, policy: Policy = LANE_POLICY) -> Preemptor:
+def preemptor_for(
+    slices, requester, policy: Policy = LANE_POLICY, margin: float = 0.0
+) -> Preemptor:
     tree = ProjectTree(flat_tree(*PROJECTS))
     wanting = {s.project for s in slices if s.allocated}
     if requester.allocated:
         wanting.add(requester.project)
-    standings = Standings.now(tree, 16.0, wanting)
+    standings = Standings.now(tree, 16.0, wanting, margin=margin)
     lane = DebugLane.for_cluster(16, policy)
     for s in slices:
         if s.allocated:
@@ -168,12 +170,18 @@ def test_hopeless_only_when_the_rule_refuses_every_candidate(cluster):
         assert set(reasons.values()) <= {None}
 
 
+MARGIN = st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0])
+
+
 @settings(max_examples=200, deadline=None)
-@given(clusters(), st.floats(0, 16), st.floats(0, 16), st.floats(0, 8), st.floats(0, 8))
-def test_fair_share_only_gets_harder_as_more_moves(cluster, gained, lost, more_gained, more_lost):
-    """The shortcuts ask the rule with nothing moved: sound only if it is monotone."""
+@given(clusters(), st.floats(0, 16), st.floats(0, 16), st.floats(0, 8), st.floats(0, 8), MARGIN)
+def test_fair_share_only_gets_harder_as_more_moves(
+    cluster, gained, lost, more_gained, more_lost, margin
+):
+    """The shortcuts ask the rule with nothing moved: sound only if it is monotone,
+    with a fair-share margin as without."""
     slices, requester = cluster
-    standings = preemptor_for(slices, requester).standings
+    standings = preemptor_for(slices, requester, margin=margin).standings
     for theirs in PROJECTS:
         harder = standings.may_take(
             requester.project, theirs, gained + more_gained, lost + more_lost
@@ -181,6 +189,26 @@ def test_fair_share_only_gets_harder_as_more_moves(cluster, gained, lost, more_g
         if harder:
             assert standings.may_take(requester.project, theirs, gained, lost)
             assert standings.may_take(requester.project, theirs, 0.0, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.integers(0, 8), st.integers(0, 4), st.sampled_from([0.25, 0.5, 1.0]))
+def test_a_margin_only_holds_back_requests_smaller_than_it(cluster, gained, lost, margin):
+    """A request that moves its project by the margin or more is judged as without one;
+    a smaller one is judged as if it moved it by the margin, never more leniently."""
+    slices, requester = cluster
+    plain = preemptor_for(slices, requester).standings
+    held_back = preemptor_for(slices, requester, margin=margin).standings
+    mine = requester.project
+    step = plain.standing(mine, gained) - plain.standing(mine)
+    for theirs in PROJECTS:
+        with_margin = held_back.may_take(mine, theirs, gained, lost)
+        if step >= margin:
+            event(f"a step of the margin or more, allowed={with_margin}")
+            assert with_margin == plain.may_take(mine, theirs, gained, lost)
+        elif with_margin:
+            gained_margin = margin * plain.fair[mine]
+            assert plain.may_take(mine, theirs, max(gained, gained_margin), lost)
 
 
 @settings(max_examples=200, deadline=None)

@@ -100,6 +100,29 @@ def test_a_sibling_under_its_share_is_served_from_its_over_share_sibling_first()
     assert len(victims) == 4 and victims <= {s.id for s in a_jobs}
 
 
+def test_a_fair_share_margin_keeps_small_jobs_from_trading_near_the_same_standing():
+    # a and b own half of 16 GPUs each; a holds 6 and asks for 1 more, b holds 10,
+    # all 1-GPU jobs past protection. Without a margin a takes one of b's (7 against
+    # 9 after the move); with half a share of margin the request is judged as if it
+    # moved a by 4 GPUs (10 against 9), and b keeps its job.
+    a_jobs = [running("a", "n0", (i,), min_runtime=HOUR) for i in range(6)]
+    b_jobs = [running("b", "n0", (i,), min_runtime=HOUR) for i in (6, 7)]
+    b_jobs += [running("b", "n1", (i,), min_runtime=HOUR) for i in range(8)]
+    request = pending("a", 1)
+    slices = [*a_jobs, *b_jobs, request]
+    accounts = flat_tree("a", "b")
+    d = decide(slices, accounts=accounts)
+    assert [(p.reason, p.for_slice) for p in d.preemptions] == [
+        (PreemptReason.FAIR_SHARE, request.id)
+    ]
+    assert decide(slices, accounts=accounts, policy=Policy(fair_share_margin=0.5)).preemptions == ()
+    # Further apart (a holds 2, b 14), the same margin lets the small request in.
+    b_more = [running("b", "n0", (i,), min_runtime=HOUR) for i in range(2, 6)]
+    apart = [*a_jobs[:2], *b_more, *b_jobs, request]
+    d = decide(apart, accounts=accounts, policy=Policy(fair_share_margin=0.5))
+    assert [p.for_slice for p in d.preemptions] == [request.id]
+
+
 #: Three programs of one project each, but o1 with two (a and b).
 THREE_PROGRAMS = [
     Account("o1"),

@@ -146,6 +146,7 @@ def draw_policy(draw: st.DrawFn, projects: tuple[str, ...]) -> Policy:
         debug_headroom=draw(one_of_these(0, 0, 0, 1, 2)),
         debug_lane_fraction=draw(one_of_these(0.05, 0.25)),
         max_reservations=draw(one_of_these(1, 8)),
+        fair_share_margin=draw(one_of_these(0.0, 0.0, 0.5)),
         project_gpu_caps=caps,
     )
 

@@ -243,6 +243,7 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
         (["generate", "--preemption-backoff", "0.5"], "--preemption-backoff takes a factor"),
         (["generate", "--max-reservations", "-1"], "--max-reservations takes a count"),
         (["generate", "--preemption-budget", "-2"], "--preemption-budget takes a count"),
+        (["generate", "--fair-share-margin", "2"], "--fair-share-margin takes shares"),
         (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
         (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),
     ],

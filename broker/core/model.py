@@ -201,6 +201,10 @@ class Policy:
     # Preemptions a job may suffer; past them it is preempted only by a drain or
     # a node going down (design.md §5.7). None: no budget.
     preemption_budget: int | None = 5
+    # A fair-share move is judged as if the request moved its project by at least
+    # this many shares (0.5: half a share), so projects near the same standing do
+    # not trade small jobs back and forth (design.md §5.7). 0: off.
+    fair_share_margin: float = 0.0
     # How long a request waits for natural releases before it may preempt
     # allocated work, per class (design.md §5.7): a preemption costs its victim a
     # restart and its work since the last checkpoint, waiting costs the requester.

@@ -281,7 +281,9 @@ class _Pass:
         held = self.kept.holdings(ended)
         wanting = {project for project, _ in held.allocated}
         wanting.update(s.project for s in self.pending if s.allocated)
-        self.standings = Standings.now(self.tree, capacity, wanting)
+        self.standings = Standings.now(
+            self.tree, capacity, wanting, margin=self.policy.fair_share_margin
+        )
         # In one fixed order, so that the same counts always give the same floats.
         for (project, gpu_type), gpus in sorted(held.allocated.items()):
             self.standings.record(project, gpus * self.snap.weight(gpu_type))

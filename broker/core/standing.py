@@ -33,11 +33,15 @@ class Standings:
     tree: ProjectTree
     fair: dict[str, float]  # weighted GPUs each account's fair share is now
     held: dict[str, float] = field(default_factory=dict)
+    margin: float = 0.0  # the policy's fair_share_margin, in shares (see may_take)
     _partings: dict = field(default_factory=dict)
 
     @classmethod
-    def now(cls, tree: ProjectTree, capacity: float, wanting: Iterable[str]) -> Standings:
-        """Fair shares of ``capacity`` weighted GPUs among the projects in ``wanting``."""
+    def now(
+        cls, tree: ProjectTree, capacity: float, wanting: Iterable[str], margin: float = 0.0
+    ) -> Standings:
+        """Fair shares of ``capacity`` weighted GPUs among the projects in ``wanting``;
+        ``margin``: the policy's ``fair_share_margin``."""
         wants = set()
         for project in wanting:
             wants.update(tree.paths[project])
@@ -50,7 +54,7 @@ class Standings:
             for name in siblings:
                 fair[name] = amount * tree.accounts[name].share / total_share
                 level.append((name, fair[name]))
-        return cls(tree, fair)
+        return cls(tree, fair, margin=margin)
 
     def record(self, project: str, weighted_gpus: float) -> None:
         """``project`` holds ``weighted_gpus`` more (fewer, if negative) from now on."""
@@ -118,6 +122,14 @@ class Standings:
         (design.md §5.7). A cousin at or under its share, or in an organisation at
         or under its share, is never taken.
 
+        With a ``margin`` (the policy's ``fair_share_margin``, in shares), a request
+        is judged as if it moved ``mine`` by at least that much: a small one must
+        find ``mine`` that far below ``theirs``, so two projects near the same
+        standing do not trade small jobs back and forth as their other work comes
+        and goes. A request that alone moves ``mine`` by more is judged as without
+        a margin: lumpy work (jobs near a project's share) cannot move in smaller
+        steps.
+
         A ``gang`` (a request larger than any node) is bigger than most projects'
         fair share, so that rule would never let it in. Once the nodes reserved
         for it fall due, it may also take them while ``mine`` holds less than its
@@ -138,7 +150,7 @@ class Standings:
             return False
         if gang and self.standing(level.mine) < 1.0 < self.standing(level.theirs):
             return True
-        if self.standing(level.mine, gained) <= self.standing(level.theirs, -lost):
+        if self._after(level.mine, gained) <= self.standing(level.theirs, -lost):
             return True
         # Refused as organisations (mostly: siblings keep the requester's above its
         # share), a project under its own share may still take from a cousin,
@@ -147,5 +159,13 @@ class Standings:
         return (
             level.mine != mine
             and self.standing(mine) < 1.0
-            and self.standing(mine, gained) <= self.standing(theirs, -lost)
+            and self._after(mine, gained) <= self.standing(theirs, -lost)
         )
+
+    def _after(self, account: str, gained: float) -> float:
+        """``account``'s standing after gaining ``gained``, for :meth:`may_take`: at
+        least its standing now plus the margin."""
+        after = self.standing(account, gained)
+        if self.margin:
+            return max(after, self.standing(account) + self.margin)
+        return after

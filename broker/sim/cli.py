@@ -159,6 +159,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "0 = no budget)",
     )
     sim.add_argument(
+        "--fair-share-margin",
+        type=float,
+        default=0.0,
+        metavar="M",
+        help="shares a fair-share move must leave between requester and victim, requests "
+        "larger than M of their project's share exempt (policy fair_share_margin; 0 = off)",
+    )
+    sim.add_argument(
         "--max-reservations",
         type=int,
         default=8,
@@ -289,6 +297,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return USAGE_ERROR
+    if not 0 <= args.fair_share_margin <= 1:
+        print("error: --fair-share-margin takes shares, from 0 to 1", file=sys.stderr)
+        return USAGE_ERROR
     if args.preemption_backoff < 1:
         print("error: --preemption-backoff takes a factor, 1 or more", file=sys.stderr)
         return USAGE_ERROR
@@ -400,6 +411,7 @@ def _simulate_all(
         preemption_backoff=args.preemption_backoff,
         batch_preemption_delay=args.batch_preemption_delay,
         preemption_budget=args.preemption_budget or None,
+        fair_share_margin=args.fair_share_margin,
         max_reservations=args.max_reservations,
         debug_grace_period=args.debug_grace,
     )
