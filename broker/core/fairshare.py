@@ -67,6 +67,9 @@ class ProjectTree:
         self.projects: tuple[str, ...] = tuple(
             sorted(name for name in self.accounts if name not in self.children)
         )
+        # parting()'s answers: the tree never changes, and every pass asks them of
+        # each pair of projects over and over (design.md §5.2).
+        self._partings: dict[tuple[str, str], _Level | None] = {}
 
     def _path(self, name: str) -> tuple[str, ...]:
         """Accounts from the root down to ``name``; raises on a cycle."""
@@ -136,13 +139,20 @@ class ProjectTree:
 
     def parting(self, mine: str, theirs: str) -> _Level | None:
         """The sibling accounts at which the paths of two projects part (None: same project)."""
-        if mine == theirs:
-            return None
-        a, b = self.paths[mine], self.paths[theirs]
-        depth = 0
-        while depth < min(len(a), len(b)) and a[depth] == b[depth]:
-            depth += 1
-        return _Level(a[depth], b[depth])
+        key = (mine, theirs)
+        try:
+            return self._partings[key]
+        except KeyError:
+            pass
+        level = None
+        if mine != theirs:
+            a, b = self.paths[mine], self.paths[theirs]
+            depth = 0
+            while depth < min(len(a), len(b)) and a[depth] == b[depth]:
+                depth += 1
+            level = _Level(a[depth], b[depth])
+        self._partings[key] = level
+        return level
 
 
 #: Entitlements (fractions) closer than this read as unchanged: 0.0005 percentage points.

@@ -34,7 +34,6 @@ class Standings:
     fair: dict[str, float]  # weighted GPUs each account's fair share is now
     held: dict[str, float] = field(default_factory=dict)
     margin: float = 0.0  # the policy's fair_share_margin, in shares (see may_take)
-    _partings: dict = field(default_factory=dict)
 
     @classmethod
     def now(
@@ -138,10 +137,7 @@ class Standings:
         Larger ``gained``, ``lost`` or ``lost_before`` only make it harder: with
         all 0 it is at its most lenient.
         """
-        key = (mine, theirs)
-        level = self._partings.get(key)
-        if level is None:
-            level = self._partings[key] = self.tree.parting(mine, theirs)
+        level = self.tree.parting(mine, theirs)
         if level is None:
             return False  # one project: its own order decides, not fair share
         if self.standing(theirs, -lost_before) <= 1.0:
