@@ -163,8 +163,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="M",
-        help="shares a fair-share move must leave between requester and victim, requests "
-        "larger than M of their project's share exempt (policy fair_share_margin; 0 = off)",
+        help="a fair-share move is judged as if the request moved its project by at least M "
+        "shares (policy fair_share_margin; 0 = off)",
     )
     sim.add_argument(
         "--max-reservations",
