@@ -99,6 +99,20 @@ def test_churn_shows_how_preemptions_fall_on_jobs_and_gpu_hours():
     assert s["hourly"]["preemptions"] == {"debug_lane": [0, 1], "fair_share": [9, 0]}
 
 
+def test_churn_counts_fair_share_preemptions_matched_by_one_the_other_way():
+    rec = Recorder(["a", "b", "c"], warmup=0.0)
+    rec.set_capacity(0.0, 10)
+    job = {p: Job(i, 0, "u", p, 1, 60) for i, p in enumerate("abc")}
+    for mine, theirs in (("a", "b"), ("a", "b"), ("b", "a"), ("a", "c")):
+        rec.preempted(0.0, job[theirs], "fair_share", for_project=mine)
+    rec.preempted(0.0, job["a"], "debug_lane", for_project="c")  # not fair share
+    rec.preempted(0.0, job["c"], "fair_share", for_project=None)  # for no request
+    s = summarise(rec, end=HOUR, entitlements={"a": 0.4, "b": 0.3, "c": 0.3})
+    # a took from b twice and b from a once: one move each way is matched
+    assert s["fair_share_back_and_forth"] == 2
+    assert s["preemptions"]["fair_share"] == 5
+
+
 def test_churn_counts_the_jobs_that_spent_their_preemption_budget():
     rec = _recorder(jobs=10)
     rec.preemption_budget = 3

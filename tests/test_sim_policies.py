@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from broker.core.model import Account, Node, NodeState, Policy, SliceKind
-from broker.sim.engine import SimConfig, simulate
+from broker.sim.engine import SimConfig, Simulation, simulate
 from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority
 from broker.sim.workloads import Job, NodeEvent, Workload
 
@@ -240,7 +240,9 @@ def test_fairshare_preempts_when_its_wait_ends_without_waiting_for_another_event
 
 def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chairs():
     policy = Policy(batch_preemption_delay=0)
-    result = run(FairShare(ACCOUNTS, policy), workload(TWO_HOLDERS), restart_cost=30)
+    config = SimConfig(check=True, history=True, tick=0, restart_cost=30)
+    simulation = Simulation(workload(TWO_HOLDERS), FairShare(ACCOUNTS, policy), config)
+    result = simulation.run()
     # a preempts one of b's jobs at once and runs 160-260 after the 60 s grace;
     # the victim is back on the node at 260: the preemption bought a 140 s shorter
     # wait, at the price of a restart and the work since the victim's checkpoint
@@ -251,3 +253,6 @@ def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chai
     assert s["musical_chairs_by_reason"] == {"fair_share": 1}
     assert s["musical_chairs_gpu_hours"] == pytest.approx(4 * 30 / 3600)  # its restart
     assert s["avoided_preemptions"] == 0
+    # a took from b, and b never from a: no fair-share move was taken back
+    assert simulation.recorder.fair_share_moves == {("a", "b"): 1}
+    assert s["fair_share_back_and_forth"] == 0

@@ -530,9 +530,11 @@ class Simulation:
             if preemption.reason is not PreemptReason.DRAIN:
                 run.preempted_at = now
                 run.preempted_for = preemption.reason.value
+            for_project = None
             if preemption.for_slice is not None:
                 self.runs[preemption.for_slice].deferred_at = None  # it preempted after all
-            self.recorder.preempted(now, job, preemption.reason.value)
+                for_project = self.runs[preemption.for_slice].job.project
+            self.recorder.preempted(now, job, preemption.reason.value, for_project)
             self._note(now, f"preempted ({preemption.reason.value})", job)
             self._push(preemption.deadline, _WAKE)
         for grant in decisions.grants:

@@ -170,6 +170,9 @@ class Recorder:
     musical_chairs: int = 0
     musical_chairs_gpu_seconds: float = 0.0
     musical_chairs_by_reason: Counter = field(default_factory=Counter)  # reason -> count
+    # Fair-share preemptions per (requester's project, victim's project): a move
+    # matched by one the other way only swapped the two projects' jobs
+    fair_share_moves: Counter = field(default_factory=Counter)
     # Preemptions avoided: requests the pass let wait for releases instead, that
     # were then granted without preempting, and what they waited for it
     avoided_preemptions: int = 0
@@ -236,8 +239,11 @@ class Recorder:
             if not started:
                 self.group_censored[group] += 1
 
-    def preempted(self, t: float, job: Job, reason: str) -> None:
+    def preempted(self, t: float, job: Job, reason: str, for_project: str | None = None) -> None:
+        """``job`` preempted at ``t`` for ``reason``, for a request of ``for_project``."""
         self.preemptions[reason] += 1
+        if reason == "fair_share" and for_project is not None:
+            self.fair_share_moves[for_project, job.project] += 1
         self.preemptions_by_job[job.id] += 1
         if job.min_runtime > 0:
             self.budgeted_preemptions[job.id] += 1
@@ -498,6 +504,7 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "musical_chairs_share": recorder.musical_chairs / total if total else None,
         "musical_chairs_gpu_hours": recorder.musical_chairs_gpu_seconds / HOUR,
         "musical_chairs_by_reason": dict(sorted(recorder.musical_chairs_by_reason.items())),
+        "fair_share_back_and_forth": _back_and_forth(recorder.fair_share_moves),
         "preemption_budget": budget,
         "jobs_at_budget": (
             None if budget is None else sum(1 for c in budgeted.values() if c >= budget)
@@ -506,6 +513,12 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "avoided_wait_p50": percentile(recorder.avoided_wait_seconds, 50),
         "avoided_wait_p90": percentile(recorder.avoided_wait_seconds, 90),
     }
+
+
+def _back_and_forth(moves: Counter) -> int:
+    """Fair-share preemptions matched by one the other way between the same two
+    projects over the run: each such pair only swapped the two projects' jobs."""
+    return sum(min(count, moves[theirs, mine]) for (mine, theirs), count in moves.items())
 
 
 def _padded(bins: Sequence[float], hours: int) -> list[float]:

@@ -166,6 +166,13 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "fair-share preemptions matched by one the other way (of all fair-share)",
+        lambda s, _: (
+            f"{_maybe(s, 'fair_share_back_and_forth', lambda v: f'{v:,}')} "
+            f"({(s.get('preemptions') or {}).get('fair_share', 0):,})"
+        ),
+    )
+    row(
         "musical chairs: victims granted again within 1 h (GPU-h they cost)",
         lambda s, _: (
             f"{_maybe(s, 'musical_chairs', lambda v: f'{v:,}')} "
