@@ -141,6 +141,30 @@ def job_state(slurm: SlurmCluster, job_id: int) -> str:
     return (slurm.job(job_id) or {}).get("job_state", "")
 
 
+def what_slurm_and_the_broker_saw(
+    slurm: SlurmCluster, service: BrokerService, s: dict[str, Any], job_id: int
+) -> str:
+    """A failed wait's evidence: the job as Slurm shows it, the slice and its events as
+    the broker shows them, and the broker's last lines about Slurm and the slice."""
+    fields = ("job_state", "state_reason", "nodes", "user_name", "submit_time", "end_time")
+    job = slurm.job(job_id) or {}
+    fresh = service.get(f"/slices/{s['id']}", token=service.admin_token).json()
+    lines = [
+        line
+        for line in service.log_text().splitlines()
+        if "Slurm" in line or "slurm" in line or f"lice {s['id']}" in line
+    ]
+    return "\n".join(
+        [
+            f"job {job_id} in Slurm: { ({k: job.get(k) for k in fields}) }",
+            f"slice {s['id']}: state {fresh.get('state')}, granted_at {fresh.get('granted_at')}",
+            f"its events: {events(service, s['id'])}",
+            "the broker's log about Slurm and the slice:",
+            *lines[-30:],
+        ]
+    )
+
+
 def events(service: BrokerService, slice_id: int) -> list[str]:
     reply = service.get(f"/slices/{slice_id}/events", token=service.admin_token)
     return [e["reason"] for e in reply.json()["events"]]
@@ -175,7 +199,12 @@ def test_a_running_job_ends_its_slice_when_it_ends_in_slurm_with_slurms_reason(
         fresh = service.get(f"/slices/{s['id']}", token=alice).json()
         return fresh if fresh["state"] == "ended" else None
 
-    final = wait_until(ended, 20, "the slice to end with its job")
+    try:
+        final = wait_until(ended, 20, "the slice to end with its job")
+    except AssertionError as timed_out:
+        # Failed twice in CI under load and never alone: say what held it back.
+        evidence = what_slurm_and_the_broker_saw(slurm, service, s, job)
+        raise AssertionError(f"{timed_out}\n{evidence}") from None
     assert final["end_reason"] == "released"
     assert f"released: job {job} FAILED in Slurm (exit code 3)" in events(service, s["id"])
 
