@@ -145,7 +145,8 @@ def what_slurm_and_the_broker_saw(
     slurm: SlurmCluster, service: BrokerService, s: dict[str, Any], job_id: int
 ) -> str:
     """A failed wait's evidence: the job as Slurm shows it, the slice and its events as
-    the broker shows them, and the broker's last lines about Slurm and the slice."""
+    the broker shows them, the broker's last lines about Slurm and the slice, and the
+    controller's about the job."""
     fields = ("job_state", "state_reason", "nodes", "user_name", "submit_time", "end_time")
     job = slurm.job(job_id) or {}
     fresh = service.get(f"/slices/{s['id']}", token=service.admin_token).json()
@@ -154,13 +155,19 @@ def what_slurm_and_the_broker_saw(
         for line in service.log_text().splitlines()
         if "Slurm" in line or "slurm" in line or f"lice {s['id']}" in line
     ]
+    controller_log = slurm.root / "log" / "slurmctld.log"
+    controller = controller_log.read_text(errors="replace") if controller_log.exists() else ""
+    job_lines = [line for line in controller.splitlines() if f"JobId={job_id}" in line]
+    summary = {k: job.get(k) for k in fields}
     return "\n".join(
         [
-            f"job {job_id} in Slurm: { ({k: job.get(k) for k in fields}) }",
+            f"job {job_id} in Slurm: {summary}",
             f"slice {s['id']}: state {fresh.get('state')}, granted_at {fresh.get('granted_at')}",
             f"its events: {events(service, s['id'])}",
             "the broker's log about Slurm and the slice:",
             *lines[-30:],
+            f"slurmctld's log about job {job_id}:",
+            *job_lines[-15:],
         ]
     )
 
