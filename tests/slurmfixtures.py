@@ -68,8 +68,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 SchedulerType=sched/backfill
-# A batch job is scheduled as it comes (Slurm may otherwise wait up to 3 s to batch them).
-SchedulerParameters=batch_sched_delay=0
+# A batch job is scheduled as it comes (Slurm may otherwise wait up to 3 s to batch them),
+# and one the scheduler passed over at its submission (a busy controller defers it) is
+# tried again within a second, not at the next periodic run (60 s, backfill 30 s).
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 # The node's CPUs as declared, whatever this machine has: jobs need one CPU each.
 SlurmdParameters=config_overrides
 ReturnToService=2
