@@ -388,18 +388,16 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
         settings["preemption_backoff"] = backoff
     if "fair_share_margin" in table:
         at = _at(where, "fair_share_margin")
-        margin = table["fair_share_margin"]
-        if isinstance(margin, bool) or not isinstance(margin, int | float):
-            raise InvalidConfig(
-                f"expected a margin in shares, a number from 0 to 1, got {_describe(margin)}", at
-            )
-        if not 0 <= margin <= 1:
+        margin = _positive_number(
+            table["fair_share_margin"], at, "a margin in shares", zero_ok=True
+        )
+        if margin > 1:
             raise InvalidConfig(
                 f"expected a margin in shares from 0 to 1 (0: off, 0.5: half a share), "
                 f"got {margin!r}",
                 at,
             )
-        settings["fair_share_margin"] = float(margin)
+        settings["fair_share_margin"] = margin
     if "debug_lane_fraction" in table:
         at = _at(where, "debug_lane_fraction")
         fraction = _positive_number(table["debug_lane_fraction"], at, "a fraction in (0, 1]")
@@ -542,11 +540,12 @@ def _bool(value: object, where: str) -> bool:
     return value
 
 
-def _positive_number(value: object, where: str, what: str) -> float:
+def _positive_number(value: object, where: str, what: str, *, zero_ok: bool = False) -> float:
+    bound = "≥ 0" if zero_ok else "> 0"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidConfig(f"expected {what}, a number > 0, got {_describe(value)}", where)
-    if not (value > 0 and math.isfinite(value)):
-        raise InvalidConfig(f"expected {what}, a number > 0, got {value!r}", where)
+        raise InvalidConfig(f"expected {what}, a number {bound}, got {_describe(value)}", where)
+    if not ((value >= 0 if zero_ok else value > 0) and math.isfinite(value)):
+        raise InvalidConfig(f"expected {what}, a number {bound}, got {value!r}", where)
     return float(value)
 
 

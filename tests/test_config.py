@@ -727,6 +727,7 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
     assert parse(MINIMAL).policy.debug_first is False
     margin = parse(MINIMAL + "[policy]\nfair_share_margin = 0.5\n").policy.fair_share_margin
     assert (margin, parse(MINIMAL).policy.fair_share_margin) == (0.5, 0.0)
+    assert parse(MINIMAL + "[policy]\nfair_share_margin = 0\n").policy.fair_share_margin == 0.0
 
 
 @pytest.mark.parametrize(
@@ -736,10 +737,11 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
         ("preemption_budget", "1.5", "a number of preemptions"),
         ("batch_preemption_delay", '"soon"', "duration"),
         ("debug_first", '"yes"', "expected true or false"),
-        ("fair_share_margin", "-0.1", "a margin in shares from 0 to 1"),
+        ("fair_share_margin", "-0.1", "a margin in shares, a number ≥ 0, got -0.1"),
         ("fair_share_margin", "1.5", "a margin in shares from 0 to 1"),
-        ("fair_share_margin", '"half"', "a margin in shares"),
-        ("fair_share_margin", "true", "a margin in shares"),
+        ("fair_share_margin", "nan", "a margin in shares, a number ≥ 0, got nan"),
+        ("fair_share_margin", '"half"', "a margin in shares, a number ≥ 0, got a string"),
+        ("fair_share_margin", "true", "a margin in shares, a number ≥ 0, got a boolean"),
     ],
 )
 def test_a_wrong_preemption_setting_is_refused_where_it_is(key, value, message):
