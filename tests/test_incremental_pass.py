@@ -329,3 +329,49 @@ def test_a_copy_of_the_index_counts_the_gpus_held_apart_from_the_original():
     schedule(replace(first, slices=()), index=copy)  # in the copy's world it ended
     assert copy.free_map(NODES[:2], WEIGHTS).free["n0"] == set(range(8))
     assert kept.free_map(NODES[:2], WEIGHTS).free["n0"] == {3, 4, 5, 6, 7}
+
+
+def test_a_holder_requeued_in_the_pass_is_no_release_it_was_before():
+    """The index keeps each node's holders for release estimates between passes;
+    a pass that requeues a holder (its grace over) uses its own instead: the
+    holder's GPUs are free now and granted again, not a release to plan on."""
+    tree = ProjectTree(ACCOUNTS)
+    kept = PassState(tree)
+    leaving = replace(
+        running("b", "n0", tuple(range(8)), min_runtime=0.0, resumable=True),
+        state=SliceState.PREEMPTING,
+        preempt_deadline=NOW + 30,
+    )
+    protected = running("a", "n1", tuple(range(8)), min_runtime=10 * HOUR, max_runtime=12 * HOUR)
+    first, second = pending("b", 8, priority=1), pending("b", 8)
+    before = snapshot(NODES[:2], ACCOUNTS, [leaving, protected, first, second])
+    decisions = schedule(before, index=kept)
+    planned = decisions.reservations[0]  # the GPUs the leaving holder frees in 30 s
+    assert (planned.slice_id, planned.placements[0].node) == (first.id, "n0")
+    after = replace(before, now=NOW + 30)
+    decisions = schedule(after, index=kept)
+    assert decisions == schedule(after, tree)
+    assert [g.slice_id for g in decisions.grants] == [first.id]
+    assert [(r.slice_id, r.placements[0].node, r.due_at) for r in decisions.reservations] == [
+        (second.id, "n1", NOW + 10 * HOUR)
+    ]
+
+
+def test_a_holder_preempted_in_the_pass_is_a_release_at_its_grace_deadline():
+    """Once a pass preempts a holder, the release estimates see it leave when its
+    grace ends, whoever plans next, and not as the index kept it (a holder that
+    fair share would not let the planner take)."""
+    tree = ProjectTree(ACCOUNTS)
+    kept = PassState(tree)
+    low = running("b", "n0", tuple(range(8)), priority=-1)  # unprotected for an hour
+    protected = running("c", "n1", tuple(range(8)), min_runtime=10 * HOUR, max_runtime=12 * HOUR)
+    outranks, other = pending("b", 8, priority=1), pending("a", 8)
+    # b's work is walked first (a used the cluster more), and preempts its own.
+    snap = snapshot(NODES[:2], ACCOUNTS, [low, protected, outranks, other], usage={"a": 100 * HOUR})
+    decisions = schedule(snap, index=kept)
+    assert decisions == schedule(snap, tree)
+    assert [p.slice_id for p in decisions.preemptions] == [low.id]
+    grace = snap.policy.grace_period
+    assert (other.id, "n0", NOW + grace) in [
+        (r.slice_id, r.placements[0].node, r.due_at) for r in decisions.reservations
+    ]

@@ -14,6 +14,9 @@ otherwise find by walking or sorting every live slice:
   an index kept for weeks adds up exactly as a fresh one;
 - the free map of the ``ready`` nodes as the holders leave it, which a pass
   copies instead of building it from every holder;
+- per node, its holders as the release estimates of backfill reservations see
+  them (:class:`NodeHolders`), so that a pass asks the preemption rule only of
+  holders it could let a request take;
 - when each slice is due to end (max runtime, grace, lease), so that the first
   phase looks only at slices that are due or on a node that went away, and when
   each holder's protection ends: with those, :meth:`PassState.next_wake` tells
@@ -38,10 +41,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from .fairshare import ProjectTree
-from .model import Node, NodeState, Placement, Policy, Slice, Snapshot, changes_add_up
+from .model import (
+    Node,
+    NodeState,
+    Placement,
+    Policy,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+    changes_add_up,
+)
 from .ordering import within_project_key
 from .placement import FreeGpus
-from .preemption import is_debug
+from .preemption import is_debug, past_budget
 
 
 @dataclass
@@ -75,6 +88,52 @@ def _add(counts: dict, key: object, change: int) -> None:
         del counts[key]  # absent and zero are one state, whatever the history
 
 
+class NodeHolders:
+    """A node's holders as the pass's release estimates see them (``_Pass._estimate``).
+
+    ``known``: when each holder leaves if no one preempts it (its grace deadline
+    if it is leaving, else its known end; holders with neither never do),
+    earliest first. ``fixed``: the same for holders the rule lets no one take
+    (leaving, being preempted, past their preemption budget). ``rivals``: the
+    others that are allocated, per project, with ``rival_ends`` their known ends;
+    ``unallocated``: the unallocated ones, which any allocated request may take.
+    ``batch``: whether a rival is batch work (the debug lane's to take).
+    """
+
+    __slots__ = ("batch", "fixed", "known", "rival_ends", "rivals", "unallocated")
+
+    def __init__(
+        self, holders: list[tuple[Slice, int]], leaving: Mapping[int, float], policy: Policy
+    ):
+        self.known: list[tuple[float, int]] = []
+        self.fixed: list[tuple[float, int]] = []
+        self.rivals: dict[str, list[tuple[Slice, int]]] = {}
+        self.rival_ends: dict[str, list[tuple[float, int]]] = {}
+        self.unallocated: list[tuple[Slice, int]] = []
+        self.batch = False
+        for holder, gpus in holders:
+            ends = leaving.get(holder.id)
+            if ends is None:
+                ends = holder.ends_at()
+                if holder.state is SliceState.GRANTED and not past_budget(holder, policy):
+                    if not holder.allocated:
+                        self.unallocated.append((holder, gpus))
+                    else:
+                        self.rivals.setdefault(holder.project, []).append((holder, gpus))
+                        self.batch = self.batch or holder.kind is SliceKind.BATCH
+                        if ends is not None:
+                            self.rival_ends.setdefault(holder.project, []).append((ends, gpus))
+                    if ends is not None:
+                        self.known.append((ends, gpus))
+                    continue
+            if ends is not None:
+                self.known.append((ends, gpus))
+                self.fixed.append((ends, gpus))
+        for project in self.rivals:
+            self.rival_ends.setdefault(project, [])
+        self.known.sort()
+
+
 class PassState:
     """The pass's index of the live slices, brought up to date by :meth:`update`."""
 
@@ -101,6 +160,9 @@ class PassState:
         self.queues: dict[tuple[bool, str], tuple[list[tuple], list[Slice]]] = {}
         self.holding_ids: list[int] = []  # slices that hold GPUs, in id order
         self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
+        # node -> its holders as release estimates see them, built when a pass first
+        # asks and dropped when a holder there is filed or forgotten
+        self._node_holders: dict[str, NodeHolders] = {}
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
         # (when a holder's protection ends, slice id), sorted: a pass may preempt then
         self.protection_ends: list[tuple[float, int]] = []
@@ -181,6 +243,7 @@ class PassState:
         }
         other.holding_ids = self.holding_ids[:]
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
+        other._node_holders = dict(self._node_holders)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
@@ -207,6 +270,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
+        self._node_holders = {}
         self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
@@ -215,6 +279,7 @@ class PassState:
         """File ``slices`` into an empty index: each list sorted once, not kept
         sorted one insertion at a time."""
         self.slices = {s.id: s for s in slices}
+        self._node_holders = {}
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines, protection_ends = [], []
@@ -320,6 +385,23 @@ class PassState:
                     change = self._free.take if step > 0 else self._free.give
                     change((Placement(placement.node, (gpu,)),))
 
+    def holders_on(self, node: str) -> list[tuple[Slice, int]]:
+        """The slices holding GPUs on ``node``, in id order, with how many each holds there."""
+        found = []
+        for slice_id in sorted(self.holders.get(node, ())):
+            slice_ = self.slices[slice_id]
+            for placement in slice_.placements:
+                if placement.node == node:
+                    found.append((slice_, len(placement.gpu_indices)))
+        return found
+
+    def node_holders(self, node: str) -> NodeHolders:
+        """``node``'s holders as release estimates see them, with none leaving."""
+        found = self._node_holders.get(node)
+        if found is None:
+            found = self._node_holders[node] = NodeHolders(self.holders_on(node), {}, self.policy)
+        return found
+
     def pending(self) -> Iterator[Slice]:
         """The pending slices, in no particular order."""
         for _, slices in self.queues.values():
@@ -342,6 +424,7 @@ class PassState:
             insort(self.holding_ids, slice_.id)
             for placement in slice_.placements:
                 self.holders.setdefault(placement.node, set()).add(slice_.id)
+                self._node_holders.pop(placement.node, None)
             self.held.add(slice_, self.node_types, self.policy, 1)
             self._hold(slice_.placements, 1)
         else:
@@ -359,6 +442,7 @@ class PassState:
         if slice_.holds_gpus:
             del self.holding_ids[bisect_left(self.holding_ids, slice_.id)]
             for placement in slice_.placements:
+                self._node_holders.pop(placement.node, None)
                 held = self.holders[placement.node]
                 held.discard(slice_.id)
                 if not held:

@@ -19,7 +19,7 @@ from operator import attrgetter
 
 from . import backfill
 from .fairshare import ProjectTree
-from .incremental import PassState
+from .incremental import NodeHolders, PassState
 from .model import (
     Decisions,
     Ending,
@@ -107,6 +107,7 @@ class _Pass:
         self._gang_claimed = False
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
+        self._node_summaries: dict[str, NodeHolders] = {}  # see _node_holders
         # node -> (known end, GPUs) of holders with a maximum runtime; see _released_by
         self._expiring: dict[str, list[tuple[float, int]]] | None = None
         # GPUs still held by slices preempted in this pass, lent to the queue:
@@ -239,6 +240,7 @@ class _Pass:
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
         self.leaving[slice_.id] = deadline
         self._releases.clear()  # a leaving slice frees its GPUs sooner
+        self._node_summaries.clear()
         return deadline
 
     def _preempt_for(self, victim: Slice, reason: PreemptReason, requester: Slice) -> float:
@@ -725,23 +727,82 @@ class _Pass:
         the class may be told of releases that only a smaller one could force.
         Keying the lists on the size too was measured and not kept
         (docs/simulator.md, "Speed").
+
+        On a node where the rule could let ``requester`` take none of the
+        holders, whatever it gains (:meth:`NodeHolders.refuse`), each holder
+        leaves at its known end: the node's list of those, shared by every such
+        requester, is used without asking the rule of each holder.
         """
         requester_class = (requester.project, within_project_key(requester))
+        gang = requester.gpus > self.largest_node
+        takes_batch = is_debug(requester, self.policy) and self.lane.admits(requester)
+        # Projects whose holders the rule refuses ``requester`` at its most lenient
+        # (nothing gained or lost, which only makes it harder): standings do not move
+        # while a reservation is planned, so one answer per project serves every node.
+        refused: dict[str, bool] = {}
+
+        def refuses(project: str) -> bool:
+            answer = refused.get(project)
+            if answer is None:
+                answer = refused[project] = not self.standings.may_take(
+                    requester.project, project, 0.0, 0.0, gang=gang
+                )
+            return answer
 
         def releases(node: str) -> list[tuple[float, int]]:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
-                found = []
-                for holder, gpus in self._holders_on(node):
-                    at = self._release_at(holder, requester)
-                    if at is not None:
-                        found.append((at, gpus))
-                found.sort()
-                self._releases[key] = found
+                found = self._releases[key] = self._estimate(node, requester, takes_batch, refuses)
             return found
 
         return releases
+
+    def _estimate(
+        self,
+        node: str,
+        requester: Slice,
+        takes_batch: bool,
+        refuses: Callable[[str], bool],
+    ) -> list[tuple[float, int]]:
+        """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
+        the rule is asked only of holders it could let ``requester`` take; the
+        others leave at their known ends."""
+        holders = self._node_holders(node)
+        if not requester.allocated:
+            return holders.known  # free work preempts no one
+        if takes_batch and holders.batch:
+            ask = list(self._holders_on(node))  # the debug lane may take their batch work
+            found = []
+        else:
+            ask = list(holders.unallocated)
+            found = list(holders.fixed)
+            for project, rivals in holders.rivals.items():
+                if project != requester.project and refuses(project):
+                    found += holders.rival_ends[project]
+                else:
+                    ask += rivals
+            if not ask:
+                return holders.known
+        for holder, gpus in ask:
+            at = self._release_at(holder, requester)
+            if at is not None:
+                found.append((at, gpus))
+        found.sort()
+        return found
+
+    def _node_holders(self, node: str) -> NodeHolders:
+        """What the release estimates need of ``node``'s holders whoever asks: the
+        index's, kept between passes, until this pass ends, requeues or preempts a slice;
+        then the pass's own (until the next preemption)."""
+        if not self.endings and not self.leaving:
+            return self.kept.node_holders(node)
+        found = self._node_summaries.get(node)
+        if found is None:
+            found = self._node_summaries[node] = NodeHolders(
+                self._holders_on(node), self.leaving, self.policy
+            )
+        return found
 
     def _release_at(self, holder: Slice, requester: Slice) -> float | None:
         """When ``holder`` is expected to give back its GPUs to ``requester``: its
