@@ -651,6 +651,37 @@ def test_a_gang_waits_without_preempting_while_a_holder_is_protected():
     assert not reservation.promised and reservation.due_at == protected.protected_until + 60
 
 
+def test_a_reservation_counts_on_the_holders_fair_share_lets_it_take_whatever_their_size():
+    # c (share 1 of 4) may take a's 1- and 3-GPU jobs (a stays at or above its
+    # share of 12 after losing them) but not its 8-GPU one. Asked first (n0 comes
+    # first), the big job's refusal must not stand for the small ones on n1.
+    big = running("a", "n0", tuple(range(8)))
+    small = [running("a", "n1", (i,)) for i in range(5)] + [running("a", "n1", (5, 6, 7))]
+    waiting = pending("c", 4, submitted_at=NOW)  # too new to preempt: it plans
+    tree = flat_tree("a", "c", shares={"a": 3.0})
+    d = schedule(snapshot(nodes(2), tree, [big, *small, waiting]))
+    assert d.preemptions == ()
+    (reservation,) = d.reservations
+    assert reservation.placements[0].node == "n1" and reservation.due_at == NOW + 60
+
+
+def test_a_reservation_counts_on_its_own_projects_lower_priority_holders_only():
+    # The holder on n0 outranks the request; on n1 one does not, and the other
+    # is being preempted (its GPUs are free at its deadline, whoever asks).
+    outranks = running("a", "n0", tuple(range(8)), priority=1)
+    below = running("a", "n1", (0, 1, 2, 3), priority=-1)
+    leaving = replace(
+        running("a", "n1", (4, 5, 6, 7), priority=1),
+        state=SliceState.PREEMPTING,
+        preempt_deadline=NOW + 30,
+    )
+    waiting = pending("a", 8, submitted_at=NOW)
+    d = schedule(snapshot(nodes(2), flat_tree("a"), [outranks, below, leaving, waiting]))
+    assert d.preemptions == ()
+    (reservation,) = d.reservations
+    assert reservation.placements[0].node == "n1" and reservation.due_at == NOW + 60
+
+
 # ---- the victim indexes ----------------------------------------------------------
 
 

@@ -740,6 +740,7 @@ class _Pass:
         # (nothing gained or lost, which only makes it harder): standings do not move
         # while a reservation is planned, so one answer per project serves every node.
         refused: dict[str, bool] = {}
+        answers: dict[tuple, bool] = {}  # see _release_at
 
         def refuses(project: str) -> bool:
             answer = refused.get(project)
@@ -753,7 +754,9 @@ class _Pass:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
-                found = self._releases[key] = self._estimate(node, requester, takes_batch, refuses)
+                found = self._releases[key] = self._estimate(
+                    node, requester, takes_batch, refuses, answers
+                )
             return found
 
         return releases
@@ -764,30 +767,41 @@ class _Pass:
         requester: Slice,
         takes_batch: bool,
         refuses: Callable[[str], bool],
+        answers: dict[tuple, bool],
     ) -> list[tuple[float, int]]:
         """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
-        the rule is asked only of holders it could let ``requester`` take; the
-        others leave at their known ends."""
+        the rule is asked only of holders it could let ``requester`` take, and once
+        per kind of rival (``answers``); the others leave at their known ends."""
         holders = self._node_holders(node)
         if not requester.allocated:
             return holders.known  # free work preempts no one
+        found: list[tuple[float, int]] = []
         if takes_batch and holders.batch:
-            ask = list(self._holders_on(node))  # the debug lane may take their batch work
-            found = []
-        else:
-            ask = list(holders.unallocated)
-            found = list(holders.fixed)
-            for project, rivals in holders.rivals.items():
-                if project != requester.project and refuses(project):
-                    found += holders.rival_ends[project]
-                else:
-                    ask += rivals
-            if not ask:
-                return holders.known
-        for holder, gpus in ask:
+            # The debug lane may take their batch work: every holder is asked.
+            for holder, gpus in self._holders_on(node):
+                at = self._release_at(holder, requester)
+                if at is not None:
+                    found.append((at, gpus))
+            found.sort()
+            return found
+        asked = False
+        for holder, gpus in holders.unallocated:
+            asked = True
             at = self._release_at(holder, requester)
             if at is not None:
                 found.append((at, gpus))
+        for project, rivals in holders.rivals.items():
+            if project != requester.project and refuses(project):
+                found += holders.rival_ends[project]
+                continue
+            asked = True
+            for holder, gpus in rivals:
+                at = self._release_at(holder, requester, answers)
+                if at is not None:
+                    found.append((at, gpus))
+        if not asked:
+            return holders.known
+        found += holders.fixed
         found.sort()
         return found
 
@@ -804,10 +818,17 @@ class _Pass:
             )
         return found
 
-    def _release_at(self, holder: Slice, requester: Slice) -> float | None:
+    def _release_at(
+        self, holder: Slice, requester: Slice, answers: dict[tuple, bool] | None = None
+    ) -> float | None:
         """When ``holder`` is expected to give back its GPUs to ``requester``: its
         known end, or sooner if the preemption rule lets ``requester`` take them
-        once its protection is over (judged on the standings of now)."""
+        once its protection is over (judged on the standings of now).
+
+        ``answers``, for rivals only (granted, allocated, within their budget, not
+        leaving: :class:`NodeHolders`), keeps the rule's answer per what it reads of
+        them then: their project, GPUs, kind and priority, and the GPUs' weight.
+        """
         known = holder.ends_at()
         if holder.id in self.leaving:
             return self.leaving[holder.id]
@@ -819,9 +840,14 @@ class _Pass:
         if known is not None and known <= at:
             return known  # gone before the rule could make it go, whatever it says
         weight = self.snap.weight(self.nodes[holder.placements[0].node].gpu_type)
-        if self._could_preempt(requester, holder, unprotected, weight):
-            return at
-        return known
+        if answers is None:
+            could = self._could_preempt(requester, holder, unprotected, weight)
+        else:
+            kind = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
+            could = answers.get(kind)
+            if could is None:
+                could = answers[kind] = self._could_preempt(requester, holder, unprotected, weight)
+        return at if could else known
 
     def _could_preempt(
         self, requester: Slice, holder: Slice, at: float, weight: float, lost_before: float = 0.0
