@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from builders import HOUR, MIN, NOW, pending, running, snapshot
+from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from passchecks import check_pass
@@ -375,3 +375,24 @@ def test_a_holder_preempted_in_the_pass_is_a_release_at_its_grace_deadline():
     assert (other.id, "n0", NOW + grace) in [
         (r.slice_id, r.placements[0].node, r.due_at) for r in decisions.reservations
     ]
+
+
+def test_fair_shares_answers_are_kept_only_while_the_holdings_stay():
+    """The index keeps fair share's "may b take from a at all" from one pass to
+    the next only while the standings are the same: here a's holdings grew
+    (and fair shares did not move), so b may now take from a, as a fresh pass says."""
+    tree = flat_tree("a", "b", "c")
+    kept = PassState(ProjectTree(tree))
+    waiting = pending("b", 8)
+    first = [
+        running("a", "n0", tuple(range(8))),
+        running("c", "n1", tuple(range(8))),
+        running("b", "n2", tuple(range(8))),
+    ]
+    decisions = schedule(snapshot(nodes(3), tree, [*first, waiting]), index=kept)
+    assert decisions.preemptions == ()  # every project at its share: b may not take
+    grown = [running("a", "n2", (0, 1, 2, 3)), running("a", "n2", (4, 5, 6, 7))]
+    after = snapshot(nodes(3), tree, [*first[:2], *grown, waiting], now=NOW + 60)
+    decisions = schedule(after, index=kept)
+    assert decisions == schedule(after, ProjectTree(tree))
+    assert [p.slice_id for p in decisions.preemptions] == [first[0].id]  # a's, one for two

@@ -57,6 +57,15 @@ def test_standing_is_gpus_held_over_fair_share_now():
     assert standings.over_share() == {"a"}
 
 
+def test_whether_a_project_may_take_at_all_is_asked_again_once_holdings_move():
+    standings = Standings.now(ProjectTree(flat_tree("a", "b")), 16.0, wanting={"a", "b"})
+    standings.record("a", 8.0)
+    assert not standings.may_take_at_all("b", "a")  # a holds its share, no more
+    standings.record("a", 4.0)
+    assert standings.may_take_at_all("b", "a")
+    assert standings.may_take_at_all("b", "a") == standings.may_take("b", "a", 0.0, 0.0)
+
+
 def test_a_partial_preemption_leaves_no_gpu_idle_while_work_waits():
     """A 1-GPU request takes a 4-GPU slice: its 3 other GPUs are promised, in the
     same pass, to the next pending work that fits them."""

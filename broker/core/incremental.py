@@ -17,6 +17,9 @@ otherwise find by walking or sorting every live slice:
 - per node, its holders as the release estimates of backfill reservations see
   them (:class:`NodeHolders`), so that a pass asks the preemption rule only of
   holders it could let a request take;
+- fair share's answers to "may one project take from another at all" for the
+  standings the last pass started from (:attr:`PassState.lenient`), which serve
+  a pass that starts from the same standings;
 - when each slice is due to end (max runtime, grace, lease), so that the first
   phase looks only at slices that are due or on a node that went away, and when
   each holder's protection ends: with those, :meth:`PassState.next_wake` tells
@@ -166,6 +169,10 @@ class PassState:
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
         # (when a holder's protection ends, slice id), sorted: a pass may preempt then
         self.protection_ends: list[tuple[float, int]] = []
+        # The standings a pass started from, and fair share's answers to "may one
+        # project take from another at all" for them (Standings.lenient): a pass
+        # whose holdings did not move since starts from the same answers.
+        self.lenient: tuple[tuple, dict[tuple[str, str, bool], bool]] | None = None
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
 
@@ -274,6 +281,7 @@ class PassState:
         self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
+        self.lenient = None
 
     def _build(self, slices: tuple[Slice, ...]) -> None:
         """File ``slices`` into an empty index: each list sorted once, not kept

@@ -250,7 +250,7 @@ class Preemptor:
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
             return False
         return not any(
-            count and self.standings.may_take(requester.project, project, 0.0, 0.0)
+            count and self.standings.may_take_at_all(requester.project, project)
             for project, count in self.by_project.items()
         )
 
@@ -278,7 +278,7 @@ class Preemptor:
             for project, count in self.by_project.items()
             if count
             and project != requester.project
-            and self.standings.may_take(requester.project, project, 0.0, 0.0)
+            and self.standings.may_take_at_all(requester.project, project)
         ]
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
             visit.append(_BATCH)

@@ -289,6 +289,15 @@ class _Pass:
         # In one fixed order, so that the same counts always give the same floats.
         for (project, gpu_type), gpus in sorted(held.allocated.items()):
             self.standings.record(project, gpus * self.snap.weight(gpu_type))
+        # Mostly the same as the pass before (a submission moves no holdings): then
+        # its answers of may_take_at_all serve again.
+        standing_now = (self.tree, self.standings.margin, self.standings.fair, self.standings.held)
+        if self.kept.lenient is not None and self.kept.lenient[0] == standing_now:
+            self.standings.lenient = self.kept.lenient[1]
+        else:
+            # Copies: the pass moves the standings' holdings as it grants and preempts.
+            standing_now = (*standing_now[:2], dict(self.standings.fair), dict(self.standings.held))
+            self.kept.lenient = (standing_now, self.standings.lenient)
         self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
         self.lane.held, self.lane.held_by_user = sum(held.debug.values()), held.debug
         self.project_gpus: dict[str, int] = held.gpus
@@ -728,34 +737,21 @@ class _Pass:
         Keying the lists on the size too was measured and not kept
         (docs/simulator.md, "Speed").
 
-        On a node where the rule could let ``requester`` take none of the
-        holders, whatever it gains (:meth:`NodeHolders.refuse`), each holder
-        leaves at its known end: the node's list of those, shared by every such
-        requester, is used without asking the rule of each holder.
+        The rule is asked only of holders it could let ``requester`` take
+        (:meth:`_estimate`); where it could take none, each holder leaves at its
+        known end, and the node's list of those, kept by the index, serves.
         """
         requester_class = (requester.project, within_project_key(requester))
         gang = requester.gpus > self.largest_node
         takes_batch = is_debug(requester, self.policy) and self.lane.admits(requester)
-        # Projects whose holders the rule refuses ``requester`` at its most lenient
-        # (nothing gained or lost, which only makes it harder): standings do not move
-        # while a reservation is planned, so one answer per project serves every node.
-        refused: dict[str, bool] = {}
         answers: dict[tuple, bool] = {}  # see _release_at
-
-        def refuses(project: str) -> bool:
-            answer = refused.get(project)
-            if answer is None:
-                answer = refused[project] = not self.standings.may_take(
-                    requester.project, project, 0.0, 0.0, gang=gang
-                )
-            return answer
 
         def releases(node: str) -> list[tuple[float, int]]:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
                 found = self._releases[key] = self._estimate(
-                    node, requester, takes_batch, refuses, answers
+                    node, requester, takes_batch, gang, answers
                 )
             return found
 
@@ -766,7 +762,7 @@ class _Pass:
         node: str,
         requester: Slice,
         takes_batch: bool,
-        refuses: Callable[[str], bool],
+        gang: bool,
         answers: dict[tuple, bool],
     ) -> list[tuple[float, int]]:
         """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
@@ -775,6 +771,8 @@ class _Pass:
         holders = self._node_holders(node)
         if not requester.allocated:
             return holders.known  # free work preempts no one
+        # A project fair share refuses at its most lenient, it refuses whatever moves.
+        may_take_at_all = self.standings.may_take_at_all
         found: list[tuple[float, int]] = []
         if takes_batch and holders.batch:
             # The debug lane may take their batch work: every holder is asked.
@@ -791,7 +789,9 @@ class _Pass:
             if at is not None:
                 found.append((at, gpus))
         for project, rivals in holders.rivals.items():
-            if project != requester.project and refuses(project):
+            if project != requester.project and not may_take_at_all(
+                requester.project, project, gang
+            ):
                 found += holders.rival_ends[project]
                 continue
             asked = True

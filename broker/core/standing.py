@@ -34,6 +34,9 @@ class Standings:
     fair: dict[str, float]  # weighted GPUs each account's fair share is now
     held: dict[str, float] = field(default_factory=dict)
     margin: float = 0.0  # the policy's fair_share_margin, in shares (see may_take)
+    # may_take_at_all's answers for these holdings; a new dict whenever they move,
+    # never changed in place, so that the index can keep it for the next pass.
+    lenient: dict[tuple[str, str, bool], bool] = field(default_factory=dict, compare=False)
 
     @classmethod
     def now(
@@ -59,6 +62,7 @@ class Standings:
         """``project`` holds ``weighted_gpus`` more (fewer, if negative) from now on."""
         for account in self.tree.paths[project]:
             self.held[account] = self.held.get(account, 0.0) + weighted_gpus
+        self.lenient = {}
 
     def standing(self, account: str, change: float = 0.0) -> float:
         """Weighted GPUs held ÷ fair share now, after holding ``change`` more."""
@@ -76,6 +80,17 @@ class Standings:
             for project in self.tree.projects
             if any(self.standing(account) > 1.0 for account in self.tree.paths[project])
         }
+
+    def may_take_at_all(self, mine: str, theirs: str, gang: bool = False) -> bool:
+        """:meth:`may_take` at its most lenient (nothing gained or lost): False means
+        no move from ``theirs`` to ``mine`` is allowed, whatever its size. Kept in
+        ``lenient``: the victim searches and release estimates ask it of every
+        project, for every request."""
+        key = (mine, theirs, gang)
+        answer = self.lenient.get(key)
+        if answer is None:
+            answer = self.lenient[key] = self.may_take(mine, theirs, 0.0, 0.0, gang=gang)
+        return answer
 
     def may_take(
         self,
