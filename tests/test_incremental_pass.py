@@ -21,7 +21,7 @@ from broker.core.model import Account, Node, NodeState, Policy, SliceKind, Slice
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug
-from broker.core.scheduler import schedule
+from broker.core.scheduler import _shape, schedule
 from broker.core.transitions import apply
 from broker.core.whatif import alternatives
 
@@ -396,3 +396,23 @@ def test_fair_shares_answers_are_kept_only_while_the_holdings_stay():
     decisions = schedule(after, index=kept)
     assert decisions == schedule(after, ProjectTree(tree))
     assert [p.slice_id for p in decisions.preemptions] == [first[0].id]  # a's, one for two
+
+
+def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
+    """The index keeps each blocked request's shape for the walk; a request that
+    comes back changed (here: preempted once more, now past its preemption
+    budget, so no reservation's owner may take it back) is walked with its new one."""
+    tree = flat_tree("a", "b")
+    kept = PassState(ProjectTree(tree))
+    policy = Policy(max_reservations=0, preemption_budget=5)
+    holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
+    # a's first request makes its preemption attempt; the one GPU left free keeps
+    # the walk from passing over the rest of a's run (the 1-GPU request fits it).
+    first, again, small = pending("a", 8), pending("a", 8, preemptions=4), pending("a", 1)
+    snap = snapshot(nodes(1), tree, [holder, first, again, small], policy=policy)
+    schedule(snap, index=kept)
+    assert kept.shapes[again.id] == _shape(again, policy)
+    budget_spent = replace(again, preemptions=5)
+    snap = replace(snap, slices=(holder, first, budget_spent, small), now=NOW + 60)
+    schedule(snap, index=kept)
+    assert kept.shapes[again.id] == _shape(budget_spent, policy) != _shape(again, policy)

@@ -20,6 +20,9 @@ otherwise find by walking or sorting every live slice:
 - fair share's answers to "may one project take from another at all" for the
   standings the last pass started from (:attr:`PassState.lenient`), which serve
   a pass that starts from the same standings;
+- each blocked request's shape as the walk works it out (what decides where
+  it may be placed), so that a long blocked queue is not described anew each
+  pass;
 - when each slice is due to end (max runtime, grace, lease), so that the first
   phase looks only at slices that are due or on a node that went away, and when
   each holder's protection ends: with those, :meth:`PassState.next_wake` tells
@@ -173,6 +176,9 @@ class PassState:
         # project take from another at all" for them (Standings.lenient): a pass
         # whose holdings did not move since starts from the same answers.
         self.lenient: tuple[tuple, dict[tuple[str, str, bool], bool]] | None = None
+        # Pending slice id -> its shape as the pass's walk works it out (what decides
+        # where it may be placed), dropped when the slice is filed or forgotten.
+        self.shapes: dict[int, tuple] = {}
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
 
@@ -251,6 +257,7 @@ class PassState:
         other.holding_ids = self.holding_ids[:]
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
         other._node_holders = dict(self._node_holders)
+        other.shapes = dict(self.shapes)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
@@ -277,7 +284,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
-        self._node_holders = {}
+        self._node_holders, self.shapes = {}, {}
         self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
@@ -287,7 +294,7 @@ class PassState:
         """File ``slices`` into an empty index: each list sorted once, not kept
         sorted one insertion at a time."""
         self.slices = {s.id: s for s in slices}
-        self._node_holders = {}
+        self._node_holders, self.shapes = {}, {}
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines, protection_ends = [], []
@@ -436,6 +443,7 @@ class PassState:
             self.held.add(slice_, self.node_types, self.policy, 1)
             self._hold(slice_.placements, 1)
         else:
+            self.shapes.pop(slice_.id, None)
             keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
             key = _queue_key(slice_)
             at = bisect_left(keys, key)
@@ -458,6 +466,7 @@ class PassState:
             self.held.add(slice_, self.node_types, self.policy, -1)
             self._hold(slice_.placements, -1)
         else:
+            self.shapes.pop(slice_.id, None)
             where = (slice_.allocated, slice_.project)
             keys, slices = self.queues[where]
             at = bisect_left(keys, _queue_key(slice_))

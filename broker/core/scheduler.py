@@ -494,6 +494,9 @@ class _Pass:
         # user's place in the lane, which its shape does not tell: never settled.
         headroom, policy = self.policy.debug_headroom, self.policy
         backlog = self.allocated_backlog
+        # Each pending slice's shape, kept by the index between passes; a pass that
+        # requeued a slice has pending slices the index does not: its own then.
+        shapes = self.kept.shapes if self.live is self.kept.slices else {}
         unsettled: set[str] = set()  # projects whose rest of the backlog was not all blocked
         at = 0
         while at < len(backlog):
@@ -527,7 +530,9 @@ class _Pass:
                 and not (headroom and is_debug(slice_, policy))
             )
             if settled:
-                shape = _shape(slice_, policy)
+                shape = shapes.get(slice_.id)
+                if shape is None:
+                    shape = shapes[slice_.id] = _shape(slice_, policy)
                 if shape in blocked_shapes:
                     enqueue(QueueEntry(slice_.id, position, value))
                     continue
