@@ -122,6 +122,11 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     assert [s.id for s in kept.holding()] == sorted(s.id for s in slices if s.holds_gpus)
     waiting = [s for s in slices if not s.holds_gpus]
     assert sorted(s.id for s in kept.pending()) == sorted(s.id for s in waiting)
+    assert set(kept.waiting()) == {s.project for s in waiting if s.allocated}
+    assert kept.promised_ids == {s.id for s in waiting if s.promised}
+    policy = snap.policy
+    assert kept.shapes.keys() <= {s.id for s in waiting}
+    assert all(kept.shapes[i] == _shape(s, policy) for s in waiting if (i := s.id) in kept.shapes)
     ranked = list(PROJECTS)
     rng.shuffle(ranked)
     ordered = queue_order(waiting, {name: rank for rank, name in enumerate(ranked)})

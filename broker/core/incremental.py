@@ -179,6 +179,7 @@ class PassState:
         # Pending slice id -> its shape as the pass's walk works it out (what decides
         # where it may be placed), dropped when the slice is filed or forgotten.
         self.shapes: dict[int, tuple] = {}
+        self.promised_ids: set[int] = set()  # pending slices that hold a promise
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
 
@@ -258,6 +259,7 @@ class PassState:
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
         other._node_holders = dict(self._node_holders)
         other.shapes = dict(self.shapes)
+        other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
@@ -284,7 +286,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
-        self._node_holders, self.shapes = {}, {}
+        self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
@@ -294,7 +296,7 @@ class PassState:
         """File ``slices`` into an empty index: each list sorted once, not kept
         sorted one insertion at a time."""
         self.slices = {s.id: s for s in slices}
-        self._node_holders, self.shapes = {}, {}
+        self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines, protection_ends = [], []
@@ -310,6 +312,8 @@ class PassState:
             else:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
+                if slice_.promised:
+                    self.promised_ids.add(slice_.id)
                 # A slice that holds nothing has no protection, and no deadline
                 # but its lease: most of a backlog is skipped without a call.
                 if slice_.lease_expires_at is not None:
@@ -422,6 +426,10 @@ class PassState:
         for _, slices in self.queues.values():
             yield from slices
 
+    def waiting(self) -> Iterator[str]:
+        """The projects with allocated work pending."""
+        return (project for allocated, project in self.queues if allocated)
+
     def backlog(self, ranked: Iterator[str], allocated: bool) -> list[Slice]:
         """The pending slices of ``allocated`` work in queue order, for projects
         in rank order (:func:`~broker.core.ordering.queue_order`)."""
@@ -444,6 +452,8 @@ class PassState:
             self._hold(slice_.placements, 1)
         else:
             self.shapes.pop(slice_.id, None)
+            if slice_.promised:
+                self.promised_ids.add(slice_.id)
             keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
             key = _queue_key(slice_)
             at = bisect_left(keys, key)
@@ -467,6 +477,7 @@ class PassState:
             self._hold(slice_.placements, -1)
         else:
             self.shapes.pop(slice_.id, None)
+            self.promised_ids.discard(slice_.id)
             where = (slice_.allocated, slice_.project)
             keys, slices = self.queues[where]
             at = bisect_left(keys, _queue_key(slice_))

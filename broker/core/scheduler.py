@@ -263,10 +263,10 @@ class _Pass:
         # unless the first phase ended or requeued some: then one walk over them,
         # in id order, does it.
         self.holding: list[Slice] = []
+        # Listed only after endings; otherwise read from the index's queues where needed.
         self.pending: list[Slice] = []
         if not self.endings:
             self.holding = list(self.kept.holding())
-            self.pending = list(self.kept.pending())
         else:
             for slice_ in map(self.live.__getitem__, self.ids):
                 if slice_.id not in self.ended:
@@ -282,7 +282,10 @@ class _Pass:
         # What the holders hold, from the index's counts: not a walk over them.
         held = self.kept.holdings(ended)
         wanting = {project for project, _ in held.allocated}
-        wanting.update(s.project for s in self.pending if s.allocated)
+        if self.endings:
+            wanting.update(s.project for s in self.pending if s.allocated)
+        else:
+            wanting.update(self.kept.waiting())  # its queues, not a walk of the backlog
         self.standings = Standings.now(
             self.tree, capacity, wanting, margin=self.policy.fair_share_margin
         )
@@ -359,7 +362,11 @@ class _Pass:
 
     def keep_promises(self) -> None:
         self.promised: set[int] = set()
-        promised = sorted((s for s in self.pending if s.promised), key=attrgetter("id"))
+        if self.endings:
+            found = (s for s in self.pending if s.promised)
+        else:  # the index knows them: no walk of the backlog
+            found = map(self.live.__getitem__, self.kept.promised_ids)
+        promised = sorted(found, key=attrgetter("id"))
         if not promised:
             return
         # (node, GPU) -> the slice holding it: a promise's blockers without a
