@@ -333,15 +333,13 @@ class _Pass:
         with how many GPUs each holds there; from the index, per node asked."""
         found = self._holders.get(node)
         if found is None:
-            found = []
-            for slice_id in sorted(self.kept.holders.get(node, ())):
-                slice_ = self.live[slice_id]
-                if slice_id in self.ended or not slice_.holds_gpus:
-                    continue  # ended or requeued in phase 1
-                for placement in slice_.placements:
-                    if placement.node == node:
-                        found.append((slice_, len(placement.gpu_indices)))
-            self._holders[node] = found
+            live, ended = self.live, self.ended
+            found = self._holders[node] = [
+                (slice_, gpus)
+                for slice_, gpus in self.kept.holders_on(node)
+                # ended or requeued in phase 1
+                if slice_.id not in ended and live[slice_.id].holds_gpus
+            ]
         return found
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
