@@ -119,24 +119,27 @@ class NodeHolders:
         self.batch = False
         for holder, gpus in holders:
             ends = leaving.get(holder.id)
+            takeable = (
+                ends is None
+                and holder.state is SliceState.GRANTED
+                and not past_budget(holder, policy)
+            )
             if ends is None:
                 ends = holder.ends_at()
-                if holder.state is SliceState.GRANTED and not past_budget(holder, policy):
-                    if not holder.allocated:
-                        self.unallocated.append((holder, gpus))
-                    else:
-                        self.rivals.setdefault(holder.project, []).append((holder, gpus))
-                        self.batch = self.batch or holder.kind is SliceKind.BATCH
-                        if ends is not None:
-                            self.rival_ends.setdefault(holder.project, []).append((ends, gpus))
-                    if ends is not None:
-                        self.known.append((ends, gpus))
-                    continue
             if ends is not None:
                 self.known.append((ends, gpus))
-                self.fixed.append((ends, gpus))
-        for project in self.rivals:
-            self.rival_ends.setdefault(project, [])
+            if not takeable:
+                if ends is not None:
+                    self.fixed.append((ends, gpus))
+            elif not holder.allocated:
+                self.unallocated.append((holder, gpus))
+            else:
+                if holder.project not in self.rivals:
+                    self.rivals[holder.project], self.rival_ends[holder.project] = [], []
+                self.rivals[holder.project].append((holder, gpus))
+                if ends is not None:
+                    self.rival_ends[holder.project].append((ends, gpus))
+                self.batch = self.batch or holder.kind is SliceKind.BATCH
         self.known.sort()
 
 

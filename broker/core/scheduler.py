@@ -120,6 +120,15 @@ class _Pass:
         with a drain or an ending): sorted when one first asks, not in every pass."""
         return sorted(self.live)
 
+    @cached_property
+    def pending(self) -> list[Slice]:
+        """The pending slices as phase 1 left them, in no particular order: the
+        index's, less those it ended, with those it requeued. A pass after no
+        ending asks the index's queues what it needs instead (a walk of the backlog)."""
+        found = [s for s in self.kept.pending() if s.id not in self.ended]
+        found += (self.live[e.slice_id] for e in self.endings if e.requeue)
+        return found
+
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
         # Timed for metrics only; nothing decided depends on it.
@@ -259,18 +268,12 @@ class _Pass:
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        # The index has the live slices sorted out for the phases that follow,
-        # unless the first phase ended or requeued some: then one walk over them,
-        # in id order, does it.
-        self.holding: list[Slice] = []
-        # Listed only after endings; otherwise read from the index's queues where needed.
-        self.pending: list[Slice] = []
+        # The holders as phase 1 left them: the index's, less those it ended or requeued.
         if not self.endings:
             self.holding = list(self.kept.holding())
         else:
-            for slice_ in map(self.live.__getitem__, self.ids):
-                if slice_.id not in self.ended:
-                    (self.holding if slice_.holds_gpus else self.pending).append(slice_)
+            live, gone = self.live, self.ended
+            self.holding = [s for s in self.kept.holding() if s.id not in gone and live[s.id] is s]
         ended = [self.kept.slices[e.slice_id] for e in self.endings]
         self.free = self.kept.free_map(ready, self.snap.gpu_type_weights, ended)
         self.largest_node = max(self.free.largest.values(), default=0)
@@ -333,13 +336,11 @@ class _Pass:
         with how many GPUs each holds there; from the index, per node asked."""
         found = self._holders.get(node)
         if found is None:
-            live, ended = self.live, self.ended
-            found = self._holders[node] = [
-                (slice_, gpus)
-                for slice_, gpus in self.kept.holders_on(node)
-                # ended or requeued in phase 1
-                if slice_.id not in ended and live[slice_.id].holds_gpus
-            ]
+            found = self.kept.holders_on(node)
+            if self.endings:
+                live, gone = self.live, self.ended
+                found = [(s, gpus) for s, gpus in found if s.id not in gone and live[s.id] is s]
+            self._holders[node] = found
         return found
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
@@ -853,10 +854,12 @@ class _Pass:
         if answers is None:
             could = self._could_preempt(requester, holder, unprotected, weight)
         else:
-            kind = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
-            could = answers.get(kind)
+            traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
+            could = answers.get(traits)
             if could is None:
-                could = answers[kind] = self._could_preempt(requester, holder, unprotected, weight)
+                could = answers[traits] = self._could_preempt(
+                    requester, holder, unprotected, weight
+                )
         return at if could else known
 
     def _could_preempt(
