@@ -6,13 +6,18 @@ import pytest
 
 from broker.core.model import HOUR, SliceKind
 from broker.sim.metrics import (
+    DEBUG_SESSION,
+    GATHER,
+    NO_REQUEST,
     PREEMPTION,
     RESTART,
     SINCE_CHECKPOINT,
+    SWAP,
     Hourly,
     Recorder,
     owed_delivered,
     percentile,
+    served,
     summarise,
     wait_class,
 )
@@ -104,13 +109,34 @@ def test_churn_counts_fair_share_preemptions_matched_by_one_the_other_way():
     rec.set_capacity(0.0, 10)
     job = {p: Job(i, 0, "u", p, 1, 60) for i, p in enumerate("abc")}
     for mine, theirs in (("a", "b"), ("a", "b"), ("b", "a"), ("a", "c")):
-        rec.preempted(0.0, job[theirs], "fair_share", for_project=mine)
-    rec.preempted(0.0, job["a"], "debug_lane", for_project="c")  # not fair share
-    rec.preempted(0.0, job["c"], "fair_share", for_project=None)  # for no request
+        rec.preempted(0.0, job[theirs], "fair_share", for_job=job[mine])
+    rec.preempted(0.0, job["a"], "debug_lane", for_job=job["c"])  # not fair share
+    rec.preempted(0.0, job["c"], "fair_share", for_job=None)  # for no request
     s = summarise(rec, end=HOUR, entitlements={"a": 0.4, "b": 0.3, "c": 0.3})
     # a took from b twice and b from a once: one move each way is matched
     assert s["fair_share_back_and_forth"] == 2
     assert s["preemptions"]["fair_share"] == 5
+
+
+def test_churn_tells_what_each_preemption_served_and_which_came_back_within_the_hour():
+    rec = _recorder(jobs=10)
+    one, eight = Job(1, 0, "u", "a", 1, 3600), Job(2, 0, "u", "a", 8, 3600)
+    session = Job(3, 0, "v", "a", 1, 600, kind=SliceKind.INTERACTIVE, min_runtime=600.0)
+    rec.preempted(0.0, one, "debug_lane", for_job=session, waited=0.0)
+    rec.regranted(600.0, 0.0, "debug_lane", DEBUG_SESSION)  # back once the session ended
+    rec.preempted(0.0, eight, "fair_share", for_job=eight, waited=7200.0)  # 8 for 8
+    rec.preempted(0.0, one, "fair_share", for_job=eight, waited=600.0)  # 8 from a 1-GPU job
+    rec.preempted(0.0, one, "fair_share", for_job=eight, waited=1800.0)
+    rec.regranted(2 * HOUR, 0.0, "fair_share", GATHER)  # back after the hour: no chair
+    rec.preempted(0.0, eight, "drain")
+    s = summarise(rec, end=HOUR, entitlements={"a": 1.0})
+    assert s["preemptions_by_need"] == {
+        DEBUG_SESSION: {"preemptions": 1, "musical_chairs": 1, "requester_wait_p50": 0.0},
+        SWAP: {"preemptions": 1, "musical_chairs": 0, "requester_wait_p50": 7200.0},
+        GATHER: {"preemptions": 2, "musical_chairs": 0, "requester_wait_p50": 1200.0},
+        NO_REQUEST: {"preemptions": 1, "musical_chairs": 0, "requester_wait_p50": None},
+    }
+    assert served(None, one) == NO_REQUEST and served(one, eight) == SWAP
 
 
 def test_churn_counts_the_jobs_that_spent_their_preemption_budget():

@@ -225,6 +225,18 @@ def test_fairshare_waits_for_a_release_due_within_its_delay_and_counts_it_avoide
     assert s["musical_chairs"] == 0
 
 
+def test_fairshare_tells_a_gathered_shape_from_a_swap_and_counts_its_victims_back():
+    # b holds the node as eight 1-GPU jobs; a asks for 2 GPUs: two of them go, and
+    # both are back once a's 100 s of work end
+    holders = [job(i, 0, "b", 1, 300, resumable=True) for i in range(8)]
+    jobs = [*holders, job(8, 100, "a", 2, 100)]
+    result = run(FairShare(ACCOUNTS, Policy(batch_preemption_delay=0)), workload(jobs), tick=0)
+    assert len(first(result, "preempted (fair_share)")) == 2
+    assert result.summary["preemptions_by_need"] == {
+        "gather": {"preemptions": 2, "musical_chairs": 2, "requester_wait_p50": 0.0}
+    }
+
+
 def test_fairshare_preempts_when_its_wait_ends_without_waiting_for_another_event():
     # b's jobs now run until 3000; no event falls between a's request and then, and
     # the service passes every few seconds: a preempts the moment its 900 s are up.
@@ -236,6 +248,9 @@ def test_fairshare_preempts_when_its_wait_ends_without_waiting_for_another_event
     result = run(FairShare(ACCOUNTS, Policy(batch_preemption_delay=900)), workload(jobs))
     assert first(result, "preempted (fair_share)") == {0: 1000.0}
     assert first(result, "granted")[2] == 1060.0  # after the victim's 60 s grace
+    # a's 4 GPUs for a 4-GPU victim: a swap, asked for after the 900 s a waited
+    swap = result.summary["preemptions_by_need"]["swap"]
+    assert (swap["preemptions"], swap["requester_wait_p50"]) == (1, 900.0)
 
 
 def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chairs():
@@ -251,6 +266,9 @@ def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chai
     s = result.summary
     assert (s["musical_chairs"], s["musical_chairs_share"]) == (1, 1.0)
     assert s["musical_chairs_by_reason"] == {"fair_share": 1}
+    assert s["preemptions_by_need"] == {
+        "swap": {"preemptions": 1, "musical_chairs": 1, "requester_wait_p50": 0.0}
+    }
     assert s["musical_chairs_gpu_hours"] == pytest.approx(4 * 30 / 3600)  # its restart
     assert s["avoided_preemptions"] == 0
     # a took from b, and b never from a: no fair-share move was taken back

@@ -65,6 +65,7 @@ from .metrics import (
     Drain,
     Recorder,
     is_debug,
+    served,
     summarise,
 )
 from .policies import Scheduler
@@ -137,6 +138,7 @@ class _Run:
     # GPU-seconds it cost (work since the checkpoint, then the restart).
     preempted_at: float | None = None
     preempted_for: str = ""  # that preemption's reason
+    preempted_need: str = ""  # and what it served (metrics.served)
     preemption_cost: float = 0.0
     deferred_at: float | None = None  # first pass that let it wait instead of preempt
 
@@ -527,14 +529,17 @@ class Simulation:
         for preemption in decisions.preemptions:
             run = self.runs[preemption.slice_id]
             job = run.job
+            for_job, waited = None, 0.0
+            if preemption.for_slice is not None:
+                requester = self.runs[preemption.for_slice]
+                requester.deferred_at = None  # it preempted after all
+                for_job = requester.job
+                waited = now - self.slices[preemption.for_slice].waiting_since
             if preemption.reason is not PreemptReason.DRAIN:
                 run.preempted_at = now
                 run.preempted_for = preemption.reason.value
-            for_project = None
-            if preemption.for_slice is not None:
-                self.runs[preemption.for_slice].deferred_at = None  # it preempted after all
-                for_project = self.runs[preemption.for_slice].job.project
-            self.recorder.preempted(now, job, preemption.reason.value, for_project)
+                run.preempted_need = served(for_job, job)
+            self.recorder.preempted(now, job, preemption.reason.value, for_job, waited)
             self._note(now, f"preempted ({preemption.reason.value})", job)
             self._push(preemption.deadline, _WAKE)
         for grant in decisions.grants:
@@ -566,7 +571,9 @@ class Simulation:
             run.deferred_at = None
         if run.preempted_at is not None:
             cost = run.preemption_cost + run.overhead * job.gpus
-            self.recorder.regranted(now - run.preempted_at, cost, run.preempted_for)
+            self.recorder.regranted(
+                now - run.preempted_at, cost, run.preempted_for, run.preempted_need
+            )
             run.preempted_at = None
         if not run.waited:
             run.waited = True

@@ -55,6 +55,12 @@ MUSICAL_CHAIRS = HOUR
 PREEMPTION, OPERATOR, FAILURE = "preemption", "operator", "failure"
 CAUSES = (PREEMPTION, OPERATOR, FAILURE)
 
+# What a preemption served (see served()): a debug session, a request no larger than
+# its victim (a swap: one release of the victim's size would have served it too), a
+# request larger than its victim (a shape gathered from smaller holders), or none.
+DEBUG_SESSION, SWAP, GATHER, NO_REQUEST = "debug session", "swap", "gather", "no request"
+NEEDS = (DEBUG_SESSION, SWAP, GATHER, NO_REQUEST)
+
 
 def is_debug(job: Job) -> bool:
     """A debug session: interactive, at most 2 GPUs, a contract of at most 15 min."""
@@ -64,6 +70,15 @@ def is_debug(job: Job) -> bool:
         and job.gpus <= DEBUG_MAX_GPUS
         and 0 < job.min_runtime <= DEBUG_MAX_CONTRACT
     )
+
+
+def served(requester: Job | None, victim: Job) -> str:
+    """What preempting ``victim`` for ``requester`` served (one of :data:`NEEDS`)."""
+    if requester is None:
+        return NO_REQUEST
+    if is_debug(requester):
+        return DEBUG_SESSION
+    return SWAP if requester.gpus <= victim.gpus else GATHER
 
 
 def wait_class(job: Job, node_gpus: int = 8, cluster_gpus: int = 64) -> str:
@@ -170,6 +185,10 @@ class Recorder:
     musical_chairs: int = 0
     musical_chairs_gpu_seconds: float = 0.0
     musical_chairs_by_reason: Counter = field(default_factory=Counter)  # reason -> count
+    # The same per what the preemption served (served()), with the requester's wait
+    preemptions_by_need: Counter = field(default_factory=Counter)
+    musical_chairs_by_need: Counter = field(default_factory=Counter)
+    requester_waits_by_need: dict[str, list[float]] = field(default_factory=dict)
     # Fair-share preemptions per (requester's project, victim's project): a move
     # matched by one the other way only swapped the two projects' jobs
     fair_share_moves: Counter = field(default_factory=Counter)
@@ -239,23 +258,36 @@ class Recorder:
             if not started:
                 self.group_censored[group] += 1
 
-    def preempted(self, t: float, job: Job, reason: str, for_project: str | None = None) -> None:
-        """``job`` preempted at ``t`` for ``reason``, for a request of ``for_project``."""
+    def preempted(
+        self,
+        t: float,
+        job: Job,
+        reason: str,
+        for_job: Job | None = None,
+        waited: float = 0.0,
+    ) -> None:
+        """``job`` preempted at ``t`` for ``reason``, for the request of ``for_job``
+        (None: a drain) that had waited ``waited`` seconds."""
         self.preemptions[reason] += 1
-        if reason == "fair_share" and for_project is not None:
-            self.fair_share_moves[for_project, job.project] += 1
+        if reason == "fair_share" and for_job is not None:
+            self.fair_share_moves[for_job.project, job.project] += 1
+        need = served(for_job, job)
+        self.preemptions_by_need[need] += 1
+        if for_job is not None:
+            self.requester_waits_by_need.setdefault(need, []).append(waited)
         self.preemptions_by_job[job.id] += 1
         if job.min_runtime > 0:
             self.budgeted_preemptions[job.id] += 1
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
 
-    def regranted(self, after: float, cost_gpu_seconds: float, reason: str) -> None:
-        """A victim preempted for ``reason`` granted again ``after`` seconds later; its
-        preemption cost it ``cost_gpu_seconds``."""
+    def regranted(self, after: float, cost_gpu_seconds: float, reason: str, need: str) -> None:
+        """A victim preempted for ``reason``, serving ``need`` (:func:`served`), granted
+        again ``after`` seconds later; its preemption cost it ``cost_gpu_seconds``."""
         if after <= MUSICAL_CHAIRS:
             self.musical_chairs += 1
             self.musical_chairs_gpu_seconds += cost_gpu_seconds
             self.musical_chairs_by_reason[reason] += 1
+            self.musical_chairs_by_need[need] += 1
 
     def avoided(self, waited: float) -> None:
         """A request that could have preempted waited ``waited`` more seconds instead."""
@@ -504,6 +536,17 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "musical_chairs_share": recorder.musical_chairs / total if total else None,
         "musical_chairs_gpu_hours": recorder.musical_chairs_gpu_seconds / HOUR,
         "musical_chairs_by_reason": dict(sorted(recorder.musical_chairs_by_reason.items())),
+        "preemptions_by_need": {
+            need: {
+                "preemptions": recorder.preemptions_by_need[need],
+                "musical_chairs": recorder.musical_chairs_by_need[need],
+                "requester_wait_p50": percentile(
+                    recorder.requester_waits_by_need.get(need, []), 50
+                ),
+            }
+            for need in NEEDS
+            if recorder.preemptions_by_need[need]
+        },
         "fair_share_back_and_forth": _back_and_forth(recorder.fair_share_moves),
         "preemption_budget": budget,
         "jobs_at_budget": (

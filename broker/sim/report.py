@@ -191,6 +191,21 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "preemptions by what they served (musical chairs; the requester's wait p50)",
+        lambda s, _: (
+            ", ".join(
+                f"{need} {figures['preemptions']:,} ({figures['musical_chairs']:,}"
+                + (
+                    f"; {fmt_duration(figures['requester_wait_p50'])})"
+                    if figures["requester_wait_p50"] is not None
+                    else ")"
+                )
+                for need, figures in s.get("preemptions_by_need", {}).items()
+            )
+            or "–"
+        ),
+    )
+    row(
         "preemptions avoided by waiting (their wait p50 / p90)",
         lambda s, _: (
             f"{_maybe(s, 'avoided_preemptions', lambda v: f'{v:,}')} "
