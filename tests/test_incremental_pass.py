@@ -21,7 +21,7 @@ from broker.core.model import Account, Node, NodeState, Policy, SliceKind, Slice
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug
-from broker.core.scheduler import _shape, schedule
+from broker.core.scheduler import _shape, schedule, still_quiet
 from broker.core.transitions import apply
 from broker.core.whatif import alternatives
 
@@ -421,3 +421,59 @@ def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     snap = replace(snap, slices=(holder, first, budget_spent, small), now=NOW + 60)
     schedule(snap, index=kept)
     assert kept.shapes[again.id] == _shape(budget_spent, policy) != _shape(again, policy)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.randoms(use_true_random=False), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4))
+def test_a_pass_before_a_quiet_pass_s_until_decides_nothing_either(rng, later):
+    """What lets the simulator leave passes out (``Decisions.quiet``): over the slices
+    and nodes a pass that decided nothing left, any pass that ``still_quiet`` allows
+    (before its ``until``, the window's order unchanged) decides nothing either."""
+    tree = ProjectTree(ACCOUNTS)
+    # Requests of the last minutes (their preemption delays still running) behind
+    # holders whose protections end within the hours checked.
+    live = {
+        s.id: replace(s, submitted_at=NOW - rng.uniform(0, 20 * MIN))
+        if s.state is SliceState.PENDING
+        else replace(
+            s,
+            granted_at=NOW - s.contract.min_runtime + rng.choice([-MIN, 10 * MIN, HOUR, 3 * HOUR]),
+        )
+        for s in a_cluster(rng)
+    }
+    nodes = list(NODES)
+    usage = {p: rng.uniform(0, 1e6) for p in PROJECTS}
+    now = NOW
+    for _ in range(6):  # let the cluster settle: passes until one decides nothing
+        slices = list(live.values())
+        snap = snapshot(
+            nodes, ACCOUNTS, slices, usage=usage, policy=POLICY, now=now, weights=WEIGHTS
+        )
+        decisions = schedule(snap, tree)
+        if decisions.quiet is not None:
+            break
+        live = apply(live, {n.name: n for n in nodes}, decisions, now, WEIGHTS).slices
+        now += rng.choice([1.0, 61.0, 20 * MIN])
+    else:
+        event("never quiet")
+        return
+    quiet = decisions.quiet
+    assert not (decisions.grants or decisions.preemptions or decisions.endings)
+    assert apply(live, {n.name: n for n in nodes}, decisions, now, WEIGHTS).slices == live
+    event("quiet")
+    if decisions.deferred:
+        event("quiet, with requests left to wait for releases")
+    horizon = min(quiet.until, now + 6 * HOUR)
+    for fraction in later:
+        moved = dict(usage)
+        if rng.random() < 0.5:  # usage moves with time; the order may or may not
+            moved[rng.choice(PROJECTS)] *= rng.uniform(0.9, 1.1)
+        at = now + fraction * (horizon - now)
+        later_snap = replace(snap, now=at, usage=moved)
+        if at >= quiet.until or not still_quiet(quiet, later_snap, tree):
+            continue
+        event("checked")
+        again = schedule(later_snap, tree)
+        assert not (again.grants or again.preemptions or again.endings or again.node_changes)
+        assert set(again.deferred) <= set(decisions.deferred)
+        assert again.quiet is not None

@@ -330,3 +330,33 @@ def test_a_victim_that_just_checkpointed_is_taken_before_one_with_hours_of_unsav
     stale = replace(older, checkpointed_at=NOW - 6 * HOUR)
     d = decide([stale, newer, request])
     assert [p.slice_id for p in d.preemptions] == [newer.id]
+
+
+def test_a_pass_that_lets_a_request_wait_says_when_its_wait_ends():
+    # The simulator leaves out passes before a quiet pass's ``until`` that nothing but
+    # time separates from it: the end of the request's delay must bound it.
+    policy = Policy(batch_preemption_delay=15 * MIN)
+    hog, fresh = hog_and_starving(submitted_at=NOW - 5 * MIN)
+    d = decide([*hog, fresh], policy=policy)
+    assert d.deferred == (fresh.id,) and d.quiet is not None
+    assert d.quiet.until == fresh.submitted_at + 15 * MIN
+    assert decide([*hog, fresh], policy=policy, now=d.quiet.until - 1).preemptions == ()
+    assert decide([*hog, fresh], policy=policy, now=d.quiet.until).preemptions != ()
+
+
+def test_a_pass_says_when_a_holder_it_could_take_leaves_its_protection():
+    # Both of hog's jobs are protected for 10 more minutes; the starving request has
+    # waited long: the pass decides nothing until the first protection ends.
+    hog, request = hog_and_starving(submitted_at=NOW - HOUR)
+    young = [replace(s, granted_at=NOW - 50 * MIN) for s in hog]
+    d = decide([*young, request])
+    assert d.preemptions == () and d.quiet is not None
+    assert d.quiet.until == NOW + 10 * MIN
+    assert decide([*young, request], now=d.quiet.until).preemptions != ()
+    # the protection of a holder whose project is under its share (a large one)
+    # ends sooner, but the request may not take it: it bounds nothing
+    accounts = [Account("hog"), Account("starving"), Account("large", 10.0)]
+    under = running("large", "n1", tuple(range(8)), min_runtime=HOUR, granted_ago=55 * MIN)
+    d = decide([*young, under, request], accounts=accounts)
+    assert d.preemptions == () and d.quiet is not None
+    assert d.quiet.until == NOW + 10 * MIN

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -95,6 +96,24 @@ def test_every_policy_keeps_the_invariants_and_its_books_balance(small, name):
     assert s["completed"] > 0 and result.stats["passes"] > 0
     if name != "fairshare":
         assert s["preemptions_total"] == 0  # baselines never preempt
+
+
+class _NeverQuiet(FairShare):
+    """Our policy, never saying that the next pass would decide nothing."""
+
+    def __call__(self, snapshot, /):
+        return replace(super().__call__(snapshot), quiet=None)
+
+
+def test_passes_left_out_as_quiet_change_nothing_in_the_run(small):
+    # A pass that time alone separates from a quiet one is left out (and, with
+    # check, run all the same and found to decide nothing): the whole run is the
+    # same as with every pass made, for fewer passes.
+    left_out = Simulation(small, FairShare(small.accounts), SimConfig(check=True)).run()
+    every = Simulation(small, _NeverQuiet(small.accounts), SimConfig()).run()
+    assert left_out.stats["quiet_passes"] > 0 and every.stats["quiet_passes"] == 0
+    assert left_out.stats["passes"] + left_out.stats["quiet_passes"] == every.stats["passes"]
+    assert left_out.summary == every.summary
 
 
 def test_the_same_seed_gives_the_same_run_and_another_seed_another(tiny):

@@ -41,6 +41,7 @@ the pass left them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator, Mapping
@@ -355,6 +356,17 @@ class PassState:
             if (at := bisect_right(ordered, after)) < len(ordered)
         ]
         return min(times, default=None)
+
+    def next_deadline(self, after: float) -> float | None:
+        """The earliest end of a grace period, a maximum runtime or a lease after
+        ``after``, of the slices as last taken in."""
+        at = bisect_right(self.deadlines, (after, math.inf))
+        return self.deadlines[at][0] if at < len(self.deadlines) else None
+
+    def protection_ends_after(self, after: float) -> Iterator[tuple[float, int]]:
+        """(when, slice id) of the protections ending after ``after``, earliest first."""
+        start = bisect_right(self.protection_ends, (after, math.inf))
+        return itertools.islice(self.protection_ends, start, None)
 
     def holding(self) -> Iterator[Slice]:
         """The slices that hold GPUs, in id order."""

@@ -299,6 +299,16 @@ class QueueEntry(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Quiet:
+    """What a pass that decided nothing knows of the next one: over the same slices
+    and nodes, a pass before ``until`` (seconds) decides nothing either, as long as
+    the window's project order is still ``window_order`` (scheduler.still_quiet)."""
+
+    until: float
+    window_order: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Decisions:
     grants: tuple[Grant, ...] = ()
     preemptions: tuple[Preemption, ...] = ()
@@ -308,6 +318,7 @@ class Decisions:
     queue: tuple[QueueEntry, ...] = ()
     # Requests that could have preempted but wait for releases instead (design.md §5.7).
     deferred: tuple[int, ...] = ()
+    quiet: Quiet | None = None  # set only when nothing above but the queue was decided
     phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)
 
 

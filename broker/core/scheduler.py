@@ -32,6 +32,7 @@ from .model import (
     Preemption,
     PreemptReason,
     QueueEntry,
+    Quiet,
     Reservation,
     Slice,
     SliceKind,
@@ -51,6 +52,18 @@ from .preemption import (
 )
 from .standing import Standings
 from .transitions import granted, requeued
+
+
+def still_quiet(quiet: Quiet | None, snapshot: Snapshot, tree: ProjectTree) -> bool:
+    """Whether a pass over ``snapshot`` would decide nothing, told from the last
+    pass's ``quiet`` alone: true only if the caller knows that the slices and
+    nodes are those that pass left, and ``snapshot`` comes before ``quiet.until``
+    with the window's project order unchanged (see ``_Pass._quiet``)."""
+    return (
+        quiet is not None
+        and snapshot.now < quiet.until
+        and tuple(tree.project_order(snapshot.usage)) == quiet.window_order
+    )
 
 
 def schedule(
@@ -157,7 +170,74 @@ class _Pass:
             node_changes=tuple(self.node_changes),
             queue=tuple(self.queue),
             deferred=tuple(self.deferred),
+            quiet=self._quiet(),
             phase_seconds=self.timings,
+        )
+
+    def _quiet(self) -> Quiet | None:
+        """Until when a pass over the same slices and nodes decides nothing either, if
+        this one decided nothing (see :func:`still_quiet`); else None.
+
+        With nothing decided, the next pass starts from the same slices, standings,
+        free GPUs and lane; only time moves. Time reaches the pass's answers through
+        the window's project order (checked by :func:`still_quiet`) and through
+        thresholds, the earliest of which bounds ``until``: a grace, maximum runtime
+        or lease ending (and, one grace period before, the release estimates and
+        the known releases it compares with ``now`` plus a grace); a request's
+        preemption delay ending; the protection ending of a holder that a waiting
+        request could then take (:meth:`_may_become_victim`). Whatever else compares
+        with ``now`` (borrowing reserved GPUs) only refuses more as time goes on.
+        """
+        if self.grants or self.preemptions or self.endings or self.node_changes:
+            return None
+        promised = {r.slice_id: r.placements for r in self.reservations if r.promised}
+        if promised.keys() != self.kept.promised_ids or any(
+            self.live[i].promised != placements for i, placements in promised.items()
+        ):
+            return None  # applying this pass changes a promise: the next is not the same
+        now, grace, policy = self.now, self.policy.grace_period, self.policy
+        ends, ahead = self.kept.next_deadline(now), self.kept.next_deadline(now + grace)
+        until = math.inf if ends is None else ends
+        if ahead is not None:
+            until = min(until, ahead - grace)
+        waiting: set[str] = set()  # projects with allocated work waiting
+        debug_waits = False
+        for slice_ in self.kept.pending():
+            delay_ends = slice_.waiting_since + preemption_delay(slice_, policy)
+            if now < delay_ends < until:
+                until = delay_ends
+            if slice_.allocated:
+                waiting.add(slice_.project)
+                debug_waits = debug_waits or is_debug(slice_, policy)
+        for at, slice_id in self.kept.protection_ends_after(now):
+            if at >= until:
+                break
+            if self._may_become_victim(self.live[slice_id], waiting, debug_waits):
+                until = at
+                break
+        return Quiet(until, tuple(self.window_order))
+
+    def _may_become_victim(self, holder: Slice, waiting: set[str], debug_waits: bool) -> bool:
+        """Whether ``holder``, once its protection ends, is one that a drain or a
+        request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
+        at its most lenient); True where unsure."""
+        if holder.state is not SliceState.GRANTED or any(
+            self.nodes[p.node].state is not NodeState.READY for p in holder.placements
+        ):
+            return True
+        if not waiting:
+            return False
+        if not holder.allocated or holder.project in waiting:
+            return True
+        if past_budget(holder, self.policy):
+            return False
+        if debug_waits and holder.kind is SliceKind.BATCH:
+            return True
+        may_take_at_all = self.standings.may_take_at_all
+        return any(
+            may_take_at_all(project, holder.project, gang)
+            for project in waiting
+            for gang in (False, True)
         )
 
     # -- phase 1 -----------------------------------------------------------
@@ -312,9 +392,8 @@ class _Pass:
         self._preemptor: Preemptor | None = None
         self._start_standing = {p: self.standings.standing(p) for p in self.tree.projects}
         self._left_before = set(self.leaving)  # drained in phase 2
-        self.project_rank = project_rank(
-            self.tree.project_order(self.snap.usage), self.standings.over_share()
-        )
+        self.window_order = self.tree.project_order(self.snap.usage)
+        self.project_rank = project_rank(self.window_order, self.standings.over_share())
 
     @property
     def preemptor(self) -> Preemptor:

@@ -48,12 +48,14 @@ from ..core.model import (
     Node,
     NodeState,
     PreemptReason,
+    Quiet,
     Slice,
     SliceKind,
     SliceState,
     Snapshot,
 )
 from ..core.preemption import preemption_delay
+from ..core.scheduler import still_quiet
 from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,
@@ -77,6 +79,8 @@ MIN = 60.0
 # Event kinds (same-time events are handled in the order they were pushed).
 _NODE, _REPAIR, _FINISH, _INTERVENE, _WAKE, _CHECK, _TICK = range(7)
 _KIND_NAMES = ("node", "repair", "release", "intervention", "deadline", "protection end", "tick")
+# Events that change no slice or node: the pass looks again only because time moved.
+_TIMED = frozenset((_WAKE, _CHECK, _TICK))
 
 
 @dataclass(frozen=True)
@@ -206,9 +210,13 @@ class Simulation:
         self._tick_due: float | None = None
         self._ending_cause = PREEMPTION  # whom work ended now by a preemption is charged to
         self._nodes_tuple: tuple[Node, ...] | None = None
+        # What the last pass said of the next (Decisions.quiet), and whom it deferred
+        self._quiet: Quiet | None = None
+        self._quiet_deferred: set[int] = set()
         self.history: list[tuple[float, str, int]] | None = [] if self.config.history else None
         self.stats: dict[str, Any] = {
             "passes": 0,
+            "quiet_passes": 0,  # passes left out: time alone moved, nothing would change
             "pass_seconds": 0.0,
             "max_pass_seconds": 0.0,
             "phase_seconds": {},
@@ -234,7 +242,7 @@ class Simulation:
                 break
             at = min(math.ceil(first / quantum) * quantum, self.until) if quantum > 0 else first
             at = max(at, first)
-            changed = False
+            changed = moved = False  # moved: an event changed a slice or a node
             while True:
                 arrival = jobs[next_job].submit if next_job < len(jobs) else math.inf
                 event = heap[0][0] if heap else math.inf
@@ -246,18 +254,19 @@ class Simulation:
                     next_job += 1
                     self.now = job.submit
                     self._request(job.submit, job, job.duration)
-                    changed = True
+                    changed, moved = True, True
                     changes["arrival"] = changes.get("arrival", 0) + 1
                 else:
                     t, _, kind, a, b = heapq.heappop(heap)
                     self.now = t
                     if self._handle(t, kind, a, b):
                         changed = True
+                        moved = moved or kind not in _TIMED
                         name = _KIND_NAMES[kind]
                         changes[name] = changes.get(name, 0) + 1
             self.now = at
             if changed:
-                self._pass(at)
+                self._pass(at, timed_only=not moved)
         self._finish_run()
         self.stats["wall_seconds"] = time.perf_counter() - started
         self.stats["cpu_seconds"] = time.process_time() - cpu
@@ -389,9 +398,10 @@ class Simulation:
         phase = self._phase(job)
         return worked if worked < phase else (worked - phase) % interval
 
-    def _report_checkpoints(self, now: float) -> None:
-        """The checkpoints made by ``now``, as their jobs report them to the broker."""
-        due = self._checkpoints
+    def _report_checkpoints(self, now: float) -> bool:
+        """The checkpoints made by ``now``, as their jobs report them to the broker;
+        whether any was."""
+        due, reported = self._checkpoints, False
         while due and due[0][0] <= now:
             at, slice_id, granted_at = heapq.heappop(due)
             slice_ = self.slices.get(slice_id)
@@ -399,6 +409,8 @@ class Simulation:
                 continue  # ended or requeued since: its next grant has checkpoints of its own
             self.slices[slice_id] = replace(slice_, checkpointed_at=at)
             heapq.heappush(due, (at + self.config.checkpoint_interval, slice_id, granted_at))
+            reported = True
+        return reported
 
     # ---- the cluster ----------------------------------------------------------------
 
@@ -471,9 +483,13 @@ class Simulation:
 
     # ---- the policy -----------------------------------------------------------------------
 
-    def _pass(self, now: float) -> None:
-        if self._checkpoints:
-            self._report_checkpoints(now)
+    def _pass(self, now: float, timed_only: bool = False) -> None:
+        """Call the policy at ``now`` and commit what it decides. ``timed_only``: no
+        event since the last pass changed a slice or a node; if that pass decided
+        nothing and said until when nothing changes (``Decisions.quiet``), this one is
+        left out (``quiet_passes``; checked against the policy with ``check``)."""
+        if self._checkpoints and self._report_checkpoints(now):
+            timed_only = False
         if self._nodes_tuple is None:
             self._nodes_tuple = tuple(self.nodes.values())
         snapshot = Snapshot(
@@ -485,6 +501,12 @@ class Simulation:
             gpu_type_weights=self.weights,
             policy=self.scheduler.policy,
         )
+        if timed_only and still_quiet(self._quiet, snapshot, self.tree):
+            self.stats["quiet_passes"] += 1
+            if self.config.check:
+                check_quiet(self._quiet_deferred, self.scheduler(snapshot))
+            self._tick(now)
+            return
         started = time.perf_counter()
         decisions = self.scheduler(snapshot)
         elapsed = time.perf_counter() - started
@@ -498,6 +520,11 @@ class Simulation:
         if self.config.check:
             check_decisions(snapshot, decisions)
         self._commit(now, decisions)
+        self._quiet, self._quiet_deferred = decisions.quiet, set(decisions.deferred)
+        self._tick(now)
+
+    def _tick(self, now: float) -> None:
+        """While work waits, a pass at least every ``tick`` seconds."""
         if self.waiting and self._tick_due is None and self.config.tick > 0:
             self._tick_due = now + self.config.tick
             self._push(self._tick_due, _TICK)
@@ -658,6 +685,16 @@ def checkpoint_phase(seed: int, job_id: int, interval: float) -> float:
 
 
 # ---- invariants ------------------------------------------------------------------------
+
+
+def check_quiet(deferred: set[int], decisions: Decisions) -> None:
+    """A pass left out as quiet (``Decisions.quiet``), run all the same: it must decide
+    nothing, and defer only requests the last pass deferred already."""
+    acted = decisions.grants or decisions.preemptions or decisions.endings
+    if acted or decisions.node_changes or decisions.quiet is None:
+        raise AssertionError(f"a pass left out as quiet decides {decisions}")
+    if not deferred.issuperset(decisions.deferred):
+        raise AssertionError(f"a pass left out as quiet decides {decisions}")
 
 
 def check_decisions(snapshot: Snapshot, decisions: Decisions) -> None:
