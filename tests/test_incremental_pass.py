@@ -17,11 +17,20 @@ from passchecks import check_pass
 
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
-from broker.core.model import Account, Node, NodeState, Policy, SliceKind, SliceState, Snapshot
+from broker.core.model import (
+    Account,
+    Node,
+    NodeState,
+    Policy,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug
-from broker.core.scheduler import _shape, schedule, still_quiet
+from broker.core.resume import still_quiet
+from broker.core.scheduler import _shape, schedule
 from broker.core.transitions import apply
 from broker.core.whatif import alternatives
 
@@ -42,7 +51,12 @@ NODES = [
 ]
 POLICY = Policy(debug_lane_fraction=0.2, max_reservations=3, project_gpu_caps={"c": 12})
 # A changed policy (here: which sessions count as debug) refiles every holder.
-POLICIES = (POLICY, replace(POLICY, debug_max_gpus=1), replace(POLICY, debug_max_gpus=4))
+POLICIES = (
+    POLICY,
+    replace(POLICY, debug_max_gpus=1),
+    replace(POLICY, debug_max_gpus=4),
+    replace(POLICY, debug_first=True),
+)
 
 
 def a_pending(rng: random.Random, now: float):
@@ -151,12 +165,13 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     assert (held.gpus, held.allocated, held.debug) == (gpus, allocated, debug)
     ready = [n for n in snap.nodes if n.state is NodeState.READY]
     taken = [p for s in slices if s.holds_gpus for p in s.placements]
-    fresh, kept_map = FreeGpus(ready, snap.gpu_type_weights, taken), kept.free_map(ready, WEIGHTS)
+    weights = dict(snap.gpu_type_weights)
+    fresh, kept_map = FreeGpus(ready, weights, taken), kept.free_map(ready, weights)
     assert (kept_map.free, kept_map._buckets) == (fresh.free, fresh._buckets)
     leaving = {s.id for s in slices if s.holds_gpus and rng.random() < 0.3}
     staying = [p for s in slices if s.holds_gpus and s.id not in leaving for p in s.placements]
     fresh = FreeGpus(ready, snap.gpu_type_weights, staying)
-    kept_map = kept.free_map(ready, WEIGHTS, [s for s in slices if s.id in leaving])
+    kept_map = kept.free_map(ready, weights, [s for s in slices if s.id in leaving])
     assert (kept_map.free, kept_map._buckets) == (fresh.free, fresh._buckets)
 
     def due(s) -> bool:
@@ -192,7 +207,7 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
 
 CHANGES = (
     *("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock"),
-    *("retype", "policy"),
+    *("retype", "policy", "weights"),
 )
 
 
@@ -209,6 +224,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
     usage = {p: rng.uniform(0, 1e6) for p in PROJECTS}
     now = NOW
     policy = POLICY
+    weights = WEIGHTS
     decisions = None
     last_snap = None
     told = PassState(tree)  # an index told which slices changed (as the store does)
@@ -216,10 +232,13 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
     for changes in steps:
         for kind in changes:
             if kind == "apply" and decisions is not None:
-                live = apply(live, nodes, decisions, now, WEIGHTS).slices
+                live = apply(live, nodes, decisions, now, weights).slices
                 decisions = None
             elif kind == "policy":
                 policy = rng.choice(POLICIES)
+                decisions = None
+            elif kind == "weights":  # an admin values the GPU types anew
+                weights = {**weights, "b200": rng.choice([1.0, 2.5, 4.0])}
                 decisions = None
             elif kind != "apply":
                 now = change(rng, kind, now, live, nodes, usage)
@@ -235,7 +254,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             usage=dict(usage),
             policy=policy,
             now=now,
-            weights=WEIGHTS,
+            weights=weights,
         )
         before = kept.copy()
         decisions = schedule(snap, index=kept)
@@ -257,7 +276,7 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         check_pass(snap, decisions)
         # The store's index takes in what the pass wrote at once (told which slices,
         # or not): then it answers for the slices as the pass left them.
-        written = apply(now_of, nodes, decisions, now, WEIGHTS).slices
+        written = apply(now_of, nodes, decisions, now, weights).slices
         gone_or_new = now_of.keys() ^ written.keys()
         said = {i: written.get(i) for i in gone_or_new | set(decisions_ids(decisions))}
         for taken, changed in ((told.copy(), said), (told.copy(), None)):
@@ -477,3 +496,146 @@ def test_a_pass_before_a_quiet_pass_s_until_decides_nothing_either(rng, later):
         assert not (again.grants or again.preemptions or again.endings or again.node_changes)
         assert set(again.deferred) <= set(decisions.deferred)
         assert again.quiet is not None
+
+
+def _quiet_queue(max_reservations: int):
+    """One node held by two of a's 4-GPU jobs past protection; b, under its share,
+    asked for 4 GPUs 5 minutes ago and waits out its 15-minute preemption delay;
+    a waits with a request of its own: nothing is granted or preempted, and b's
+    request is planned for the end of a grace from now."""
+    holders = [running("a", "n0", (0, 1, 2, 3)), running("a", "n0", (4, 5, 6, 7))]
+    waiting = [pending("b", 4, submitted_at=NOW - 5 * MIN), pending("a", 2)]
+    policy = Policy(max_reservations=max_reservations, batch_preemption_delay=15 * MIN)
+    return snapshot(nodes(1), flat_tree("a", "b"), [*holders, *waiting], policy=policy)
+
+
+def _resume(snap, *joining, seconds: float = 1.0):
+    """The pass after ``snap``'s from a kept index, with ``joining`` submitted and
+    ``seconds`` later, beside a fresh pass on the same snapshot."""
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    first = schedule(snap, index=kept)
+    assert first.quiet is not None and kept.settled is not None
+    later = replace(snap, now=snap.now + seconds, slices=(*snap.slices, *joining))
+    return schedule(later, index=kept), schedule(later, tree)
+
+
+def test_a_request_joining_the_settled_tail_resumes_the_last_pass():
+    # a's new request comes after a's preemption attempt and after the one
+    # reservation the policy allows, and no GPU is free: the walk would only queue it
+    snap = _quiet_queue(max_reservations=1)
+    joining = pending("a", 4, submitted_at=snap.now)
+    resumed, fresh = _resume(snap, joining, seconds=30.0)
+    assert resumed == fresh
+    assert resumed.phase_seconds == {}  # no phase ran
+    assert [e.slice_id for e in resumed.queue][-1] == joining.id
+    # b's reservation falls due a grace after now: it moved with the 30 s
+    assert resumed.reservations[0].due_at == snap.now + 30.0 + snap.policy.grace_period
+    assert resumed.quiet.until == NOW - 5 * MIN + 15 * MIN  # b's delay ends
+
+
+def test_a_request_that_could_still_be_planned_for_walks_the_queue():
+    # two reservations allowed: the second went to a's first request, and b's new
+    # one ranks before it, so it would be planned for instead
+    snap = _quiet_queue(max_reservations=2)
+    resumed, fresh = _resume(snap, pending("b", 4, submitted_at=snap.now))
+    assert resumed == fresh and resumed.phase_seconds != {}
+
+
+def test_a_request_that_fits_walks_the_queue():
+    # a second node with one GPU free, which nobody waiting fits in: a's new 1-GPU
+    # request does
+    snap = _quiet_queue(max_reservations=1)
+    seven = running("a", "n1", tuple(range(7)))
+    snap = replace(snap, nodes=tuple(nodes(2)), slices=(*snap.slices, seven))
+    resumed, fresh = _resume(snap, pending("a", 1, submitted_at=snap.now))
+    assert resumed == fresh and resumed.phase_seconds != {} and resumed.grants
+
+
+def test_a_request_that_comes_before_its_project_s_preemption_attempt_walks_the_queue():
+    # a's new notebook ranks before a's batch request in a's own order: it makes a's
+    # attempt now (and may take a's own batch work), so the walk must run
+    snap = _quiet_queue(max_reservations=1)
+    notebook = pending("a", 2, kind=SliceKind.INTERACTIVE, submitted_at=snap.now)
+    resumed, fresh = _resume(snap, notebook)
+    assert resumed == fresh and resumed.phase_seconds != {}
+
+
+def test_a_request_that_may_borrow_reserved_gpus_walks_the_queue():
+    # b's reservation holds the node's two free GPUs until a's job ends in an hour; a
+    # new request that is sure to be gone by then may borrow them
+    holders = [
+        running("a", "n0", (0, 1, 2), max_runtime=3 * HOUR),
+        running("a", "n0", (3, 4, 5)),
+    ]
+    waiting = [pending("b", 4, submitted_at=NOW - 5 * MIN), pending("a", 2)]
+    snap = snapshot(
+        nodes(1), flat_tree("a", "b"), [*holders, *waiting], policy=Policy(max_reservations=1)
+    )
+    short = pending("a", 2, max_runtime=30 * MIN, submitted_at=snap.now)
+    resumed, fresh = _resume(snap, short)
+    assert resumed == fresh and resumed.grants
+
+
+def test_a_known_end_a_grace_from_now_is_not_taken_for_a_time_that_moves():
+    # One of a's jobs ends a grace after the second pass: there the release estimate
+    # is that fixed time, which equals "now plus a grace" and must not move with the
+    # clock at the third.
+    snap = _quiet_queue(max_reservations=1)
+    first, second, *waiting = snap.slices
+    ends = snap.now + 30.0 + snap.policy.grace_period
+    first = replace(first, contract=replace(first.contract, max_runtime=ends - first.granted_at))
+    snap = replace(snap, slices=(first, second, *waiting))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    for seconds in (30.0, 40.0):
+        joining = pending("a", 4, submitted_at=snap.now + seconds)
+        snap = replace(snap, now=NOW + seconds, slices=(*snap.slices, joining))
+        assert schedule(snap, index=kept) == schedule(snap, tree)
+
+
+def test_a_request_changed_in_place_in_the_settled_tail_moves_to_its_new_place():
+    snap = _quiet_queue(max_reservations=1)
+    *rest, mine = snap.slices  # a's request, behind a's own attempt: make it two
+    twin = replace(mine, id=mine.id + 1000, submitted_at=mine.submitted_at + 1)
+    snap = replace(snap, slices=(*rest, mine, twin))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    later = replace(snap, now=snap.now + 1, slices=(*rest, mine, replace(twin, priority=-1)))
+    resumed = schedule(later, index=kept)
+    assert resumed == schedule(later, tree)
+
+
+def test_a_node_set_draining_walks_the_queue():
+    snap = _quiet_queue(max_reservations=1)
+    draining = replace(snap.nodes[0], state=NodeState.DRAINING)
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    later = replace(snap, now=snap.now + 1, nodes=(draining,))
+    resumed = schedule(later, index=kept)
+    assert resumed == schedule(later, tree) and resumed.preemptions
+
+
+def test_free_work_joining_walks_the_queue():
+    # unallocated work is queued after every allocated request, whatever its project
+    snap = _quiet_queue(max_reservations=1)
+    free_work = pending("b", 8, min_runtime=0.0, submitted_at=snap.now)
+    resumed, fresh = _resume(snap, free_work)
+    assert resumed == fresh and fresh.queue[-1].slice_id == free_work.id
+
+
+def test_a_release_walks_the_queue():
+    # one of a's jobs ends: b's request fits in its GPUs now
+    snap = _quiet_queue(max_reservations=1)
+    first, second, *waiting = snap.slices
+    recent = replace(second, submitted_at=snap.now)  # ranks late in a's own order
+    snap = replace(snap, slices=(first, recent, *waiting))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    later = replace(snap, now=snap.now + 1, slices=(first, *waiting))
+    resumed = schedule(later, index=kept)
+    assert resumed == schedule(later, tree) and resumed.grants

@@ -46,6 +46,7 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .fairshare import ProjectTree
 from .model import (
@@ -62,6 +63,9 @@ from .model import (
 from .ordering import within_project_key
 from .placement import FreeGpus
 from .preemption import is_debug, past_budget
+
+if TYPE_CHECKING:
+    from .resume import Settled
 
 
 @dataclass
@@ -186,6 +190,11 @@ class PassState:
         self.promised_ids: set[int] = set()  # pending slices that hold a promise
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
+        # What the last update changed: id -> (the slice before or None, the slice now
+        # or None); None when it filed everything anew. A quiet pass's successor
+        # reads it to tell whether it may resume (broker/core/resume.py).
+        self.changed: dict[int, tuple[Slice | None, Slice | None]] | None = None
+        self.settled: Settled | None = None  # what the last pass left to resume from
 
     def expect(self, changed: Mapping[int, Slice | None] | None) -> None:
         """The next :meth:`update`'s snapshot differs from the last one only in these
@@ -201,13 +210,16 @@ class PassState:
         if not self.fixed_tree and (self.tree is None or self.accounts != snapshot.accounts):
             self.tree = ProjectTree(snapshot.accounts)
             self.accounts = snapshot.accounts
+            self.settled = None
         node_types = {node.name: node.gpu_type for node in snapshot.nodes}
         if node_types != self.node_types or snapshot.policy != self.policy:
             self._clear()
             self.node_types, self.policy = node_types, snapshot.policy
         expected, self._expected = self._expected, None
+        self.changed = {}
         if not self.slices:
             self._build(snapshot.slices)
+            self.changed = None
             return self.tree
         if expected is None or not self._take_expected(expected, len(snapshot.slices)):
             self._take_all(snapshot.slices)
@@ -223,8 +235,13 @@ class PassState:
         finds these slices filed already."""
         if not self.slices:
             return  # nothing kept yet: the next update builds the index
+        before = self.changed
+        self.changed = {}
         if changed is None or not self._take_expected(changed, count):
             self._take_all(live)
+        if self.changed:
+            self.settled = None  # the pass wrote something: nothing to resume from
+        self.changed = before
 
     def _take_all(self, slices: Iterable[Slice]) -> None:
         """Take in ``slices``, every live slice, comparing each with the one kept."""
@@ -242,10 +259,18 @@ class PassState:
             else:
                 self._forget(before)
             self._file(slice_)
+            self._changed(before, slice_)
         if len(known) + added != len(current):  # some slices are gone
             for gone in known.keys() - current.keys():
                 self._forget(known[gone])
+                self._changed(known[gone], None)
         self.slices = current
+
+    def _changed(self, before: Slice | None, after: Slice | None) -> None:
+        if self.changed is not None:
+            slice_id = (after or before).id  # type: ignore[union-attr]
+            first = self.changed.get(slice_id, (before, None))[0]
+            self.changed[slice_id] = (first, after)
 
     def copy(self) -> PassState:
         """An independent index of the same slices: updating either leaves the other
@@ -285,10 +310,12 @@ class PassState:
             if slice_ is not None:
                 self._file(slice_)
                 slices[slice_id] = slice_
+            self._changed(before, slice_)
         return True
 
     def _clear(self) -> None:
         self.slices = {}
+        self.settled = None
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self.protection_ends = []
@@ -362,6 +389,11 @@ class PassState:
         ``after``, of the slices as last taken in."""
         at = bisect_right(self.deadlines, (after, math.inf))
         return self.deadlines[at][0] if at < len(self.deadlines) else None
+
+    def deadline_at(self, at: float) -> bool:
+        """Whether a grace period, a maximum runtime or a lease ends exactly at ``at``."""
+        found = bisect_left(self.deadlines, (at, -math.inf))
+        return found < len(self.deadlines) and self.deadlines[found][0] == at
 
     def protection_ends_after(self, after: float) -> Iterator[tuple[float, int]]:
         """(when, slice id) of the protections ending after ``after``, earliest first."""

@@ -50,20 +50,9 @@ from .preemption import (
     preempt_reason,
     preemption_delay,
 )
+from .resume import Settled, quiet_until, resumable_at, resumed, settled_at, walk_key
 from .standing import Standings
 from .transitions import granted, requeued
-
-
-def still_quiet(quiet: Quiet | None, snapshot: Snapshot, tree: ProjectTree) -> bool:
-    """Whether a pass over ``snapshot`` would decide nothing, told from the last
-    pass's ``quiet`` alone: true only if the caller knows that the slices and
-    nodes are those that pass left, and ``snapshot`` comes before ``quiet.until``
-    with the window's project order unchanged (see ``_Pass._quiet``)."""
-    return (
-        quiet is not None
-        and snapshot.now < quiet.until
-        and tuple(tree.project_order(snapshot.usage)) == quiet.window_order
-    )
 
 
 def schedule(
@@ -80,7 +69,14 @@ def schedule(
         index = PassState(tree)
     elif tree is not None:
         raise ValueError("an index brings its own project tree")
-    return _Pass(snapshot, index.update(snapshot), index).run()
+    tree = index.update(snapshot)
+    settled = index.settled
+    if settled is not None:
+        decisions = resumed(settled, snapshot, index, tree)
+        if decisions is not None:
+            index.settled = settled_at(settled, decisions, snapshot, index)
+            return decisions
+    return _Pass(snapshot, tree, index).run()
 
 
 class _Pass:
@@ -118,6 +114,11 @@ class _Pass:
         self._lendable: list[list[Placement]] = []  # per backfill reservation
         self._lendable_gpus = 0  # how many GPUs _lendable holds in all
         self._gang_claimed = False
+        # For the next pass to resume from (broker/core/resume.py): the walk key of the
+        # last request a reservation was planned for once no more may be, and of each
+        # project's preemption attempt.
+        self._planned_by: tuple | None = None
+        self._tried: dict[str, tuple] = {}
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
         self._node_summaries: dict[str, NodeHolders] = {}  # see _node_holders
@@ -162,7 +163,7 @@ class _Pass:
             self.allocate()  # 5. walk the queue: fit, preempt or reserve
         with self._phase("backfill"):
             self.backfill_unallocated()  # 6. free work fills what nobody wants
-        return Decisions(
+        decisions = Decisions(
             grants=tuple(self.grants),
             preemptions=tuple(self.preemptions),
             endings=tuple(self.endings),
@@ -173,21 +174,12 @@ class _Pass:
             quiet=self._quiet(),
             phase_seconds=self.timings,
         )
+        self.kept.settled = self._settled(decisions)
+        return decisions
 
     def _quiet(self) -> Quiet | None:
         """Until when a pass over the same slices and nodes decides nothing either, if
-        this one decided nothing (see :func:`still_quiet`); else None.
-
-        With nothing decided, the next pass starts from the same slices, standings,
-        free GPUs and lane; only time moves. Time reaches the pass's answers through
-        the window's project order (checked by :func:`still_quiet`) and through
-        thresholds, the earliest of which bounds ``until``: a grace, maximum runtime
-        or lease ending (and, one grace period before, the release estimates and
-        the known releases it compares with ``now`` plus a grace); a request's
-        preemption delay ending; the protection ending of a holder that a waiting
-        request could then take (:meth:`_may_become_victim`). Whatever else compares
-        with ``now`` (borrowing reserved GPUs) only refuses more as time goes on.
-        """
+        this one decided nothing (:mod:`broker.core.resume`); else None."""
         if self.grants or self.preemptions or self.endings or self.node_changes:
             return None
         promised = {r.slice_id: r.placements for r in self.reservations if r.promised}
@@ -195,49 +187,26 @@ class _Pass:
             self.live[i].promised != placements for i, placements in promised.items()
         ):
             return None  # applying this pass changes a promise: the next is not the same
-        now, grace, policy = self.now, self.policy.grace_period, self.policy
-        ends, ahead = self.kept.next_deadline(now), self.kept.next_deadline(now + grace)
-        until = math.inf if ends is None else ends
-        if ahead is not None:
-            until = min(until, ahead - grace)
-        waiting: set[str] = set()  # projects with allocated work waiting
-        debug_waits = False
-        for slice_ in self.kept.pending():
-            delay_ends = slice_.waiting_since + preemption_delay(slice_, policy)
-            if now < delay_ends < until:
-                until = delay_ends
-            if slice_.allocated:
-                waiting.add(slice_.project)
-                debug_waits = debug_waits or is_debug(slice_, policy)
-        for at, slice_id in self.kept.protection_ends_after(now):
-            if at >= until:
-                break
-            if self._may_become_victim(self.live[slice_id], waiting, debug_waits):
-                until = at
-                break
+        until = quiet_until(self.kept, self.now, self.policy, self.nodes, self.standings)
         return Quiet(until, tuple(self.window_order))
 
-    def _may_become_victim(self, holder: Slice, waiting: set[str], debug_waits: bool) -> bool:
-        """Whether ``holder``, once its protection ends, is one that a drain or a
-        request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
-        at its most lenient); True where unsure."""
-        if holder.state is not SliceState.GRANTED or any(
-            self.nodes[p.node].state is not NodeState.READY for p in holder.placements
-        ):
-            return True
-        if not waiting:
-            return False
-        if not holder.allocated or holder.project in waiting:
-            return True
-        if past_budget(holder, self.policy):
-            return False
-        if debug_waits and holder.kind is SliceKind.BATCH:
-            return True
-        may_take_at_all = self.standings.may_take_at_all
-        return any(
-            may_take_at_all(project, holder.project, gang)
-            for project in waiting
-            for gang in (False, True)
+    def _settled(self, decisions: Decisions) -> Settled | None:
+        """What the next pass may resume from (:func:`~broker.core.resume.resumed`),
+        if this one was quiet."""
+        if decisions.quiet is None or not resumable_at(self.kept, self.now, self.policy):
+            return None
+        return Settled(
+            decisions,
+            self.now,
+            self.snap.nodes,
+            tuple(sorted(self.snap.gpu_type_weights.items())),
+            self.standings,
+            self.project_rank,
+            self._planned_by,
+            self._tried,
+            self.free,
+            self._lendable_gpus,
+            self._latest_due(self._backfill_reserved) if self._backfill_reserved else -math.inf,
         )
 
     # -- phase 1 -----------------------------------------------------------
@@ -632,6 +601,7 @@ class _Pass:
                 continue
             if tries_preemption:
                 tried_preemption.add(slice_.project)
+                self._tried[slice_.project] = walk_key(slice_, self.project_rank)
             if self._held_back(slice_):
                 # It fits, but only on GPUs kept for debug sessions: it waits for
                 # more to free up, and neither preempts nor reserves meanwhile.
@@ -661,6 +631,8 @@ class _Pass:
                     continue
             if planned < self.policy.max_reservations:
                 planned += 1
+                if planned == self.policy.max_reservations:
+                    self._planned_by = walk_key(slice_, self.project_rank)
                 reservation = backfill.plan(
                     slice_,
                     nodes=self.free.nodes,

@@ -55,7 +55,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.preemption import preemption_delay
-from ..core.scheduler import still_quiet
+from ..core.resume import still_quiet
 from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,

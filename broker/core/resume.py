@@ -1,0 +1,292 @@
+"""What a pass that decided nothing tells the next one (design.md §5).
+
+A pass that grants, preempts, ends and changes nothing leaves the slices, the
+standings, the free GPUs and the debug lane as it found them. So it can say
+
+- until when a pass over the same slices and nodes decides nothing either
+  (:func:`quiet_until`, :class:`~broker.core.model.Quiet`): only time moves, and
+  time reaches a pass through the window's project order and a few thresholds;
+- what the next pass is when the only change is requests joining or leaving the
+  *settled tail* of its queue — past every reservation it planned and past their
+  project's preemption attempt, too large for the GPUs left — the same
+  decisions, with that queue edited (:func:`resumed`): the walk need not run.
+
+Both are checked against a fresh pass by property tests
+(tests/test_incremental_pass.py).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from .fairshare import ProjectTree
+from .incremental import PassState
+from .model import (
+    Decisions,
+    NodeState,
+    Policy,
+    QueueEntry,
+    Quiet,
+    Reservation,
+    Slice,
+    SliceKind,
+    SliceState,
+    Snapshot,
+)
+from .ordering import within_project_key
+from .placement import FreeGpus
+from .preemption import is_debug, past_budget, preemption_delay
+from .standing import Standings
+
+
+def walk_key(slice_: Slice, project_rank: Mapping[str, int]) -> tuple:
+    """Where an allocated pending slice comes in the pass's walk (the queue order of
+    :func:`~broker.core.ordering.queue_order`)."""
+    rank = project_rank[slice_.project]
+    return (rank, within_project_key(slice_), slice_.submitted_at, slice_.id)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a quiet pass leaves for the next one to resume from (:func:`resumed`).
+
+    ``planned_by``: the walk key of the request whose reservation was the last the
+    policy allows in a pass (None: fewer were planned, so a later request would be);
+    ``tried``: per project, the walk key of its preemption attempt; ``free`` and
+    ``lendable``: the free GPUs (not to be changed) and how many reserved ones it may
+    lend that the walk left after its planning, and ``latest_due`` when the last of
+    those reservations falls due (-inf: none has a due time).
+    """
+
+    decisions: Decisions
+    now: float
+    nodes: tuple
+    weights: tuple
+    standings: Standings
+    project_rank: dict[str, int]
+    planned_by: tuple | None
+    tried: dict[str, tuple]
+    free: FreeGpus
+    lendable: int
+    latest_due: float
+
+    def could_place(self, request: Slice, policy: Policy) -> bool:
+        """Whether the walk could give ``request`` GPUs past its planning: it fits in
+        the free ones, or it may borrow reserved ones — unless it would outlast every
+        reservation (the first tests of the pass's ``_place``, which only refuse
+        more as time goes on)."""
+        gang = request.kind is SliceKind.BATCH
+        if self.free.fit(request.gpus, request.gpu_type, gang) is not None:
+            return True
+        if request.gpus > self.free.free_total + self.lendable:
+            return False
+        contract, now = request.contract, self.now
+        outlasts = now + contract.min_runtime + policy.grace_period > self.latest_due and (
+            contract.max_runtime is None or now + contract.max_runtime > self.latest_due
+        )
+        return not outlasts
+
+
+def quiet_until(
+    kept: PassState,
+    now: float,
+    policy: Policy,
+    nodes: Mapping[str, object],
+    standings: Standings,
+) -> float:
+    """Until when a pass over the slices of ``kept`` (those a quiet pass at ``now``
+    left, with ``standings``) decides nothing either.
+
+    The earliest of the thresholds at which time changes a pass's answers: a
+    grace, maximum runtime or lease ending (and, one grace period before it, where
+    the release estimates and the known releases compare with ``now`` plus a
+    grace); a waiting request's preemption delay ending; the protection ending of
+    a holder that a drain or a waiting request could then take. Whatever else
+    compares with ``now`` (borrowing reserved GPUs) only refuses more as time
+    goes on.
+    """
+    grace = policy.grace_period
+    ends, ahead = kept.next_deadline(now), kept.next_deadline(now + grace)
+    until = math.inf if ends is None else ends
+    if ahead is not None:
+        until = min(until, ahead - grace)
+    waiting: set[str] = set()  # projects with allocated work waiting
+    debug_waits = False
+    for slice_ in kept.pending():
+        delay_ends = slice_.waiting_since + preemption_delay(slice_, policy)
+        if now < delay_ends < until:
+            until = delay_ends
+        if slice_.allocated:
+            waiting.add(slice_.project)
+            debug_waits = debug_waits or is_debug(slice_, policy)
+    for at, slice_id in kept.protection_ends_after(now):
+        if at >= until:
+            break
+        holder = kept.slices[slice_id]
+        if _may_become_victim(holder, policy, nodes, standings, waiting, debug_waits):
+            return at
+    return until
+
+
+def _may_become_victim(
+    holder: Slice,
+    policy: Policy,
+    nodes: Mapping[str, object],
+    standings: Standings,
+    waiting: set[str],
+    debug_waits: bool,
+) -> bool:
+    """Whether ``holder``, once its protection ends, is one that a drain or a
+    request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
+    at its most lenient); True where unsure."""
+    if holder.state is not SliceState.GRANTED or any(
+        getattr(nodes.get(p.node), "state", None) is not NodeState.READY for p in holder.placements
+    ):
+        return True
+    if not waiting:
+        return False
+    if not holder.allocated or holder.project in waiting:
+        return True
+    if past_budget(holder, policy):
+        return False
+    if debug_waits and holder.kind is SliceKind.BATCH:
+        return True
+    return any(
+        standings.may_take_at_all(project, holder.project, gang)
+        for project in waiting
+        for gang in (False, True)
+    )
+
+
+def still_quiet(quiet: Quiet | None, snapshot: Snapshot, tree: ProjectTree) -> bool:
+    """Whether a pass over ``snapshot`` would decide nothing, told from the last
+    pass's ``quiet`` alone: true only if the caller knows that the slices and
+    nodes are those that pass left, and ``snapshot`` comes before ``quiet.until``
+    with the window's project order unchanged."""
+    return (
+        quiet is not None
+        and snapshot.now < quiet.until
+        and tuple(tree.project_order(snapshot.usage)) == quiet.window_order
+    )
+
+
+def shifts_with_now(at: float | None, now: float, policy: Policy) -> bool:
+    """Whether a quiet pass's estimated start or due time ``at`` moves with ``now``:
+    a release estimate of "now plus a grace" (a holder the request could take) or
+    of "now" itself. :func:`resumable_at` makes sure no fixed time shares those
+    values."""
+    return at is not None and (at == now or at == now + policy.grace_period)
+
+
+def resumable_at(kept: PassState, now: float, policy: Policy) -> bool:
+    """Whether no fixed time a pass compares (an end of grace, maximum runtime or
+    lease) falls exactly on ``now`` plus a grace, where :func:`shifts_with_now`
+    could not tell it from one that moves."""
+    return not kept.deadline_at(now + policy.grace_period)
+
+
+def settled_at(
+    settled: Settled, decisions: Decisions, snapshot: Snapshot, kept: PassState
+) -> Settled | None:
+    """What a pass resumed over ``snapshot`` (its ``decisions``) leaves for the next,
+    unless a fixed time falls where :func:`shifts_with_now` could not tell it apart
+    from one that moves (then None)."""
+    if not resumable_at(kept, snapshot.now, snapshot.policy):
+        return None
+    return replace(settled, decisions=decisions, now=snapshot.now)
+
+
+def resumed(
+    settled: Settled, snapshot: Snapshot, kept: PassState, tree: ProjectTree
+) -> Decisions | None:
+    """The pass over ``snapshot`` from what the quiet pass before it ``settled``,
+    when the only changes since (``kept.changed``) are allocated requests joining
+    or leaving the settled tail of its walk; None when the walk must run.
+
+    Such a request is past every reservation the walk planned and past its
+    project's preemption attempt (so its project waits with other work before
+    and after: fair share now is shared among the same projects), and finds no
+    GPUs the walk left (free, or reserved ones it may borrow): the walk would
+    only give it its place in the queue, and nothing after it would change.
+    Time moved too: the window values shown and the estimates that move with
+    ``now`` (:func:`shifts_with_now`) follow it.
+    """
+    changed, policy = kept.changed, snapshot.policy
+    before = settled.decisions
+    if (
+        changed is None
+        or policy.debug_first
+        or snapshot.nodes != settled.nodes
+        or tuple(sorted(snapshot.gpu_type_weights.items())) != settled.weights
+        or not still_quiet(before.quiet, snapshot, tree)
+    ):
+        return None
+    rank = settled.project_rank
+    joining: list[tuple[tuple, Slice]] = []
+    leaving: set[int] = set()
+    for old, new in changed.values():
+        for slice_ in (old, new):
+            if slice_ is None:
+                continue
+            if slice_.state is not SliceState.PENDING or not slice_.allocated or slice_.promised:
+                return None  # a holder, free work or a kept promise: not the walk's tail
+            key, tried = walk_key(slice_, rank), settled.tried.get(slice_.project)
+            if settled.planned_by is None or key <= settled.planned_by:
+                return None  # a reservation could be planned for it, or was
+            if tried is None or key <= tried:
+                return None  # its project's preemption attempt could be its, or was
+        # A request changed in place leaves its old place and joins at its new one.
+        if old is not None:
+            leaving.add(old.id)
+        if new is not None:
+            if settled.could_place(new, policy):
+                return None
+            joining.append((walk_key(new, rank), new))
+    return _edited(settled, snapshot, kept, tree, sorted(joining), leaving)
+
+
+def _edited(
+    settled: Settled,
+    snapshot: Snapshot,
+    kept: PassState,
+    tree: ProjectTree,
+    joining: list[tuple[tuple, Slice]],
+    leaving: set[int],
+) -> Decisions | None:
+    """The quiet pass's decisions with ``joining`` placed in its queue by their walk
+    keys, ``leaving`` taken out, and what moves with time moved."""
+    before, now, policy = settled.decisions, snapshot.now, snapshot.policy
+    shift = now - settled.now
+    values = tree.share_used(snapshot.usage)
+    live, rank = kept.slices, settled.project_rank
+    # The walk's part of the queue: after the kept promises, before unallocated work.
+    entries = [e for e in before.queue if e.slice_id not in leaving]
+    start = sum(1 for e in entries if live[e.slice_id].promised)
+    end = start
+    while end < len(entries) and live[entries[end].slice_id].allocated:
+        end += 1
+    keys = [walk_key(live[e.slice_id], rank) for e in entries[start:end]]
+    for key, slice_ in reversed(joining):
+        at = start + bisect_left(keys, key)
+        entries.insert(at, QueueEntry(slice_.id, 0, 0.0))
+    queue = []
+    for position, entry in enumerate(entries, 1):
+        estimated = entry.estimated_start
+        if shifts_with_now(estimated, settled.now, policy):
+            estimated += shift  # type: ignore[operator]
+        project = live[entry.slice_id].project
+        queue.append(QueueEntry(entry.slice_id, position, values[project], estimated))
+    reservations = tuple(
+        Reservation(r.slice_id, r.placements, r.promised, r.due_at + shift)
+        if shifts_with_now(r.due_at, settled.now, policy)
+        else r
+        for r in before.reservations
+    )
+    until = quiet_until(kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings)
+    quiet = Quiet(until, before.quiet.window_order)  # type: ignore[union-attr]
+    return Decisions(
+        reservations=reservations, queue=tuple(queue), deferred=before.deferred, quiet=quiet
+    )
