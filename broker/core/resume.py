@@ -116,7 +116,7 @@ def quiet_until(
     waiting: set[str] = set()  # projects with allocated work waiting
     debug_waits = False
     for slice_ in kept.pending():
-        delay_ends = slice_.waiting_since + preemption_delay(slice_, policy)
+        delay_ends = _delay_end(slice_, policy)
         if now < delay_ends < until:
             until = delay_ends
         if slice_.allocated:
@@ -226,7 +226,7 @@ def resumed(
         return None
     rank = settled.project_rank
     joining: list[tuple[tuple, Slice]] = []
-    leaving: set[int] = set()
+    leaving: list[Slice] = []
     for old, new in changed.values():
         for slice_ in (old, new):
             if slice_ is None:
@@ -240,7 +240,7 @@ def resumed(
                 return None  # its project's preemption attempt could be its, or was
         # A request changed in place leaves its old place and joins at its new one.
         if old is not None:
-            leaving.add(old.id)
+            leaving.append(old)
         if new is not None:
             if settled.could_place(new, policy):
                 return None
@@ -254,39 +254,84 @@ def _edited(
     kept: PassState,
     tree: ProjectTree,
     joining: list[tuple[tuple, Slice]],
-    leaving: set[int],
+    leaving: list[Slice],
 ) -> Decisions | None:
     """The quiet pass's decisions with ``joining`` placed in its queue by their walk
     keys, ``leaving`` taken out, and what moves with time moved."""
     before, now, policy = settled.decisions, snapshot.now, snapshot.policy
-    shift = now - settled.now
+    then, shift = settled.now, now - settled.now
     values = tree.share_used(snapshot.usage)
     live, rank = kept.slices, settled.project_rank
+    gone = {s.id for s in leaving}
+    entries = [e for e in before.queue if e.slice_id not in gone] if gone else list(before.queue)
     # The walk's part of the queue: after the kept promises, before unallocated work.
-    entries = [e for e in before.queue if e.slice_id not in leaving]
-    start = sum(1 for e in entries if live[e.slice_id].promised)
-    end = start
-    while end < len(entries) and live[entries[end].slice_id].allocated:
-        end += 1
-    keys = [walk_key(live[e.slice_id], rank) for e in entries[start:end]]
+    start = sum(1 for r in before.reservations if r.promised)
+    end = len(entries) - sum(
+        len(queued) for (allocated, _), (_, queued) in kept.queues.items() if not allocated
+    )
     for key, slice_ in reversed(joining):
-        at = start + bisect_left(keys, key)
-        entries.insert(at, QueueEntry(slice_.id, 0, 0.0))
+        at = bisect_left(entries, key, start, end, key=lambda e: walk_key(live[e.slice_id], rank))
+        entries.insert(at, QueueEntry(slice_.id, 0, math.nan))
+        end += 1
     queue = []
     for position, entry in enumerate(entries, 1):
         estimated = entry.estimated_start
-        if shifts_with_now(estimated, settled.now, policy):
-            estimated += shift  # type: ignore[operator]
-        project = live[entry.slice_id].project
-        queue.append(QueueEntry(entry.slice_id, position, values[project], estimated))
+        moves = estimated is not None and shift and shifts_with_now(estimated, then, policy)
+        value = values[live[entry.slice_id].project]
+        if moves or entry.position != position or entry.fairshare_value != value:
+            entry = QueueEntry(
+                entry.slice_id, position, value, estimated + shift if moves else estimated
+            )
+        queue.append(entry)
     reservations = tuple(
-        Reservation(r.slice_id, r.placements, r.promised, r.due_at + shift)
-        if shifts_with_now(r.due_at, settled.now, policy)
+        Reservation(r.slice_id, r.placements, r.promised, r.due_at + shift)  # type: ignore[operator]
+        if shift and shifts_with_now(r.due_at, then, policy)
         else r
         for r in before.reservations
     )
-    until = quiet_until(kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings)
-    quiet = Quiet(until, before.quiet.window_order)  # type: ignore[union-attr]
+    quiet = before.quiet
+    assert quiet is not None  # resumed only from a quiet pass
+    until = _until_after(settled, snapshot, kept, joining, leaving)
     return Decisions(
-        reservations=reservations, queue=tuple(queue), deferred=before.deferred, quiet=quiet
+        reservations=reservations,
+        queue=tuple(queue),
+        deferred=before.deferred,
+        quiet=Quiet(until, quiet.window_order),
     )
+
+
+def _until_after(
+    settled: Settled,
+    snapshot: Snapshot,
+    kept: PassState,
+    joining: list[tuple[tuple, Slice]],
+    leaving: list[Slice],
+) -> float:
+    """:func:`quiet_until` after ``joining`` and ``leaving``, from the last pass's.
+
+    Every threshold of the slices that stayed is where it was (one reached since
+    would have ended the quiet), so only the preemption delays of the requests that
+    came and went move it: theirs join the minimum, or, where one that left was the
+    minimum, or a debug session came or went (whose protection ends then count
+    differs), it is worked out again."""
+    policy, now = snapshot.policy, snapshot.now
+    until = settled.decisions.quiet.until  # type: ignore[union-attr]
+    for slice_ in leaving:
+        if is_debug(slice_, policy) or _delay_end(slice_, policy) == until:
+            return quiet_until(
+                kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings
+            )
+    for _, slice_ in joining:
+        if is_debug(slice_, policy):
+            return quiet_until(
+                kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings
+            )
+        delay_ends = _delay_end(slice_, policy)
+        if now < delay_ends < until:
+            until = delay_ends
+    return until
+
+
+def _delay_end(slice_: Slice, policy: Policy) -> float:
+    """When ``slice_``'s preemption delay ends (design.md §5.7)."""
+    return slice_.waiting_since + preemption_delay(slice_, policy)
