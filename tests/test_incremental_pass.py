@@ -639,3 +639,21 @@ def test_a_release_walks_the_queue():
     later = replace(snap, now=snap.now + 1, slices=(first, *waiting))
     resumed = schedule(later, index=kept)
     assert resumed == schedule(later, tree) and resumed.grants
+
+
+def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
+    # A request that has waited 10 of its 15 minutes joins: its delay now ends first.
+    snap = _quiet_queue(max_reservations=1)
+    early = pending("a", 4, submitted_at=NOW - 10 * MIN)
+    resumed, fresh = _resume(snap, early)
+    assert resumed == fresh and resumed.phase_seconds == {}
+    assert resumed.quiet.until == early.submitted_at + 15 * MIN
+    # ... and once it leaves again, b's delay is the first to end again
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    with_early = replace(snap, slices=(*snap.slices, early))
+    assert schedule(with_early, index=kept).quiet.until == early.submitted_at + 15 * MIN
+    later = replace(snap, now=snap.now + 1)
+    resumed = schedule(later, index=kept)
+    assert resumed == schedule(later, tree) and resumed.phase_seconds == {}
+    assert resumed.quiet.until == NOW + 10 * MIN
