@@ -28,7 +28,7 @@ from broker.core.model import (
 )
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
-from broker.core.preemption import is_debug
+from broker.core.preemption import is_debug, preemption_delay
 from broker.core.resume import still_quiet
 from broker.core.scheduler import _shape, schedule
 from broker.core.transitions import apply
@@ -139,6 +139,10 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     assert set(kept.waiting()) == {s.project for s in waiting if s.allocated}
     assert kept.promised_ids == {s.id for s in waiting if s.promised}
     policy = snap.policy
+    assert kept.delay_ends == sorted(
+        (s.waiting_since + preemption_delay(s, policy), s.id) for s in waiting
+    )
+    assert kept.debug_waiting == sum(1 for s in waiting if s.allocated and is_debug(s, policy))
     assert kept.shapes.keys() <= {s.id for s in waiting}
     assert all(kept.shapes[i] == _shape(s, policy) for s in waiting if (i := s.id) in kept.shapes)
     ranked = list(PROJECTS)

@@ -62,7 +62,7 @@ from .model import (
 )
 from .ordering import within_project_key
 from .placement import FreeGpus
-from .preemption import is_debug, past_budget
+from .preemption import is_debug, past_budget, preemption_delay
 
 if TYPE_CHECKING:
     from .resume import Settled
@@ -188,6 +188,10 @@ class PassState:
         # where it may be placed), dropped when the slice is filed or forgotten.
         self.shapes: dict[int, tuple] = {}
         self.promised_ids: set[int] = set()  # pending slices that hold a promise
+        # (when a pending slice's preemption delay ends, slice id), sorted; and how many
+        # allocated debug sessions wait: what a quiet pass's until reads (resume.py)
+        self.delay_ends: list[tuple[float, int]] = []
+        self.debug_waiting = 0
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
         # What the last update changed: id -> (the slice before or None, the slice now
@@ -291,6 +295,7 @@ class PassState:
         other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
+        other.delay_ends = self.delay_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
 
@@ -316,6 +321,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.settled = None
+        self.delay_ends, self.debug_waiting = [], 0
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self.protection_ends = []
@@ -330,7 +336,8 @@ class PassState:
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
-        deadlines, protection_ends = [], []
+        deadlines, protection_ends, delay_ends = [], [], []
+        self.debug_waiting = 0
         for slice_ in self.slices.values():
             if slice_.holds_gpus:
                 holding.append(slice_.id)
@@ -345,6 +352,8 @@ class PassState:
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
                 if slice_.promised:
                     self.promised_ids.add(slice_.id)
+                delay_ends.append((_delay_end(slice_, self.policy), slice_.id))
+                self.debug_waiting += _debug_waiting(slice_, self.policy)
                 # A slice that holds nothing has no protection, and no deadline
                 # but its lease: most of a backlog is skipped without a call.
                 if slice_.lease_expires_at is not None:
@@ -352,6 +361,7 @@ class PassState:
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
         self.protection_ends = sorted(protection_ends)
+        self.delay_ends = sorted(delay_ends)
         for where, keyed in pending.items():
             keyed.sort(key=lambda pair: pair[0])
             self.queues[where] = ([key for key, _ in keyed], [s for _, s in keyed])
@@ -389,6 +399,11 @@ class PassState:
         ``after``, of the slices as last taken in."""
         at = bisect_right(self.deadlines, (after, math.inf))
         return self.deadlines[at][0] if at < len(self.deadlines) else None
+
+    def next_delay_end(self, after: float) -> float | None:
+        """The earliest end of a pending slice's preemption delay after ``after``."""
+        at = bisect_right(self.delay_ends, (after, math.inf))
+        return self.delay_ends[at][0] if at < len(self.delay_ends) else None
 
     def deadline_at(self, at: float) -> bool:
         """Whether a grace period, a maximum runtime or a lease ends exactly at ``at``."""
@@ -506,6 +521,8 @@ class PassState:
             at = bisect_left(keys, key)
             keys.insert(at, key)
             slices.insert(at, slice_)
+            insort(self.delay_ends, (_delay_end(slice_, self.policy), slice_.id))
+            self.debug_waiting += _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             insort(self.deadlines, (at, slice_.id))
         for at in _protection_end(slice_):
@@ -531,6 +548,9 @@ class PassState:
             del keys[at], slices[at]
             if not keys:
                 del self.queues[where]
+            ends = (_delay_end(slice_, self.policy), slice_.id)
+            del self.delay_ends[bisect_left(self.delay_ends, ends)]
+            self.debug_waiting -= _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
         for at in _protection_end(slice_):
@@ -546,6 +566,16 @@ def wake_times(slice_: Slice) -> list[float]:
     """When a pass may have something to do for ``slice_`` (:meth:`PassState.next_wake`,
     for a caller that keeps no index)."""
     return [*_deadlines(slice_), *_protection_end(slice_)]
+
+
+def _delay_end(slice_: Slice, policy: Policy | None) -> float:
+    """When a pending slice's preemption delay ends (design.md §5.7)."""
+    return slice_.waiting_since + (0.0 if policy is None else preemption_delay(slice_, policy))
+
+
+def _debug_waiting(slice_: Slice, policy: Policy | None) -> int:
+    """1 for an allocated debug session waiting, else 0."""
+    return int(policy is not None and slice_.allocated and is_debug(slice_, policy))
 
 
 def _protection_end(slice_: Slice) -> list[float]:

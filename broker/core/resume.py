@@ -38,7 +38,7 @@ from .model import (
 )
 from .ordering import within_project_key
 from .placement import FreeGpus
-from .preemption import is_debug, past_budget, preemption_delay
+from .preemption import past_budget
 from .standing import Standings
 
 
@@ -113,15 +113,11 @@ def quiet_until(
     until = math.inf if ends is None else ends
     if ahead is not None:
         until = min(until, ahead - grace)
-    waiting: set[str] = set()  # projects with allocated work waiting
-    debug_waits = False
-    for slice_ in kept.pending():
-        delay_ends = _delay_end(slice_, policy)
-        if now < delay_ends < until:
-            until = delay_ends
-        if slice_.allocated:
-            waiting.add(slice_.project)
-            debug_waits = debug_waits or is_debug(slice_, policy)
+    delay_ends = kept.next_delay_end(now)
+    if delay_ends is not None:
+        until = min(until, delay_ends)
+    waiting = set(kept.waiting())  # projects with allocated work waiting
+    debug_waits = kept.debug_waiting > 0
     for at, slice_id in kept.protection_ends_after(now):
         if at >= until:
             break
@@ -291,47 +287,10 @@ def _edited(
     )
     quiet = before.quiet
     assert quiet is not None  # resumed only from a quiet pass
-    until = _until_after(settled, snapshot, kept, joining, leaving)
+    until = quiet_until(kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings)
     return Decisions(
         reservations=reservations,
         queue=tuple(queue),
         deferred=before.deferred,
         quiet=Quiet(until, quiet.window_order),
     )
-
-
-def _until_after(
-    settled: Settled,
-    snapshot: Snapshot,
-    kept: PassState,
-    joining: list[tuple[tuple, Slice]],
-    leaving: list[Slice],
-) -> float:
-    """:func:`quiet_until` after ``joining`` and ``leaving``, from the last pass's.
-
-    Every threshold of the slices that stayed is where it was (one reached since
-    would have ended the quiet), so only the preemption delays of the requests that
-    came and went move it: theirs join the minimum, or, where one that left was the
-    minimum, or a debug session came or went (whose protection ends then count
-    differs), it is worked out again."""
-    policy, now = snapshot.policy, snapshot.now
-    until = settled.decisions.quiet.until  # type: ignore[union-attr]
-    for slice_ in leaving:
-        if is_debug(slice_, policy) or _delay_end(slice_, policy) == until:
-            return quiet_until(
-                kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings
-            )
-    for _, slice_ in joining:
-        if is_debug(slice_, policy):
-            return quiet_until(
-                kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings
-            )
-        delay_ends = _delay_end(slice_, policy)
-        if now < delay_ends < until:
-            until = delay_ends
-    return until
-
-
-def _delay_end(slice_: Slice, policy: Policy) -> float:
-    """When ``slice_``'s preemption delay ends (design.md §5.7)."""
-    return slice_.waiting_since + preemption_delay(slice_, policy)
