@@ -661,3 +661,34 @@ def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
     resumed = schedule(later, index=kept)
     assert resumed == schedule(later, tree) and resumed.phase_seconds == {}
     assert resumed.quiet.until == NOW + 10 * MIN
+
+
+def test_a_heartbeat_resumes_the_last_pass_and_a_lapsed_lease_walks_it():
+    snap = _quiet_queue(max_reservations=1)
+    first, *rest = snap.slices
+    leased = replace(first, lease_expires_at=NOW + 2 * HOUR)
+    snap = replace(snap, slices=(leased, *rest))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    renewed = replace(leased, lease_expires_at=NOW + 3 * MIN)
+    beat = replace(snap, now=NOW + 30, slices=(renewed, *rest))
+    resumed = schedule(beat, index=kept)
+    assert resumed == schedule(beat, tree) and resumed.phase_seconds == {}
+    # no heartbeat comes again: the lease runs out, and the holder is lost
+    lapsed = replace(beat, now=NOW + 3 * MIN)
+    walked = schedule(lapsed, index=kept)
+    assert walked == schedule(lapsed, tree) and walked.endings
+
+
+def test_a_lease_moved_to_the_past_walks_the_queue():
+    # not a heartbeat: a lease set to end before now ends its holder at once
+    snap = _quiet_queue(max_reservations=1)
+    first, *rest = snap.slices
+    snap = replace(snap, slices=(replace(first, lease_expires_at=NOW + 2 * HOUR), *rest))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    cut = replace(snap, now=NOW + 30, slices=(replace(first, lease_expires_at=NOW + 29), *rest))
+    walked = schedule(cut, index=kept)
+    assert walked == schedule(cut, tree) and walked.endings

@@ -200,7 +200,8 @@ def resumed(
 ) -> Decisions | None:
     """The pass over ``snapshot`` from what the quiet pass before it ``settled``,
     when the only changes since (``kept.changed``) are allocated requests joining
-    or leaving the settled tail of its walk; None when the walk must run.
+    or leaving the settled tail of its walk, and heartbeats (:func:`_renewed`);
+    None when the walk must run.
 
     Such a request is past every reservation the walk planned and past its
     project's preemption attempt (so its project waits with other work before
@@ -224,6 +225,8 @@ def resumed(
     joining: list[tuple[tuple, Slice]] = []
     leaving: list[Slice] = []
     for old, new in changed.values():
+        if _renewed(old, new, snapshot.now):
+            continue
         for slice_ in (old, new):
             if slice_ is None:
                 continue
@@ -242,6 +245,15 @@ def resumed(
                 return None
             joining.append((walk_key(new, rank), new))
     return _edited(settled, snapshot, kept, tree, sorted(joining), leaving)
+
+
+def _renewed(old: Slice | None, new: Slice | None, now: float) -> bool:
+    """Whether ``new`` is ``old`` with only its lease moved, and not over by ``now``:
+    a heartbeat, which a pass reads only when the lease ends (and the next quiet
+    until, worked out again from the index, counts that end)."""
+    if old is None or new is None or new.lease_expires_at is None:
+        return False
+    return new.lease_expires_at > now and replace(old, lease_expires_at=new.lease_expires_at) == new
 
 
 def _edited(
