@@ -188,10 +188,12 @@ class PassState:
         # where it may be placed), dropped when the slice is filed or forgotten.
         self.shapes: dict[int, tuple] = {}
         self.promised_ids: set[int] = set()  # pending slices that hold a promise
-        # (when a pending slice's preemption delay ends, slice id), sorted; and how many
-        # allocated debug sessions wait: what a quiet pass's until reads (resume.py)
-        self.delay_ends: list[tuple[float, int]] = []
+        # (when a pending slice's preemption delay ends, slice id), sorted, and how many
+        # allocated debug sessions wait: what a quiet pass's until reads (resume.py).
+        # Built the second time it is asked (an index that lives on), then kept.
+        self.delay_ends: list[tuple[float, int]] | None = None
         self.debug_waiting = 0
+        self._delays_asked = False
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
         # What the last update changed: id -> (the slice before or None, the slice now
@@ -295,7 +297,7 @@ class PassState:
         other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
-        other.delay_ends = self.delay_ends[:]
+        other.delay_ends = None if self.delay_ends is None else self.delay_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
 
@@ -321,7 +323,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.settled = None
-        self.delay_ends, self.debug_waiting = [], 0
+        self.delay_ends, self._delays_asked = None, False
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self.protection_ends = []
@@ -336,8 +338,8 @@ class PassState:
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
-        deadlines, protection_ends, delay_ends = [], [], []
-        self.debug_waiting = 0
+        deadlines, protection_ends = [], []
+        self.delay_ends, self._delays_asked = None, False
         for slice_ in self.slices.values():
             if slice_.holds_gpus:
                 holding.append(slice_.id)
@@ -352,8 +354,6 @@ class PassState:
                 pending.setdefault(where, []).append((_queue_key(slice_), slice_))
                 if slice_.promised:
                     self.promised_ids.add(slice_.id)
-                delay_ends.append((_delay_end(slice_, self.policy), slice_.id))
-                self.debug_waiting += _debug_waiting(slice_, self.policy)
                 # A slice that holds nothing has no protection, and no deadline
                 # but its lease: most of a backlog is skipped without a call.
                 if slice_.lease_expires_at is not None:
@@ -361,7 +361,6 @@ class PassState:
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
         self.protection_ends = sorted(protection_ends)
-        self.delay_ends = sorted(delay_ends)
         for where, keyed in pending.items():
             keyed.sort(key=lambda pair: pair[0])
             self.queues[where] = ([key for key, _ in keyed], [s for _, s in keyed])
@@ -400,10 +399,21 @@ class PassState:
         at = bisect_right(self.deadlines, (after, math.inf))
         return self.deadlines[at][0] if at < len(self.deadlines) else None
 
-    def next_delay_end(self, after: float) -> float | None:
-        """The earliest end of a pending slice's preemption delay after ``after``."""
+    def waiting_delays(self, after: float) -> tuple[float | None, bool]:
+        """The earliest end of a pending slice's preemption delay after ``after``, and
+        whether an allocated debug session waits. The first time, from a walk of the
+        backlog; from then on, from lists kept as slices are filed and forgotten."""
+        if self.delay_ends is None:
+            if not self._delays_asked:
+                self._delays_asked = True
+                ends = [_delay_end(s, self.policy) for s in self.pending()]
+                debug = any(_debug_waiting(s, self.policy) for s in self.pending())
+                return min((end for end in ends if end > after), default=None), debug
+            self.delay_ends = sorted((_delay_end(s, self.policy), s.id) for s in self.pending())
+            self.debug_waiting = sum(_debug_waiting(s, self.policy) for s in self.pending())
         at = bisect_right(self.delay_ends, (after, math.inf))
-        return self.delay_ends[at][0] if at < len(self.delay_ends) else None
+        soonest = self.delay_ends[at][0] if at < len(self.delay_ends) else None
+        return soonest, self.debug_waiting > 0
 
     def deadline_at(self, at: float) -> bool:
         """Whether a grace period, a maximum runtime or a lease ends exactly at ``at``."""
@@ -521,8 +531,9 @@ class PassState:
             at = bisect_left(keys, key)
             keys.insert(at, key)
             slices.insert(at, slice_)
-            insort(self.delay_ends, (_delay_end(slice_, self.policy), slice_.id))
-            self.debug_waiting += _debug_waiting(slice_, self.policy)
+            if self.delay_ends is not None:
+                insort(self.delay_ends, (_delay_end(slice_, self.policy), slice_.id))
+                self.debug_waiting += _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             insort(self.deadlines, (at, slice_.id))
         for at in _protection_end(slice_):
@@ -548,9 +559,10 @@ class PassState:
             del keys[at], slices[at]
             if not keys:
                 del self.queues[where]
-            ends = (_delay_end(slice_, self.policy), slice_.id)
-            del self.delay_ends[bisect_left(self.delay_ends, ends)]
-            self.debug_waiting -= _debug_waiting(slice_, self.policy)
+            if self.delay_ends is not None:
+                ends = (_delay_end(slice_, self.policy), slice_.id)
+                del self.delay_ends[bisect_left(self.delay_ends, ends)]
+                self.debug_waiting -= _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
         for at in _protection_end(slice_):

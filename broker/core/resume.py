@@ -113,11 +113,10 @@ def quiet_until(
     until = math.inf if ends is None else ends
     if ahead is not None:
         until = min(until, ahead - grace)
-    delay_ends = kept.next_delay_end(now)
+    delay_ends, debug_waits = kept.waiting_delays(now)
     if delay_ends is not None:
         until = min(until, delay_ends)
     waiting = set(kept.waiting())  # projects with allocated work waiting
-    debug_waits = kept.debug_waiting > 0
     for at, slice_id in kept.protection_ends_after(now):
         if at >= until:
             break
