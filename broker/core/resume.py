@@ -26,6 +26,7 @@ from .fairshare import ProjectTree
 from .incremental import PassState
 from .model import (
     Decisions,
+    Node,
     NodeState,
     Policy,
     QueueEntry,
@@ -94,7 +95,7 @@ def quiet_until(
     kept: PassState,
     now: float,
     policy: Policy,
-    nodes: Mapping[str, object],
+    nodes: Mapping[str, Node],
     standings: Standings,
 ) -> float:
     """Until when a pass over the slices of ``kept`` (those a quiet pass at ``now``
@@ -129,7 +130,7 @@ def quiet_until(
 def _may_become_victim(
     holder: Slice,
     policy: Policy,
-    nodes: Mapping[str, object],
+    nodes: Mapping[str, Node],
     standings: Standings,
     waiting: set[str],
     debug_waits: bool,
@@ -138,7 +139,8 @@ def _may_become_victim(
     request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
     at its most lenient); True where unsure."""
     if holder.state is not SliceState.GRANTED or any(
-        getattr(nodes.get(p.node), "state", None) is not NodeState.READY for p in holder.placements
+        (node := nodes.get(p.node)) is None or node.state is not NodeState.READY
+        for p in holder.placements
     ):
         return True
     if not waiting:
@@ -262,7 +264,7 @@ def _edited(
     tree: ProjectTree,
     joining: list[tuple[tuple, Slice]],
     leaving: list[Slice],
-) -> Decisions | None:
+) -> Decisions:
     """The quiet pass's decisions with ``joining`` placed in its queue by their walk
     keys, ``leaving`` taken out, and what moves with time moved."""
     before, now, policy = settled.decisions, snapshot.now, snapshot.policy
@@ -278,7 +280,7 @@ def _edited(
     )
     for key, slice_ in reversed(joining):
         at = bisect_left(entries, key, start, end, key=lambda e: walk_key(live[e.slice_id], rank))
-        entries.insert(at, QueueEntry(slice_.id, 0, math.nan))
+        entries.insert(at, QueueEntry(slice_.id, 0, math.nan))  # made whole below
         end += 1
     queue = []
     for position, entry in enumerate(entries, 1):
