@@ -21,6 +21,7 @@ from broker.core.model import (
     Account,
     Node,
     NodeState,
+    Placement,
     Policy,
     SliceKind,
     SliceState,
@@ -31,7 +32,7 @@ from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug, preemption_delay
 from broker.core.resume import still_quiet
 from broker.core.scheduler import _shape, schedule
-from broker.core.transitions import apply
+from broker.core.transitions import apply, preempting
 from broker.core.whatif import alternatives
 
 ACCOUNTS = [
@@ -693,3 +694,77 @@ def test_a_lease_moved_to_the_past_walks_the_queue():
     cut = replace(snap, now=NOW + 30, slices=(replace(first, lease_expires_at=NOW + 29), *rest))
     walked = schedule(cut, index=kept)
     assert walked == schedule(cut, tree) and walked.endings
+
+
+def test_gpu_types_valued_anew_walk_the_queue():
+    # a holds the h100 node, b the b200 node, c waits out its delay; valued alike, c's
+    # reservation is the first node by name (b's); with b200s worth 0.4 h100s, b
+    # stands under its share and only a's node may be taken for c
+    holders = [
+        running("a", "n0", (0, 1, 2, 3)),
+        running("a", "n0", (4, 5, 6, 7)),
+        running("b", "m0", (0, 1, 2, 3), gpu_type="b200"),
+        running("b", "m0", (4, 5, 6, 7), gpu_type="b200"),
+    ]
+    request = pending("c", 4, submitted_at=NOW - 5 * MIN)
+    policy = Policy(max_reservations=1, batch_preemption_delay=15 * MIN)
+    cluster = [*nodes(1), *nodes(1, gpu_type="b200", prefix="m")]
+    snap = snapshot(
+        cluster,
+        flat_tree("a", "b", "c"),
+        [*holders, request],
+        policy=policy,
+        weights={"h100": 1.0, "b200": 1.0},
+    )
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    first = schedule(snap, index=kept)
+    assert first.quiet is not None and first.reservations[0].placements[0].node == "m0"
+    valued = replace(snap, now=snap.now + 1, gpu_type_weights={"h100": 1.0, "b200": 0.4})
+    walked = schedule(valued, index=kept)
+    assert walked == schedule(valued, tree) and walked.reservations[0].placements[0].node == "n0"
+
+
+def test_a_request_holding_a_promise_that_leaves_walks_the_queue():
+    # b's request was promised the GPUs of a's job on its way out; it is withdrawn
+    # before they are free: the promise goes with it, which only the walk knows
+    leaving = preempting(running("a", "n0", (0, 1, 2, 3)), NOW + 30)
+    staying = running("a", "n0", (4, 5, 6, 7), granted_ago=10 * MIN)
+    first = pending("b", 8, submitted_at=NOW - 2 * HOUR)
+    promised = replace(
+        pending("b", 4, submitted_at=NOW - HOUR), promised=(Placement("n0", (0, 1, 2, 3)),)
+    )
+    snap = snapshot(
+        nodes(1),
+        flat_tree("a", "b"),
+        [leaving, staying, first, promised],
+        policy=Policy(max_reservations=1),
+    )
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    quiet = schedule(snap, index=kept)
+    assert quiet.quiet is not None and any(r.promised for r in quiet.reservations)
+    withdrawn = replace(snap, now=NOW + 1, slices=(leaving, staying, first))
+    walked = schedule(withdrawn, index=kept)
+    assert walked == schedule(withdrawn, tree) and not any(r.promised for r in walked.reservations)
+
+
+def test_with_debug_sessions_first_the_queue_is_walked():
+    # debug_first puts a's two debug sessions ahead of b's request, out of the
+    # queue's own order: a request of b's joining goes after b's, not before them
+    holders = [
+        running("a", "n0", (0, 1, 2, 3), granted_ago=10 * MIN),
+        running("a", "n0", (4, 5, 6, 7), granted_ago=10 * MIN),
+    ]
+    sessions = [pending("a", 1, kind=SliceKind.INTERACTIVE, min_runtime=10 * MIN) for _ in range(2)]
+    request = pending("b", 4, submitted_at=NOW - 2 * HOUR)
+    policy = Policy(debug_first=True, max_reservations=3, debug_lane_fraction=0.25)
+    snap = snapshot(nodes(1), flat_tree("a", "b"), [*holders, *sessions, request], policy=policy)
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    first = schedule(snap, index=kept)
+    assert first.quiet is not None and [e.slice_id for e in first.queue][-1] == request.id
+    joining = pending("b", 4, submitted_at=NOW)
+    later = replace(snap, now=NOW + 1, slices=(*snap.slices, joining))
+    walked = schedule(later, index=kept)
+    assert walked == schedule(later, tree) and walked.queue[-1].slice_id == joining.id
