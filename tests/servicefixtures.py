@@ -37,7 +37,6 @@ from __future__ import annotations
 import json as jsonlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from urllib.parse import urlencode
 
 import pytest
 import requests
+from hubfixtures import free_port
 from tornado.httpclient import AsyncHTTPClient
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
@@ -123,13 +123,6 @@ HUB_VARIABLES = (
     "JUPYTERHUB_SERVICE_PREFIX",
     "JUPYTERHUB_OAUTH_ACCESS_SCOPES",
 )
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
