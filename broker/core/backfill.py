@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from .model import Node, Placement, Reservation, Slice, SliceKind
+from .model import Contract, Node, Placement, Reservation, Slice, SliceKind
 
 #: A node's expected releases for one requester: (time, GPUs freed) pairs, earliest first.
 Releases = Callable[[str], Sequence[tuple[float, int]]]
@@ -94,3 +94,13 @@ def _time_to_free(
         if available >= gpus:
             return max(at, now)
     return None
+
+
+def outlasts(contract: Contract, now: float, grace: float, due: float) -> bool:
+    """Whether work under ``contract`` granted at ``now`` would still hold its GPUs
+    when a reservation falls ``due``: its protection and a grace period run past
+    that time, and no maximum runtime ends it by then. Such work may borrow none of
+    the reservation's GPUs (the first test of every borrow)."""
+    return now + contract.min_runtime + grace > due and (
+        contract.max_runtime is None or now + contract.max_runtime > due
+    )

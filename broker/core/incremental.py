@@ -404,13 +404,14 @@ class PassState:
         whether an allocated debug session waits. The first time, from a walk of the
         backlog; from then on, from lists kept as slices are filed and forgotten."""
         if self.delay_ends is None:
+            ends, debug = [], 0
+            for slice_ in self.pending():
+                ends.append((_delay_end(slice_, self.policy), slice_.id))
+                debug += _debug_waiting(slice_, self.policy)
             if not self._delays_asked:
                 self._delays_asked = True
-                ends = [_delay_end(s, self.policy) for s in self.pending()]
-                debug = any(_debug_waiting(s, self.policy) for s in self.pending())
-                return min((end for end in ends if end > after), default=None), debug
-            self.delay_ends = sorted((_delay_end(s, self.policy), s.id) for s in self.pending())
-            self.debug_waiting = sum(_debug_waiting(s, self.policy) for s in self.pending())
+                return min((end for end, _ in ends if end > after), default=None), debug > 0
+            self.delay_ends, self.debug_waiting = sorted(ends), debug
         at = bisect_right(self.delay_ends, (after, math.inf))
         soonest = self.delay_ends[at][0] if at < len(self.delay_ends) else None
         return soonest, self.debug_waiting > 0

@@ -302,7 +302,7 @@ class QueueEntry(NamedTuple):
 class Quiet:
     """What a pass that decided nothing knows of the next one: over the same slices
     and nodes, a pass before ``until`` (seconds) decides nothing either, as long as
-    the window's project order is still ``window_order`` (scheduler.still_quiet)."""
+    the window's project order is still ``window_order`` (resume.still_quiet)."""
 
     until: float
     window_order: tuple[str, ...]

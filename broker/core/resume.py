@@ -22,6 +22,7 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from .backfill import outlasts
 from .fairshare import ProjectTree
 from .incremental import PassState
 from .model import (
@@ -84,11 +85,7 @@ class Settled:
             return True
         if request.gpus > self.free.free_total + self.lendable:
             return False
-        contract, now = request.contract, self.now
-        outlasts = now + contract.min_runtime + policy.grace_period > self.latest_due and (
-            contract.max_runtime is None or now + contract.max_runtime > self.latest_due
-        )
-        return not outlasts
+        return not outlasts(request.contract, self.now, policy.grace_period, self.latest_due)
 
 
 def quiet_until(

@@ -718,12 +718,8 @@ class _Pass:
             slice_ = backlog[end]
             if slice_.gpus <= free:
                 return None
-            if latest is not None:
-                contract = slice_.contract
-                if now + contract.min_runtime + grace <= latest or (
-                    contract.max_runtime is not None and now + contract.max_runtime <= latest
-                ):
-                    return None
+            if latest is not None and not backfill.outlasts(slice_.contract, now, grace, latest):
+                return None
             end += 1
         return end
 
@@ -985,10 +981,8 @@ class _Pass:
         if slice_.allocated:
             # It may use none if it would outlast every reservation: the first
             # tests of _may_use_reserved, asked of the latest due time at once.
-            latest, contract = self._latest_due(reserved), slice_.contract
-            if self.now + contract.min_runtime + self.policy.grace_period > latest and (
-                contract.max_runtime is None or self.now + contract.max_runtime > latest
-            ):
+            latest = self._latest_due(reserved)
+            if backfill.outlasts(slice_.contract, self.now, self.policy.grace_period, latest):
                 return None
         traits = (*_borrow_traits(slice_, self.policy), slice_.gpus)
         usable = self._usable.get((traits, len(reserved)))

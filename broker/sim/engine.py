@@ -67,7 +67,6 @@ from .metrics import (
     Drain,
     Recorder,
     is_debug,
-    served,
     summarise,
 )
 from .policies import Scheduler
@@ -562,11 +561,11 @@ class Simulation:
                 requester.deferred_at = None  # it preempted after all
                 for_job = requester.job
                 waited = now - self.slices[preemption.for_slice].waiting_since
+            need = self.recorder.preempted(now, job, preemption.reason.value, for_job, waited)
             if preemption.reason is not PreemptReason.DRAIN:
                 run.preempted_at = now
                 run.preempted_for = preemption.reason.value
-                run.preempted_need = served(for_job, job)
-            self.recorder.preempted(now, job, preemption.reason.value, for_job, waited)
+                run.preempted_need = need
             self._note(now, f"preempted ({preemption.reason.value})", job)
             self._push(preemption.deadline, _WAKE)
         for grant in decisions.grants:
@@ -691,9 +690,8 @@ def check_quiet(deferred: set[int], decisions: Decisions) -> None:
     """A pass left out as quiet (``Decisions.quiet``), run all the same: it must decide
     nothing, and defer only requests the last pass deferred already."""
     acted = decisions.grants or decisions.preemptions or decisions.endings
-    if acted or decisions.node_changes or decisions.quiet is None:
-        raise AssertionError(f"a pass left out as quiet decides {decisions}")
-    if not deferred.issuperset(decisions.deferred):
+    newly_deferred = not deferred.issuperset(decisions.deferred)
+    if acted or decisions.node_changes or decisions.quiet is None or newly_deferred:
         raise AssertionError(f"a pass left out as quiet decides {decisions}")
 
 

@@ -265,9 +265,10 @@ class Recorder:
         reason: str,
         for_job: Job | None = None,
         waited: float = 0.0,
-    ) -> None:
+    ) -> str:
         """``job`` preempted at ``t`` for ``reason``, for the request of ``for_job``
-        (None: a drain) that had waited ``waited`` seconds."""
+        (None: a drain) that had waited ``waited`` seconds; what it served
+        (:func:`served`)."""
         self.preemptions[reason] += 1
         if reason == "fair_share" and for_job is not None:
             self.fair_share_moves[for_job.project, job.project] += 1
@@ -279,6 +280,7 @@ class Recorder:
         if job.min_runtime > 0:
             self.budgeted_preemptions[job.id] += 1
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
+        return need
 
     def regranted(self, after: float, cost_gpu_seconds: float, reason: str, need: str) -> None:
         """A victim preempted for ``reason``, serving ``need`` (:func:`served`), granted
