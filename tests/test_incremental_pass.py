@@ -515,15 +515,18 @@ def _quiet_queue(max_reservations: int):
     return snapshot(nodes(1), flat_tree("a", "b"), [*holders, *waiting], policy=policy)
 
 
-def _resume(snap, *joining, seconds: float = 1.0):
-    """The pass after ``snap``'s from a kept index, with ``joining`` submitted and
-    ``seconds`` later, beside a fresh pass on the same snapshot."""
+def _after(snap, later):
+    """The pass over ``later`` from the index kept by a pass over ``snap``, which must
+    be quiet, beside a fresh pass over ``later``."""
     tree = ProjectTree(snap.accounts)
     kept = PassState(tree)
-    first = schedule(snap, index=kept)
-    assert first.quiet is not None and kept.settled is not None
-    later = replace(snap, now=snap.now + seconds, slices=(*snap.slices, *joining))
+    assert schedule(snap, index=kept).quiet is not None and kept.settled is not None
     return schedule(later, index=kept), schedule(later, tree)
+
+
+def _resume(snap, *joining, seconds: float = 1.0):
+    """:func:`_after` with ``joining`` submitted ``seconds`` later."""
+    return _after(snap, replace(snap, now=snap.now + seconds, slices=(*snap.slices, *joining)))
 
 
 def test_a_request_joining_the_settled_tail_resumes_the_last_pass():
@@ -606,23 +609,16 @@ def test_a_request_changed_in_place_in_the_settled_tail_moves_to_its_new_place()
     *rest, mine = snap.slices  # a's request, behind a's own attempt: make it two
     twin = replace(mine, id=mine.id + 1000, submitted_at=mine.submitted_at + 1)
     snap = replace(snap, slices=(*rest, mine, twin))
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    schedule(snap, index=kept)
     later = replace(snap, now=snap.now + 1, slices=(*rest, mine, replace(twin, priority=-1)))
-    resumed = schedule(later, index=kept)
-    assert resumed == schedule(later, tree)
+    resumed, fresh = _after(snap, later)
+    assert resumed == fresh and resumed.phase_seconds == {}
 
 
 def test_a_node_set_draining_walks_the_queue():
     snap = _quiet_queue(max_reservations=1)
     draining = replace(snap.nodes[0], state=NodeState.DRAINING)
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    schedule(snap, index=kept)
-    later = replace(snap, now=snap.now + 1, nodes=(draining,))
-    resumed = schedule(later, index=kept)
-    assert resumed == schedule(later, tree) and resumed.preemptions
+    walked, fresh = _after(snap, replace(snap, now=snap.now + 1, nodes=(draining,)))
+    assert walked == fresh and walked.preemptions
 
 
 def test_free_work_joining_walks_the_queue():
@@ -639,12 +635,8 @@ def test_a_release_walks_the_queue():
     first, second, *waiting = snap.slices
     recent = replace(second, submitted_at=snap.now)  # ranks late in a's own order
     snap = replace(snap, slices=(first, recent, *waiting))
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    schedule(snap, index=kept)
-    later = replace(snap, now=snap.now + 1, slices=(first, *waiting))
-    resumed = schedule(later, index=kept)
-    assert resumed == schedule(later, tree) and resumed.grants
+    walked, fresh = _after(snap, replace(snap, now=snap.now + 1, slices=(first, *waiting)))
+    assert walked == fresh and walked.grants
 
 
 def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
@@ -688,12 +680,9 @@ def test_a_lease_moved_to_the_past_walks_the_queue():
     snap = _quiet_queue(max_reservations=1)
     first, *rest = snap.slices
     snap = replace(snap, slices=(replace(first, lease_expires_at=NOW + 2 * HOUR), *rest))
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    schedule(snap, index=kept)
     cut = replace(snap, now=NOW + 30, slices=(replace(first, lease_expires_at=NOW + 29), *rest))
-    walked = schedule(cut, index=kept)
-    assert walked == schedule(cut, tree) and walked.endings
+    walked, fresh = _after(snap, cut)
+    assert walked == fresh and walked.endings
 
 
 def test_gpu_types_valued_anew_walk_the_queue():
@@ -716,13 +705,10 @@ def test_gpu_types_valued_anew_walk_the_queue():
         policy=policy,
         weights={"h100": 1.0, "b200": 1.0},
     )
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    first = schedule(snap, index=kept)
-    assert first.quiet is not None and first.reservations[0].placements[0].node == "m0"
+    assert schedule(snap).reservations[0].placements[0].node == "m0"
     valued = replace(snap, now=snap.now + 1, gpu_type_weights={"h100": 1.0, "b200": 0.4})
-    walked = schedule(valued, index=kept)
-    assert walked == schedule(valued, tree) and walked.reservations[0].placements[0].node == "n0"
+    walked, fresh = _after(snap, valued)
+    assert walked == fresh and walked.reservations[0].placements[0].node == "n0"
 
 
 def test_a_request_holding_a_promise_that_leaves_walks_the_queue():
@@ -740,13 +726,10 @@ def test_a_request_holding_a_promise_that_leaves_walks_the_queue():
         [leaving, staying, first, promised],
         policy=Policy(max_reservations=1),
     )
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    quiet = schedule(snap, index=kept)
-    assert quiet.quiet is not None and any(r.promised for r in quiet.reservations)
+    assert any(r.promised for r in schedule(snap).reservations)
     withdrawn = replace(snap, now=NOW + 1, slices=(leaving, staying, first))
-    walked = schedule(withdrawn, index=kept)
-    assert walked == schedule(withdrawn, tree) and not any(r.promised for r in walked.reservations)
+    walked, fresh = _after(snap, withdrawn)
+    assert walked == fresh and not any(r.promised for r in walked.reservations)
 
 
 def test_with_debug_sessions_first_the_queue_is_walked():
@@ -760,11 +743,7 @@ def test_with_debug_sessions_first_the_queue_is_walked():
     request = pending("b", 4, submitted_at=NOW - 2 * HOUR)
     policy = Policy(debug_first=True, max_reservations=3, debug_lane_fraction=0.25)
     snap = snapshot(nodes(1), flat_tree("a", "b"), [*holders, *sessions, request], policy=policy)
-    tree = ProjectTree(snap.accounts)
-    kept = PassState(tree)
-    first = schedule(snap, index=kept)
-    assert first.quiet is not None and [e.slice_id for e in first.queue][-1] == request.id
+    assert schedule(snap).queue[-1].slice_id == request.id
     joining = pending("b", 4, submitted_at=NOW)
-    later = replace(snap, now=NOW + 1, slices=(*snap.slices, joining))
-    walked = schedule(later, index=kept)
-    assert walked == schedule(later, tree) and walked.queue[-1].slice_id == joining.id
+    walked, fresh = _resume(snap, joining)
+    assert walked == fresh and walked.queue[-1].slice_id == joining.id
