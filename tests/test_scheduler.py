@@ -18,6 +18,8 @@ from broker.core.model import (
     Placement,
     Policy,
     PreemptReason,
+    Queue,
+    QueueEntry,
     SliceKind,
     SliceState,
 )
@@ -33,6 +35,22 @@ def granted_ids(decisions):
 
 def preempted(decisions):
     return {p.slice_id: p.reason for p in decisions.preemptions}
+
+
+def test_a_pass_s_queue_reads_as_its_entries_and_equals_them():
+    """The pass keeps its queue as plain rows (model.Queue); whoever reads it gets
+    QueueEntry values, and it equals the same entries in any sequence."""
+    busy = running("a", "n0", tuple(range(8)), granted_ago=60)  # protected
+    waiting = pending("b", 8)
+    queue = schedule(snapshot(nodes(1), flat_tree("a", "b"), [busy, waiting])).queue
+    assert isinstance(queue, Queue) and len(queue) == 1
+    entry = queue[0]
+    assert type(entry) is QueueEntry and entry[:2] == (waiting.id, 1)
+    assert entry.slice_id == waiting.id and entry.position == 1
+    assert list(queue) == [entry] and queue[:1] == (entry,)
+    assert queue == (entry,) and (entry,) == queue
+    assert queue != (entry._replace(position=2),) and queue != (entry, entry)
+    assert queue != () and Queue([(1, 1, 0.5, None)]) == Queue([(1, 1, 0.5, None)])
 
 
 # ---- fair-share order ---------------------------------------------------

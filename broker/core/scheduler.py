@@ -31,7 +31,8 @@ from .model import (
     Policy,
     Preemption,
     PreemptReason,
-    QueueEntry,
+    Queue,
+    QueueRow,
     Quiet,
     Reservation,
     Slice,
@@ -97,7 +98,7 @@ class _Pass:
         self.endings: list[Ending] = []
         self.reservations: list[Reservation] = []
         self.node_changes: list[NodeChange] = []
-        self.queue: list[QueueEntry] = []
+        self.queue: list[QueueRow] = []  # rows of Decisions.queue, see Queue
         self.timings: dict[str, float] = {}
         # The index's own map until the pass requeues a slice (see _end): most passes
         # requeue none, and a copy of thousands is the dearest part of a small pass.
@@ -169,7 +170,7 @@ class _Pass:
             endings=tuple(self.endings),
             reservations=tuple(self.reservations),
             node_changes=tuple(self.node_changes),
-            queue=tuple(self.queue),
+            queue=Queue(self.queue),
             deferred=tuple(self.deferred),
             quiet=self._quiet(),
             phase_seconds=self.timings,
@@ -439,7 +440,7 @@ class _Pass:
                 deadline = max(s.preempt_deadline or self.now for s in blockers)
                 self.reservations.append(Reservation(slice_.id, slice_.promised, True, deadline))
                 value = self.values[slice_.project]
-                self.queue.append(QueueEntry(slice_.id, len(self.queue) + 1, value, deadline))
+                self.queue.append((slice_.id, len(self.queue) + 1, value, deadline))
 
     def _still_fits(self, slice_: Slice, placement: Placement) -> bool:
         """Whether a promised placement still suits ``slice_``: its node is ready
@@ -568,7 +569,7 @@ class _Pass:
                     value = values[slice_.project]
                     for blocked in backlog[at - 1 : end]:
                         position += 1
-                        enqueue(QueueEntry(blocked.id, position, value))
+                        enqueue((blocked.id, position, value, None))
                     at = end
                     continue
             position += 1
@@ -588,16 +589,16 @@ class _Pass:
                 if shape is None:
                     shape = shapes[slice_.id] = _shape(slice_, policy)
                 if shape in blocked_shapes:
-                    enqueue(QueueEntry(slice_.id, position, value))
+                    enqueue((slice_.id, position, value, None))
                     continue
             if not self._under_cap(slice_):
-                enqueue(QueueEntry(slice_.id, position, value))
+                enqueue((slice_.id, position, value, None))
                 continue
             placements = self._place(slice_, backfill_reserved)
             if placements is not None:
                 due = self._grant(slice_, placements)
                 if due is not None:
-                    enqueue(QueueEntry(slice_.id, position, value, due))
+                    enqueue((slice_.id, position, value, due))
                 continue
             if tries_preemption:
                 tried_preemption.add(slice_.project)
@@ -607,7 +608,7 @@ class _Pass:
                 # more to free up, and neither preempts nor reserves meanwhile.
                 if settled:
                     blocked_shapes.add(shape)
-                enqueue(QueueEntry(slice_.id, position, value))
+                enqueue((slice_.id, position, value, None))
                 continue
             estimated: float | None = None
             if tries_preemption:
@@ -625,7 +626,7 @@ class _Pass:
                     self.reservations.append(promise)
                     self.free.take(promise.placements)
                     self._count(slice_, promise.placements)
-                    enqueue(QueueEntry(slice_.id, position, value, deadline))
+                    enqueue((slice_.id, position, value, deadline))
                     self._pass_on_leftovers(found, deadlines)
                     blocked_shapes.clear()
                     continue
@@ -651,7 +652,7 @@ class _Pass:
                     estimated = reservation.due_at
             elif settled:
                 blocked_shapes.add(shape)
-            enqueue(QueueEntry(slice_.id, position, value, estimated))
+            enqueue((slice_.id, position, value, estimated))
         self._backfill_reserved = backfill_reserved
         self._position = position
 
@@ -779,7 +780,7 @@ class _Pass:
         self.free.take(promise.placements)
         self._count(slice_, promise.placements)
         value = self.values[slice_.project]
-        self.queue.append(QueueEntry(slice_.id, position, value, deadline))
+        self.queue.append((slice_.id, position, value, deadline))
         return True
 
     def _releases_for(self, requester: Slice) -> backfill.Releases:
@@ -1097,17 +1098,17 @@ class _Pass:
                 else (slice_.gpus, slice_.gpu_type, slice_.kind)
             )
             if shape in unplaced:
-                self.queue.append(QueueEntry(slice_.id, position, value))
+                self.queue.append((slice_.id, position, value, None))
                 continue
             placements = self._place(slice_, self._backfill_reserved)
             if placements is not None and self._under_cap(slice_):
                 due = self._grant(slice_, placements)
                 if due is not None:
-                    self.queue.append(QueueEntry(slice_.id, position, value, due))
+                    self.queue.append((slice_.id, position, value, due))
             else:
                 if placements is None and shape is not None:
                     unplaced.add(shape)
-                self.queue.append(QueueEntry(slice_.id, position, value))
+                self.queue.append((slice_.id, position, value, None))
 
 
 _NEVER = 1 << 62
