@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from passchecks import check_pass
 
 from broker.core.fairshare import ProjectTree
-from broker.core.incremental import PassState
+from broker.core.incremental import PassState, pending_shape
 from broker.core.model import (
     Account,
     Node,
@@ -31,7 +31,7 @@ from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug, preemption_delay
 from broker.core.resume import still_quiet
-from broker.core.scheduler import _shape, schedule
+from broker.core.scheduler import schedule
 from broker.core.transitions import apply, preempting
 from broker.core.whatif import alternatives
 
@@ -146,7 +146,9 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
         expected = min((end for end in ends if end > after), default=None)
         assert kept.waiting_delays(after) == (expected, debug)
     assert kept.shapes.keys() <= {s.id for s in waiting}
-    assert all(kept.shapes[i] == _shape(s, policy) for s in waiting if (i := s.id) in kept.shapes)
+    assert all(
+        kept.shapes[i] == pending_shape(s, policy) for s in waiting if (i := s.id) in kept.shapes
+    )
     ranked = list(PROJECTS)
     rng.shuffle(ranked)
     ordered = queue_order(waiting, {name: rank for rank, name in enumerate(ranked)})
@@ -441,11 +443,13 @@ def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     first, again, small = pending("a", 8), pending("a", 8, preemptions=4), pending("a", 1)
     snap = snapshot(nodes(1), tree, [holder, first, again, small], policy=policy)
     schedule(snap, index=kept)
-    assert kept.shapes[again.id] == _shape(again, policy)
+    assert kept.shapes[again.id] == pending_shape(again, policy)
     budget_spent = replace(again, preemptions=5)
     snap = replace(snap, slices=(holder, first, budget_spent, small), now=NOW + 60)
     schedule(snap, index=kept)
-    assert kept.shapes[again.id] == _shape(budget_spent, policy) != _shape(again, policy)
+    assert (
+        kept.shapes[again.id] == pending_shape(budget_spent, policy) != pending_shape(again, policy)
+    )
 
 
 @settings(max_examples=150, deadline=None)

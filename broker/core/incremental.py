@@ -570,6 +570,28 @@ class PassState:
             del self.protection_ends[bisect_left(self.protection_ends, (at, slice_.id))]
 
 
+def borrow_traits(slice_: Slice, policy: Policy) -> tuple:
+    """What, besides its size, decides whether ``slice_`` may borrow reserved GPUs
+    (the pass's ``_may_use_reserved``): its project and rank within it (whether a
+    reservation's owner outranks it), whether it has spent its preemption budget
+    (then no owner may preempt it), and its contract. The one list both memos of the
+    walk key on, so that neither can forget a trait the rule reads."""
+    contract = slice_.contract
+    return (
+        slice_.project,
+        within_project_key(slice_),
+        past_budget(slice_, policy),
+        contract.min_runtime,
+        contract.max_runtime,
+    )
+
+
+def pending_shape(slice_: Slice, policy: Policy) -> tuple:
+    """What decides whether a pending slice can be placed (where it fits, whether it
+    may borrow reserved GPUs) or is under its cap."""
+    return (*borrow_traits(slice_, policy), slice_.gpus, slice_.gpu_type, slice_.kind)
+
+
 def _queue_key(slice_: Slice) -> tuple:
     """A pending slice's place within its project's queue (design.md §5.1, 3–4)."""
     return (*within_project_key(slice_), slice_.submitted_at, slice_.id)

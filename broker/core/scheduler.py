@@ -19,7 +19,7 @@ from operator import attrgetter
 
 from . import backfill
 from .fairshare import ProjectTree
-from .incremental import NodeHolders, PassState
+from .incremental import NodeHolders, PassState, borrow_traits, pending_shape
 from .model import (
     Decisions,
     Ending,
@@ -28,7 +28,6 @@ from .model import (
     NodeChange,
     NodeState,
     Placement,
-    Policy,
     Preemption,
     PreemptReason,
     Queue,
@@ -47,7 +46,6 @@ from .preemption import (
     Victims,
     grace_for,
     is_debug,
-    past_budget,
     preempt_reason,
     preemption_delay,
 )
@@ -587,7 +585,7 @@ class _Pass:
             if settled:
                 shape = shapes.get(slice_.id)
                 if shape is None:
-                    shape = shapes[slice_.id] = _shape(slice_, policy)
+                    shape = shapes[slice_.id] = pending_shape(slice_, policy)
                 if shape in blocked_shapes:
                     enqueue((slice_.id, position, value, None))
                     continue
@@ -985,7 +983,7 @@ class _Pass:
             latest = self._latest_due(reserved)
             if backfill.outlasts(slice_.contract, self.now, self.policy.grace_period, latest):
                 return None
-        traits = (*_borrow_traits(slice_, self.policy), slice_.gpus)
+        traits = (*borrow_traits(slice_, self.policy), slice_.gpus)
         usable = self._usable.get((traits, len(reserved)))
         if usable is None:
             usable = tuple(
@@ -1112,25 +1110,3 @@ class _Pass:
 
 
 _NEVER = 1 << 62
-
-
-def _borrow_traits(slice_: Slice, policy: Policy) -> tuple:
-    """What, besides its size, decides whether ``slice_`` may borrow reserved GPUs
-    (:meth:`_Pass._may_use_reserved`): its project and rank within it (whether a
-    reservation's owner outranks it), whether it has spent its preemption budget
-    (then no owner may preempt it), and its contract. The one list both memos of the
-    walk key on, so that neither can forget a trait the rule reads."""
-    contract = slice_.contract
-    return (
-        slice_.project,
-        within_project_key(slice_),
-        past_budget(slice_, policy),
-        contract.min_runtime,
-        contract.max_runtime,
-    )
-
-
-def _shape(slice_: Slice, policy: Policy) -> tuple:
-    """What decides whether a pending slice can be placed (where it fits, whether it
-    may borrow reserved GPUs) or is under its cap."""
-    return (*_borrow_traits(slice_, policy), slice_.gpus, slice_.gpu_type, slice_.kind)
