@@ -111,8 +111,16 @@ def apply(
         slice_id = preemption.slice_id
         live[slice_id] = preempting(live[slice_id], preemption.deadline)
     promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
-    for slice_id, slice_ in live.items():
-        if slice_.state is SliceState.PENDING and slice_.promised != promised.get(slice_id, ()):
+    # Only a slice that holds a promise or is given one can change here: those are
+    # found without reading the rest (most live slices) twice.
+    holding = [slice_id for slice_id, slice_ in live.items() if slice_.promised]
+    for slice_id in {*holding, *promised}:
+        slice_ = live.get(slice_id)
+        if (
+            slice_ is not None
+            and slice_.state is SliceState.PENDING
+            and slice_.promised != promised.get(slice_id, ())
+        ):
             live[slice_id] = replace(slice_, promised=promised.get(slice_id, ()))
     for grant in decisions.grants:
         live[grant.slice_id] = granted(live[grant.slice_id], grant.placements, now)
