@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from servicefixtures import REPO_ROOT, free_port, running_service, serving_in_process
 from test_ops_monitoring import dashboard_queries
 
-from broker.core.model import EndReason, PreemptReason, SliceKind
-from broker.service.metrics import PASS_PHASES, BrokerMetrics
+from broker.core.model import Decisions, EndReason, PreemptReason, SliceKind
+from broker.core.resume import RESUME_PHASE
+from broker.service.metrics import PASS_PHASES, PHASE_SERIES, BrokerMetrics
 
 MONITORING = REPO_ROOT / "docs" / "monitoring"
 
@@ -40,9 +41,19 @@ def test_every_reason_and_phase_has_its_series_at_zero_from_the_start():
     for reason in PreemptReason:
         key = ("slicebroker_preemptions_total", frozenset({("reason", reason.value)}))
         assert exposed[key] == 0
-    for phase in PASS_PHASES:
+    for phase in PHASE_SERIES:
         key = ("slicebroker_pass_phase_duration_seconds_count", frozenset({("phase", phase)}))
         assert exposed[key] == 0
+
+
+def test_a_resumed_pass_counts_in_its_own_phase_series():
+    metrics = BrokerMetrics()
+    metrics.record_pass(Decisions(phase_seconds={RESUME_PHASE: 0.001}), {}, 0.002)
+    exposed = samples(metrics.exposition().decode())
+    count = "slicebroker_pass_phase_duration_seconds_count"
+    assert exposed[(count, frozenset({("phase", RESUME_PHASE)}))] == 1
+    assert all(exposed[(count, frozenset({("phase", phase)}))] == 0 for phase in PASS_PHASES)
+    assert exposed[("slicebroker_pass_duration_seconds_count", frozenset())] == 1
 
 
 def queue_wait_counts(text: str) -> dict[tuple[str, str], float]:

@@ -30,7 +30,7 @@ from broker.core.model import (
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug, preemption_delay
-from broker.core.resume import still_quiet
+from broker.core.resume import RESUME_PHASE, still_quiet
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply, preempting
 from broker.core.whatif import alternatives
@@ -540,7 +540,7 @@ def test_a_request_joining_the_settled_tail_resumes_the_last_pass():
     joining = pending("a", 4, submitted_at=snap.now)
     resumed, fresh = _resume(snap, joining, seconds=30.0)
     assert resumed == fresh
-    assert resumed.phase_seconds == {}  # no phase ran
+    assert resumed.phase_seconds.keys() == {RESUME_PHASE}  # no phase of a walk ran
     assert [e.slice_id for e in resumed.queue][-1] == joining.id
     # b's reservation falls due a grace after now: it moved with the 30 s
     assert resumed.reservations[0].due_at == snap.now + 30.0 + snap.policy.grace_period
@@ -552,7 +552,7 @@ def test_a_request_that_could_still_be_planned_for_walks_the_queue():
     # one ranks before it, so it would be planned for instead
     snap = _quiet_queue(max_reservations=2)
     resumed, fresh = _resume(snap, pending("b", 4, submitted_at=snap.now))
-    assert resumed == fresh and resumed.phase_seconds != {}
+    assert resumed == fresh and RESUME_PHASE not in resumed.phase_seconds
 
 
 def test_a_request_that_fits_walks_the_queue():
@@ -562,7 +562,7 @@ def test_a_request_that_fits_walks_the_queue():
     seven = running("a", "n1", tuple(range(7)))
     snap = replace(snap, nodes=tuple(nodes(2)), slices=(*snap.slices, seven))
     resumed, fresh = _resume(snap, pending("a", 1, submitted_at=snap.now))
-    assert resumed == fresh and resumed.phase_seconds != {} and resumed.grants
+    assert resumed == fresh and RESUME_PHASE not in resumed.phase_seconds and resumed.grants
 
 
 def test_a_request_that_comes_before_its_project_s_preemption_attempt_walks_the_queue():
@@ -571,7 +571,7 @@ def test_a_request_that_comes_before_its_project_s_preemption_attempt_walks_the_
     snap = _quiet_queue(max_reservations=1)
     notebook = pending("a", 2, kind=SliceKind.INTERACTIVE, submitted_at=snap.now)
     resumed, fresh = _resume(snap, notebook)
-    assert resumed == fresh and resumed.phase_seconds != {}
+    assert resumed == fresh and RESUME_PHASE not in resumed.phase_seconds
 
 
 def test_a_request_that_may_borrow_reserved_gpus_walks_the_queue():
@@ -615,7 +615,7 @@ def test_a_request_changed_in_place_in_the_settled_tail_moves_to_its_new_place()
     snap = replace(snap, slices=(*rest, mine, twin))
     later = replace(snap, now=snap.now + 1, slices=(*rest, mine, replace(twin, priority=-1)))
     resumed, fresh = _after(snap, later)
-    assert resumed == fresh and resumed.phase_seconds == {}
+    assert resumed == fresh and resumed.phase_seconds.keys() == {RESUME_PHASE}
 
 
 def test_a_node_set_draining_walks_the_queue():
@@ -648,7 +648,7 @@ def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
     snap = _quiet_queue(max_reservations=1)
     early = pending("a", 4, submitted_at=NOW - 10 * MIN)
     resumed, fresh = _resume(snap, early)
-    assert resumed == fresh and resumed.phase_seconds == {}
+    assert resumed == fresh and resumed.phase_seconds.keys() == {RESUME_PHASE}
     assert resumed.quiet.until == early.submitted_at + 15 * MIN
     # ... and once it leaves again, b's delay is the first to end again
     tree = ProjectTree(snap.accounts)
@@ -657,7 +657,7 @@ def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
     assert schedule(with_early, index=kept).quiet.until == early.submitted_at + 15 * MIN
     later = replace(snap, now=snap.now + 1)
     resumed = schedule(later, index=kept)
-    assert resumed == schedule(later, tree) and resumed.phase_seconds == {}
+    assert resumed == schedule(later, tree) and resumed.phase_seconds.keys() == {RESUME_PHASE}
     assert resumed.quiet.until == NOW + 10 * MIN
 
 
@@ -672,7 +672,7 @@ def test_a_heartbeat_resumes_the_last_pass_and_a_lapsed_lease_walks_it():
     renewed = replace(leased, lease_expires_at=NOW + 3 * MIN)
     beat = replace(snap, now=NOW + 30, slices=(renewed, *rest))
     resumed = schedule(beat, index=kept)
-    assert resumed == schedule(beat, tree) and resumed.phase_seconds == {}
+    assert resumed == schedule(beat, tree) and resumed.phase_seconds.keys() == {RESUME_PHASE}
     # no heartbeat comes again: the lease runs out, and the holder is lost
     lapsed = replace(beat, now=NOW + 3 * MIN)
     walked = schedule(lapsed, index=kept)

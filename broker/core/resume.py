@@ -43,6 +43,10 @@ from .placement import FreeGpus
 from .preemption import past_budget
 from .standing import Standings
 
+#: The one phase a resumed pass reports (``Decisions.phase_seconds``): how many passes
+#: resumed rather than walked, and what they took, reach the service's metrics.
+RESUME_PHASE = "resume"
+
 
 def walk_key(slice_: Slice, project_rank: Mapping[str, int]) -> tuple:
     """Where an allocated pending slice comes in the pass's walk (the queue order of

@@ -49,7 +49,15 @@ from .preemption import (
     preempt_reason,
     preemption_delay,
 )
-from .resume import Settled, quiet_until, resumable_at, resumed, settled_at, walk_key
+from .resume import (
+    RESUME_PHASE,
+    Settled,
+    quiet_until,
+    resumable_at,
+    resumed,
+    settled_at,
+    walk_key,
+)
 from .standing import Standings
 from .transitions import granted, requeued
 
@@ -71,10 +79,11 @@ def schedule(
     tree = index.update(snapshot)
     settled = index.settled
     if settled is not None:
+        started = time.perf_counter()  # timed for metrics only, as the phases are
         decisions = resumed(settled, snapshot, index, tree)
         if decisions is not None:
             index.settled = settled_at(settled, decisions, snapshot, index)
-            return decisions
+            return replace(decisions, phase_seconds={RESUME_PHASE: time.perf_counter() - started})
     return _Pass(snapshot, tree, index).run()
 
 

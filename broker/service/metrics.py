@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.model import Decisions, EndReason, NodeState, PreemptReason, SliceKind
+from ..core.resume import RESUME_PHASE
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -32,6 +33,8 @@ WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800,
 PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 #: The phases a pass times (``Decisions.phase_seconds``), in their order.
 PASS_PHASES = ("end", "drain", "snapshot", "promises", "allocate", "backfill")
+#: Every phase series: a pass walks the phases above, or resumes its quiet predecessor.
+PHASE_SERIES = (*PASS_PHASES, RESUME_PHASE)
 
 
 class BrokerMetrics:
@@ -113,7 +116,9 @@ class BrokerMetrics:
         )
         self.pass_phase = Histogram(
             "slicebroker_pass_phase_duration_seconds",
-            "Time of each phase of the scheduling decision (Decisions.phase_seconds).",
+            "Time of each phase of the scheduling decision (Decisions.phase_seconds); "
+            "a pass that resumed its quiet predecessor instead of walking the queue has "
+            "the one phase resume.",
             ["phase"],
             buckets=PASS_BUCKETS,
             registry=r,
@@ -133,7 +138,7 @@ class BrokerMetrics:
             self.preemptions.labels(reason=reason.value)
         for ending in EndReason:
             self.endings.labels(reason=ending.value)
-        for phase in PASS_PHASES:
+        for phase in PHASE_SERIES:
             self.pass_phase.labels(phase=phase)
 
     def know_projects(self, projects: Iterable[str]) -> None:
