@@ -24,6 +24,8 @@ class Applied:
     ended: list[tuple[Slice, EndReason]] = field(default_factory=list)
     requeued: list[Slice] = field(default_factory=list)
     charges: list[LedgerEntry] = field(default_factory=list)
+    # The ids of the slices the decisions changed or ended (a kept index's update).
+    changed: set[int] = field(default_factory=set)
 
 
 def requeued(slice_: Slice, now: float, protect_next: float | None = None) -> Slice:
@@ -97,7 +99,9 @@ def apply(
     live = dict(slices)
     result = Applied(live, dict(nodes))
     node_types = {name: node.gpu_type for name, node in nodes.items()}
+    changed = result.changed
     for ending in decisions.endings:
+        changed.add(ending.slice_id)
         slice_ = live.pop(ending.slice_id)
         entry = end_slice(slice_, now, node_types, weights)
         if entry is not None:
@@ -109,6 +113,7 @@ def apply(
             result.ended.append((slice_, ending.reason))
     for preemption in decisions.preemptions:
         slice_id = preemption.slice_id
+        changed.add(slice_id)
         live[slice_id] = preempting(live[slice_id], preemption.deadline)
     promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
     # Only a slice that holds a promise or is given one can change here: those are
@@ -122,7 +127,9 @@ def apply(
             and slice_.promised != promised.get(slice_id, ())
         ):
             live[slice_id] = replace(slice_, promised=promised.get(slice_id, ()))
+            changed.add(slice_id)
     for grant in decisions.grants:
+        changed.add(grant.slice_id)
         live[grant.slice_id] = granted(live[grant.slice_id], grant.placements, now)
     for change in decisions.node_changes:
         result.nodes[change.node] = replace(result.nodes[change.node], state=change.state)

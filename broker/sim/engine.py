@@ -212,6 +212,11 @@ class Simulation:
         # What the last pass said of the next (Decisions.quiet), and whom it deferred
         self._quiet: Quiet | None = None
         self._quiet_deferred: set[int] = set()
+        # Slices changed since the policy last looked (id -> the slice, None: gone), told
+        # to a policy that keeps an index (FairShare.expect) instead of its comparing
+        # every live slice, as the service tells its own.
+        self._changed: dict[int, Slice | None] = {}
+        self._expect = getattr(self.scheduler, "expect", None)
         self.history: list[tuple[float, str, int]] | None = [] if self.config.history else None
         self.stats: dict[str, Any] = {
             "passes": 0,
@@ -322,7 +327,7 @@ class Simulation:
 
     def _request(self, t: float, job: Job, work: float) -> None:
         slice_id = next(self._ids)
-        self.slices[slice_id] = Slice(
+        self.slices[slice_id] = self._changed[slice_id] = Slice(
             id=slice_id,
             project=job.project,
             user=job.user,
@@ -353,6 +358,7 @@ class Simulation:
         if entry is not None:
             self.usage.close(entry)
         del self.slices[slice_id]
+        self._changed[slice_id] = None
         run = self._forget(slice_id)
         job = run.job
         self._segment(t, run, slice_)
@@ -406,7 +412,7 @@ class Simulation:
             slice_ = self.slices.get(slice_id)
             if slice_ is None or slice_.granted_at != granted_at or not slice_.holds_gpus:
                 continue  # ended or requeued since: its next grant has checkpoints of its own
-            self.slices[slice_id] = replace(slice_, checkpointed_at=at)
+            self.slices[slice_id] = self._changed[slice_id] = replace(slice_, checkpointed_at=at)
             heapq.heappush(due, (at + self.config.checkpoint_interval, slice_id, granted_at))
             reported = True
         return reported
@@ -506,6 +512,9 @@ class Simulation:
                 check_quiet(self._quiet_deferred, self.scheduler(snapshot))
             self._tick(now)
             return
+        if self._expect is not None:
+            self._expect(self._changed)
+            self._changed = {}
         started = time.perf_counter()
         decisions = self.scheduler(snapshot)
         elapsed = time.perf_counter() - started
@@ -533,6 +542,8 @@ class Simulation:
         before = self.slices
         applied = apply(before, self.nodes, decisions, now, self.weights)
         self.slices = applied.slices  # before the bookkeeping: users may submit again
+        for slice_id in applied.changed:
+            self._changed[slice_id] = self.slices.get(slice_id)
         for entry in applied.charges:
             self.usage.close(entry)
         reasons = {e.slice_id: e.reason for e in decisions.endings}

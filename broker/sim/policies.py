@@ -26,7 +26,7 @@ preemption — not in how a slice is packed onto a node:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -75,6 +75,11 @@ class FairShare:
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         return schedule(snapshot, index=self.kept)
+
+    def expect(self, changed: Mapping[int, Slice | None]) -> None:
+        """The next snapshot differs from the last one only in these slices (id -> the
+        slice, None: gone): the kept index files them alone (PassState.expect)."""
+        self.kept.expect(changed)
 
 
 # ---- what every baseline does ----------------------------------------------------
