@@ -147,7 +147,7 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
         assert kept.waiting_delays(after) == (expected, debug)
     assert kept.shapes.keys() <= {s.id for s in waiting}
     assert all(
-        kept.shapes[i] == pending_shape(s, policy) for s in waiting if (i := s.id) in kept.shapes
+        kept.shapes[i] == kept.shape_number(s) for s in waiting if (i := s.id) in kept.shapes
     )
     ranked = list(PROJECTS)
     rng.shuffle(ranked)
@@ -217,6 +217,26 @@ CHANGES = (
     *("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock"),
     *("retype", "policy", "weights"),
 )
+
+
+def test_shape_numbers_start_again_once_the_shapes_numbered_are_mostly_gone():
+    """The index numbers the walk's shapes (shape_number); numbers of shapes long gone
+    are dropped, and then every kept number with them, never one without the other."""
+    tree = flat_tree("a", "b")
+    kept = PassState(ProjectTree(tree))
+    policy = Policy(max_reservations=0)
+    # The GPU left free and a 1-GPU request for it keep the walk going one by one.
+    holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
+    attempt, staying = pending("a", 8), pending("a", 8, min_runtime=2 * HOUR)
+    snap = snapshot(nodes(1), tree, [holder, attempt, staying, pending("a")], policy=policy)
+    schedule(snap, index=kept)
+    assert staying.id in kept.shapes
+    for batch in range(10):  # 300 shapes a pass, each gone by the next
+        passing = [pending("a", 8, min_runtime=HOUR + 300 * batch + k) for k in range(300)]
+        slices = (holder, attempt, staying, *passing, pending("a"))
+        schedule(replace(snap, slices=slices), index=kept)
+        assert kept.shapes[staying.id] == kept.shape_number(staying)
+    assert len(kept._shape_numbers) < 10 * 300  # started again on the way
 
 
 @settings(max_examples=150, deadline=None)
@@ -443,13 +463,12 @@ def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     first, again, small = pending("a", 8), pending("a", 8, preemptions=4), pending("a", 1)
     snap = snapshot(nodes(1), tree, [holder, first, again, small], policy=policy)
     schedule(snap, index=kept)
-    assert kept.shapes[again.id] == pending_shape(again, policy)
+    assert kept.shapes[again.id] == kept.shape_number(again)
     budget_spent = replace(again, preemptions=5)
     snap = replace(snap, slices=(holder, first, budget_spent, small), now=NOW + 60)
     schedule(snap, index=kept)
-    assert (
-        kept.shapes[again.id] == pending_shape(budget_spent, policy) != pending_shape(again, policy)
-    )
+    assert kept.shapes[again.id] == kept.shape_number(budget_spent) != kept.shape_number(again)
+    assert pending_shape(budget_spent, policy) != pending_shape(again, policy)
 
 
 @settings(max_examples=150, deadline=None)

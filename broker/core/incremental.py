@@ -184,9 +184,11 @@ class PassState:
         # project take from another at all" for them (Standings.lenient): a pass
         # whose holdings did not move since starts from the same answers.
         self.lenient: tuple[tuple, dict[tuple[str, str, bool], bool]] | None = None
-        # Pending slice id -> its shape as the pass's walk works it out (what decides
-        # where it may be placed), dropped when the slice is filed or forgotten.
-        self.shapes: dict[int, tuple] = {}
+        # Pending slice id -> its shape's number (shape_number) as the pass's walk works
+        # it out (what decides where it may be placed), dropped when the slice is filed
+        # or forgotten.
+        self.shapes: dict[int, int] = {}
+        self._shape_numbers: dict[tuple, int] = {}  # pending_shape -> its number
         self.promised_ids: set[int] = set()  # pending slices that hold a promise
         # (when a pending slice's preemption delay ends, slice id), sorted, and how many
         # allocated debug sessions wait: what a quiet pass's until reads (resume.py).
@@ -218,6 +220,8 @@ class PassState:
             self.accounts = snapshot.accounts
             self.settled = None
         node_types = {node.name: node.gpu_type for node in snapshot.nodes}
+        if len(self._shape_numbers) > _SHAPES_KEPT_PER_SLICE * len(self.slices) + 1024:
+            self.shapes, self._shape_numbers = {}, {}  # numbered anew as the walk asks
         if node_types != self.node_types or snapshot.policy != self.policy:
             self._clear()
             self.node_types, self.policy = node_types, snapshot.policy
@@ -294,6 +298,7 @@ class PassState:
         other.holders = {node: set(ids) for node, ids in self.holders.items()}
         other._node_holders = dict(self._node_holders)
         other.shapes = dict(self.shapes)
+        other._shape_numbers = dict(self._shape_numbers)  # either may number anew
         other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
@@ -326,6 +331,7 @@ class PassState:
         self.delay_ends, self._delays_asked = None, False
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
+        self._shape_numbers = {}
         self.protection_ends = []
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
@@ -513,6 +519,17 @@ class PassState:
                 ordered += queue[1]
         return ordered
 
+    def shape_number(self, slice_: Slice) -> int:
+        """A number for ``slice_``'s :func:`pending_shape`, the same for every slice of
+        that shape: the walk compares shapes by number, as a shape's tuple would be
+        hashed again at every look-up."""
+        assert self.policy is not None  # set before any slice is filed
+        shape = pending_shape(slice_, self.policy)
+        number = self._shape_numbers.get(shape)
+        if number is None:
+            number = self._shape_numbers[shape] = len(self._shape_numbers)
+        return number
+
     # -- filing --------------------------------------------------------------
 
     def _file(self, slice_: Slice) -> None:
@@ -590,6 +607,11 @@ def pending_shape(slice_: Slice, policy: Policy) -> tuple:
     """What decides whether a pending slice can be placed (where it fits, whether it
     may borrow reserved GPUs) or is under its cap."""
     return (*borrow_traits(slice_, policy), slice_.gpus, slice_.gpu_type, slice_.kind)
+
+
+#: Shapes numbered per live slice before the numbers start again (shape_number):
+#: shapes of slices long gone are not kept for ever.
+_SHAPES_KEPT_PER_SLICE = 4
 
 
 def _queue_key(slice_: Slice) -> tuple:

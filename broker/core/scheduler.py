@@ -19,7 +19,7 @@ from operator import attrgetter
 
 from . import backfill
 from .fairshare import ProjectTree
-from .incremental import NodeHolders, PassState, borrow_traits, pending_shape
+from .incremental import NodeHolders, PassState, borrow_traits
 from .model import (
     Decisions,
     Ending,
@@ -546,7 +546,7 @@ class _Pass:
         # shrink and caps only fill, so a request shaped like one that stayed
         # blocked, and with no preemption attempt to make, stays blocked too:
         # the long tail of a backlog is walked cheaply.
-        blocked_shapes: set[tuple] = set()
+        blocked_shapes: set[int] = set()  # shape numbers
         position = len(self.queue)
         self._sort_backlog()
         # Read once: the loop below runs for every pending slice of every pass.
@@ -559,6 +559,7 @@ class _Pass:
         # Each pending slice's shape, kept by the index between passes; a pass that
         # requeued a slice has pending slices the index does not: its own then.
         shapes = self.kept.shapes if self.live is self.kept.slices else {}
+        shape_number = self.kept.shape_number
         unsettled: set[str] = set()  # projects whose rest of the backlog was not all blocked
         at = 0
         while at < len(backlog):
@@ -594,7 +595,7 @@ class _Pass:
             if settled:
                 shape = shapes.get(slice_.id)
                 if shape is None:
-                    shape = shapes[slice_.id] = pending_shape(slice_, policy)
+                    shape = shapes[slice_.id] = shape_number(slice_)
                 if shape in blocked_shapes:
                     enqueue((slice_.id, position, value, None))
                     continue
