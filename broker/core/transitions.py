@@ -116,8 +116,8 @@ def apply(
         changed.add(slice_id)
         live[slice_id] = preempting(live[slice_id], preemption.deadline)
     promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
-    # Only a slice that holds a promise or is given one can change here: those are
-    # found without reading the rest (most live slices) twice.
+    # Only a slice that holds a promise or is given one can change here; the rest
+    # (most live slices) are only asked whether they hold one.
     holding = [slice_id for slice_id, slice_ in live.items() if slice_.promised]
     for slice_id in {*holding, *promised}:
         slice_ = live.get(slice_id)
