@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from broker.core.fairshare import ProjectTree
 from broker.core.model import (
     Account,
+    Decisions,
     EndReason,
     Node,
     NodeState,
@@ -50,6 +51,10 @@ def test_a_pass_s_queue_reads_as_its_entries_and_equals_them():
     assert list(queue) == [entry] and queue[:1] == (entry,)
     assert queue == (entry,) and (entry,) == queue
     assert queue != (entry._replace(position=2),) and queue != (entry, entry)
+    # decisions with it hash and compare as decisions with a tuple of its entries
+    decisions = Decisions(queue=queue)
+    assert decisions == Decisions(queue=(entry,))
+    assert hash(decisions) == hash(Decisions(queue=(entry,)))
     assert queue != () and Queue([(1, 1, 0.5, None)]) == Queue([(1, 1, 0.5, None)])
 
 
