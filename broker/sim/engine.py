@@ -55,7 +55,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.preemption import preemption_delay
-from ..core.resume import still_quiet
+from ..core.resume import RESUME_PHASE, still_quiet
 from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,
@@ -221,6 +221,7 @@ class Simulation:
         self.stats: dict[str, Any] = {
             "passes": 0,
             "quiet_passes": 0,  # passes left out: time alone moved, nothing would change
+            "resumed_passes": 0,  # passes that resumed a quiet one instead of walking
             "pass_seconds": 0.0,
             "max_pass_seconds": 0.0,
             "phase_seconds": {},
@@ -525,6 +526,7 @@ class Simulation:
         phases = stats["phase_seconds"]
         for phase, seconds in decisions.phase_seconds.items():
             phases[phase] = phases.get(phase, 0.0) + seconds
+        stats["resumed_passes"] += RESUME_PHASE in decisions.phase_seconds
         if self.config.check:
             check_decisions(snapshot, decisions)
         self._commit(now, decisions)
