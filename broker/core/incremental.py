@@ -60,7 +60,7 @@ from .model import (
     Snapshot,
     changes_add_up,
 )
-from .ordering import within_project_key
+from .ordering import within_project_key, within_queue_key
 from .placement import FreeGpus
 from .preemption import is_debug, past_budget, preemption_delay
 
@@ -357,7 +357,7 @@ class PassState:
                 protection_ends += ((at, slice_.id) for at in _protection_end(slice_))
             else:
                 where = (slice_.allocated, slice_.project)
-                pending.setdefault(where, []).append((_queue_key(slice_), slice_))
+                pending.setdefault(where, []).append((within_queue_key(slice_), slice_))
                 if slice_.promised:
                     self.promised_ids.add(slice_.id)
                 # A slice that holds nothing has no protection, and no deadline
@@ -545,7 +545,7 @@ class PassState:
             if slice_.promised:
                 self.promised_ids.add(slice_.id)
             keys, slices = self.queues.setdefault((slice_.allocated, slice_.project), ([], []))
-            key = _queue_key(slice_)
+            key = within_queue_key(slice_)
             at = bisect_left(keys, key)
             keys.insert(at, key)
             slices.insert(at, slice_)
@@ -573,7 +573,7 @@ class PassState:
             self.promised_ids.discard(slice_.id)
             where = (slice_.allocated, slice_.project)
             keys, slices = self.queues[where]
-            at = bisect_left(keys, _queue_key(slice_))
+            at = bisect_left(keys, within_queue_key(slice_))
             del keys[at], slices[at]
             if not keys:
                 del self.queues[where]
@@ -612,11 +612,6 @@ def pending_shape(slice_: Slice, policy: Policy) -> tuple:
 #: Shapes numbered per live slice before the numbers start again (shape_number):
 #: shapes of slices long gone are not kept for ever.
 _SHAPES_KEPT_PER_SLICE = 4
-
-
-def _queue_key(slice_: Slice) -> tuple:
-    """A pending slice's place within its project's queue (design.md §5.1, 3–4)."""
-    return (*within_project_key(slice_), slice_.submitted_at, slice_.id)
 
 
 def wake_times(slice_: Slice) -> list[float]:

@@ -38,6 +38,18 @@ def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> di
     return {name: rank for rank, name in enumerate(ordered)}
 
 
+def within_queue_key(slice_: Slice) -> tuple:
+    """A pending slice's place within its project's queue: :func:`queue_order`'s
+    criteria 3–5 as one key."""
+    return (*within_project_key(slice_), slice_.submitted_at, slice_.id)
+
+
+def walk_key(slice_: Slice, project_rank: Mapping[str, int]) -> tuple:
+    """Where an allocated pending slice comes in the queue: :func:`queue_order`'s
+    criteria 2–5 as one key (the resumed pass places requests by it)."""
+    return (project_rank[slice_.project], *within_queue_key(slice_))
+
+
 def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> list[Slice]:
     """Pending slices in queue order (design.md §5.1):
 

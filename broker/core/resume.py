@@ -38,7 +38,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import within_project_key
+from .ordering import walk_key
 from .placement import FreeGpus
 from .preemption import past_budget
 from .standing import Standings
@@ -46,13 +46,6 @@ from .standing import Standings
 #: The one phase a resumed pass reports (``Decisions.phase_seconds``): how many passes
 #: resumed rather than walked, and what they took, reach the service's metrics.
 RESUME_PHASE = "resume"
-
-
-def walk_key(slice_: Slice, project_rank: Mapping[str, int]) -> tuple:
-    """Where an allocated pending slice comes in the pass's walk (the queue order of
-    :func:`~broker.core.ordering.queue_order`)."""
-    rank = project_rank[slice_.project]
-    return (rank, within_project_key(slice_), slice_.submitted_at, slice_.id)
 
 
 @dataclass(frozen=True)

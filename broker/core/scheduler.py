@@ -39,7 +39,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import lane_first, project_rank, queue_order, within_project_key
+from .ordering import lane_first, project_rank, queue_order, walk_key, within_project_key
 from .preemption import (
     DebugLane,
     Preemptor,
@@ -56,7 +56,6 @@ from .resume import (
     resumable_at,
     resumed,
     settled_at,
-    walk_key,
 )
 from .standing import Standings
 from .transitions import granted, requeued
