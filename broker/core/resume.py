@@ -30,7 +30,9 @@ from .model import (
     Node,
     NodeState,
     Policy,
+    Queue,
     QueueEntry,
+    QueueRow,
     Quiet,
     Reservation,
     Slice,
@@ -276,16 +278,11 @@ def _edited(
         at = bisect_left(entries, key, start, end, key=lambda e: walk_key(live[e.slice_id], rank))
         entries.insert(at, QueueEntry(slice_.id, 0, math.nan))  # made whole below
         end += 1
-    queue = []
-    for position, entry in enumerate(entries, 1):
-        estimated = entry.estimated_start
-        moves = estimated is not None and shift and shifts_with_now(estimated, then, policy)
-        value = values[live[entry.slice_id].project]
-        if moves or entry.position != position or entry.fairshare_value != value:
-            entry = QueueEntry(
-                entry.slice_id, position, value, estimated + shift if moves else estimated
-            )
-        queue.append(entry)
+    queue: list[QueueRow] = []  # rows, as a walked pass's (model.Queue)
+    for position, (slice_id, _, _, estimated) in enumerate(entries, 1):
+        if estimated is not None and shift and shifts_with_now(estimated, then, policy):
+            estimated += shift
+        queue.append((slice_id, position, values[live[slice_id].project], estimated))
     reservations = tuple(
         Reservation(r.slice_id, r.placements, r.promised, r.due_at + shift)  # type: ignore[operator]
         if shift and shifts_with_now(r.due_at, then, policy)
@@ -297,7 +294,7 @@ def _edited(
     until = quiet_until(kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings)
     return Decisions(
         reservations=reservations,
-        queue=tuple(queue),
+        queue=Queue(queue),
         deferred=before.deferred,
         quiet=Quiet(until, quiet.window_order),
     )
