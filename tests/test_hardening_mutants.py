@@ -44,6 +44,25 @@ def test_a_request_that_fits_the_free_gpus_exactly_is_granted_behind_its_blocked
     assert granted_ids(decisions) == set()
 
 
+def test_a_gang_that_fits_the_free_gpus_of_several_nodes_is_granted_behind_its_blocked_project():
+    # Catches the scheduler's _blocked_until judging work larger than any node by the
+    # most GPUs one node has free, as a single-node request. Two nodes of 8, 2 GPUs of
+    # each held by b in their protected hour; a asks for 8 (which fits no node and
+    # cannot preempt b) and then for 12, which spans the 6 and 6 free GPUs.
+    held = [
+        running("b", "n0", (0, 1), granted_ago=HOUR / 2),
+        running("b", "n1", (0, 1), granted_ago=HOUR / 2),
+    ]
+    whole = pending("a", 8, submitted_at=NOW - 20)
+    wide = pending("a", 12, submitted_at=NOW - 10)
+    policy = Policy(max_reservations=0)
+    decisions = schedule(
+        snapshot(nodes(2), flat_tree("a", "b"), [*held, whole, wide], policy=policy)
+    )
+    assert granted_ids(decisions) == {wide.id}
+    assert decisions.preemptions == ()
+
+
 def test_a_gang_remainder_no_node_fits_is_spread_over_the_nodes_with_most_free():
     # Found by the mutation sample (docs/testing.md): `if not remaining: break` -> `if
     # remaining: break` in placement's _fit_gang went unnoticed, as no test reached the

@@ -225,15 +225,16 @@ def test_shape_numbers_start_again_once_the_shapes_numbered_are_mostly_gone():
     tree = flat_tree("a", "b")
     kept = PassState(ProjectTree(tree))
     policy = Policy(max_reservations=0)
-    # The GPU left free and a 1-GPU request for it keep the walk going one by one.
+    # Work larger than any node makes no preemption attempt: the walk takes it one
+    # by one, by its shape.
     holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
-    attempt, staying = pending("a", 8), pending("a", 8, min_runtime=2 * HOUR)
-    snap = snapshot(nodes(1), tree, [holder, attempt, staying, pending("a")], policy=policy)
+    staying = pending("a", 16, min_runtime=2 * HOUR)
+    snap = snapshot(nodes(1), tree, [holder, staying], policy=policy)
     schedule(snap, index=kept)
     assert staying.id in kept.shapes
     for batch in range(10):  # 300 shapes a pass, each gone by the next
-        passing = [pending("a", 8, min_runtime=HOUR + 300 * batch + k) for k in range(300)]
-        slices = (holder, attempt, staying, *passing, pending("a"))
+        passing = [pending("a", 16, min_runtime=HOUR + 300 * batch + k) for k in range(300)]
+        slices = (holder, staying, *passing)
         schedule(replace(snap, slices=slices), index=kept)
         assert kept.shapes[staying.id] == kept.shape_number(staying)
     assert len(kept._shape_numbers) < 10 * 300  # started again on the way
@@ -458,14 +459,14 @@ def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     kept = PassState(ProjectTree(tree))
     policy = Policy(max_reservations=0, preemption_budget=5)
     holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
-    # a's first request makes its preemption attempt; the one GPU left free keeps
-    # the walk from passing over the rest of a's run (the 1-GPU request fits it).
-    first, again, small = pending("a", 8), pending("a", 8, preemptions=4), pending("a", 1)
-    snap = snapshot(nodes(1), tree, [holder, first, again, small], policy=policy)
+    # Larger than any node, the request makes no preemption attempt: the walk
+    # takes it on its own, by its shape.
+    again = pending("a", 16, preemptions=4)
+    snap = snapshot(nodes(1), tree, [holder, again], policy=policy)
     schedule(snap, index=kept)
     assert kept.shapes[again.id] == kept.shape_number(again)
     budget_spent = replace(again, preemptions=5)
-    snap = replace(snap, slices=(holder, first, budget_spent, small), now=NOW + 60)
+    snap = replace(snap, slices=(holder, budget_spent), now=NOW + 60)
     schedule(snap, index=kept)
     assert kept.shapes[again.id] == kept.shape_number(budget_spent) != kept.shape_number(again)
     assert pending_shape(budget_spent, policy) != pending_shape(again, policy)

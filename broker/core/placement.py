@@ -107,6 +107,16 @@ class FreeGpus:
                 self.free_total += len(free) - before
                 self._move(placement.node, before)
 
+    def most_free(self) -> int:
+        """The most free GPUs on any one node: more than that fit no single node."""
+        most = 0
+        for buckets in self._buckets.values():
+            for count in range(len(buckets) - 1, most, -1):
+                if buckets[count]:
+                    most = count
+                    break
+        return most
+
     def types(self, gpu_type: str | None) -> list[str]:
         """GPU types a request may use, cheapest first."""
         if gpu_type is not None:

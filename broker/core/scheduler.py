@@ -559,20 +559,13 @@ class _Pass:
         # requeued a slice has pending slices the index does not: its own then.
         shapes = self.kept.shapes if self.live is self.kept.slices else {}
         shape_number = self.kept.shape_number
-        unsettled: set[str] = set()  # projects whose rest of the backlog was not all blocked
         at = 0
         while at < len(backlog):
             slice_ = backlog[at]
             at += 1
-            if (
-                planned >= max_reservations
-                and slice_.project in tried_preemption
-                and slice_.project not in unsettled
-            ):
+            if planned >= max_reservations and slice_.project in tried_preemption:
                 end = self._blocked_until(backlog, at - 1, backfill_reserved)
-                if end is None:
-                    unsettled.add(slice_.project)
-                else:
+                if end >= at:
                     value = values[slice_.project]
                     for blocked in backlog[at - 1 : end]:
                         position += 1
@@ -707,27 +700,36 @@ class _Pass:
 
     def _blocked_until(
         self, backlog: list[Slice], start: int, reserved: list[tuple[Reservation, Slice]]
-    ) -> int | None:
-        """Where the run of ``backlog[start]``'s project ends, if nothing in it can
-        be placed; else None.
+    ) -> int:
+        """Where the blocked stretch of ``backlog[start]``'s project's run ends: the
+        first request from ``start`` on that might be placed, or the run's end
+        (``start`` itself when it might be).
 
         Asked once the project has made its preemption attempt and no more
         reservations are planned: its remaining work can then only be granted,
-        or wait. It waits if no request fits in the free GPUs and none may
-        borrow reserved ones (the tests of :meth:`_place`, asked of the whole
-        run at once), and then each only takes its place in the queue.
+        or wait. A request waits if it does not fit in the free GPUs (more than any
+        one node has free and, if it could span nodes, more than all have) and
+        may not borrow reserved ones (more than that with every lendable GPU
+        too, or it would outlast every reservation): bounds of the tests of
+        :meth:`_place`, asked of the stretch at once. Such a request only takes
+        its place in the queue; one that might be placed is walked on its own.
         """
         project = backlog[start].project
-        free = self.free.free_total
-        latest = self._latest_due(reserved) if reserved else None
+        free, most_free = self.free.free_total, self.free.most_free()
+        spans_above = min(self.free.largest.values(), default=0)  # see FreeGpus.fit
+        lent = self._lendable_gpus if reserved else -math.inf  # reserved GPUs it may borrow
+        latest = self._latest_due(reserved) if reserved else -math.inf
         now, grace = self.now, self.policy.grace_period
         end = start
         while end < len(backlog) and backlog[end].project == project:
             slice_ = backlog[end]
-            if slice_.gpus <= free:
-                return None
-            if latest is not None and not backfill.outlasts(slice_.contract, now, grace, latest):
-                return None
+            gpus = slice_.gpus
+            if gpus <= most_free or spans_above < gpus <= free:
+                return end
+            if (
+                gpus <= most_free + lent or spans_above < gpus <= free + lent
+            ) and not backfill.outlasts(slice_.contract, now, grace, latest):
+                return end
             end += 1
         return end
 
