@@ -717,21 +717,23 @@ class _Pass:
         project = backlog[start].project
         free, most_free = self.free.free_total, self.free.most_free()
         spans_above = min(self.free.largest.values(), default=0)  # see FreeGpus.fit
-        lent = self._lendable_gpus if reserved else -math.inf  # reserved GPUs it may borrow
+        # Reserved GPUs it may borrow; with none, every request outlasts them all.
+        lent = self._lendable_gpus if reserved else 0
         latest = self._latest_due(reserved) if reserved else -math.inf
+        most_lent, free_lent = most_free + lent, free + lent
         now, grace = self.now, self.policy.grace_period
-        end = start
-        while end < len(backlog) and backlog[end].project == project:
+        for end in range(start, len(backlog)):
             slice_ = backlog[end]
+            if slice_.project != project:
+                return end
             gpus = slice_.gpus
+            if gpus > most_lent and not spans_above < gpus <= free_lent:
+                continue  # too large for the free GPUs, even with all the lent ones
             if gpus <= most_free or spans_above < gpus <= free:
                 return end
-            if (
-                gpus <= most_free + lent or spans_above < gpus <= free + lent
-            ) and not backfill.outlasts(slice_.contract, now, grace, latest):
+            if not backfill.outlasts(slice_.contract, now, grace, latest):
                 return end
-            end += 1
-        return end
+        return len(backlog)
 
     def _claim_due_gang(self, slice_: Slice, reservation: Reservation, position: int) -> bool:
         """Honour a multi-node reservation that has fallen due.
