@@ -156,6 +156,22 @@ def test_queue_order_sorts_by_its_five_criteria(traits, ranked):
     )
 
 
+def test_a_slice_requeued_in_a_pass_comes_in_that_pass_at_its_place_in_the_queue():
+    """The pass that requeues a slice (its grace over) queues it where its
+    submission puts it: ahead of its project's later requests, not behind them,
+    so the GPUs it gave back go to it first."""
+    held = running("b", "n0", tuple(range(8)), granted_ago=HOUR / 2)  # protected
+    leaving = running("a", "n1", tuple(range(8)), resumable=True, submitted_at=NOW - 3 * HOUR)
+    leaving = replace(leaving, state=SliceState.PREEMPTING, preempt_deadline=NOW)
+    earlier = pending("a", 8, submitted_at=NOW - 2 * HOUR)
+    later = pending("a", 8, submitted_at=NOW - HOUR)
+    tree = flat_tree("a", "b")
+    decisions = schedule(snapshot(nodes(2), tree, [held, later, leaving, earlier]))
+    assert [e.slice_id for e in decisions.endings] == [leaving.id]
+    assert [g.slice_id for g in decisions.grants] == [leaving.id]
+    assert [e.slice_id for e in decisions.queue] == [earlier.id, later.id]
+
+
 # ---- placement -----------------------------------------------------------
 
 

@@ -59,9 +59,11 @@ def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> li
     4. submit time,
     5. slice id.
 
-    Sorted in two stable steps, the last two criteria first (their key built
-    in C): every pass sorts the whole backlog, and this takes a fifth less time
-    than one key of all five.
+    A pass does not sort: the index keeps each project's queue by
+    :func:`within_queue_key` and joins them in rank order, and a pass puts the
+    slices it requeues in by :func:`walk_key`. This is the order they keep,
+    which the tests hold them to; sorted in two stable steps, the last two
+    criteria first (their key built in C).
     """
     ordered = sorted(pending, key=attrgetter("submitted_at", "id"))
     ordered.sort(key=lambda s: (not s.allocated, project_rank[s.project], within_project_key(s)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
+from bisect import insort
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -39,7 +39,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import lane_first, project_rank, queue_order, walk_key, within_project_key
+from .ordering import lane_first, project_rank, walk_key, within_project_key
 from .preemption import (
     DebugLane,
     Preemptor,
@@ -464,20 +464,23 @@ class _Pass:
     def _sort_backlog(self) -> None:
         """The queue, less kept promises: allocated slices for :meth:`allocate`,
         unallocated ones after them for :meth:`backfill_unallocated`."""
-        if not self.endings:
-            # The index's queues hold exactly this pass's pending slices.
-            allocated = self.kept.backlog(iter(self.project_rank), True)
-            unallocated = self.kept.backlog(iter(self.project_rank), False)
-            if self.promised:
-                allocated = [s for s in allocated if s.id not in self.promised]
-                unallocated = [s for s in unallocated if s.id not in self.promised]
-        else:
-            pending = self.pending
-            if self.promised:
-                pending = [s for s in pending if s.id not in self.promised]
-            ordered = queue_order(pending, self.project_rank)
-            cut = bisect_left(ordered, True, key=lambda s: not s.allocated)
-            allocated, unallocated = ordered[:cut], ordered[cut:]
+        rank = self.project_rank
+        allocated = self.kept.backlog(iter(rank), True)
+        unallocated = self.kept.backlog(iter(rank), False)
+        if self.endings:
+            # The index's queues, less the slices phase 1 ended, with those it
+            # requeued put in their places: the queue order of the pending slices.
+            gone = self.ended
+            allocated = [s for s in allocated if s.id not in gone]
+            unallocated = [s for s in unallocated if s.id not in gone]
+            for ending in self.endings:
+                if ending.requeue:
+                    slice_ = self.live[ending.slice_id]
+                    backlog = allocated if slice_.allocated else unallocated
+                    insort(backlog, slice_, key=lambda s: walk_key(s, rank))
+        if self.promised:
+            allocated = [s for s in allocated if s.id not in self.promised]
+            unallocated = [s for s in unallocated if s.id not in self.promised]
         if self.policy.debug_first:
             allocated = lane_first(allocated, self._lane_admits())
         self.allocated_backlog = allocated
