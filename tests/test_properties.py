@@ -275,6 +275,7 @@ class World:
     ledger: list[LedgerEntry] = field(default_factory=list)
     held_seconds: dict[int, float] = field(default_factory=dict)  # independent record
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    promise_holders: set[int] = field(default_factory=set)  # as the last apply told
 
     def __post_init__(self) -> None:
         self.nodes = {n.name: n for n in self.cluster.nodes}
@@ -382,6 +383,9 @@ class World:
         decisions = schedule(snap, self.tree)
         check_pass(snap, decisions)
         applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
+        told = apply(self.live, self.nodes, decisions, self.now, WEIGHTS, self.promise_holders)
+        assert told == applied, "the holders of promises an apply tells are all of them"
+        self.promise_holders = applied.promise_holders
         self.ledger.extend(applied.charges)
         granted = {g.slice_id for g in decisions.grants}
         self.live = {

@@ -8,7 +8,7 @@ cluster as plain values) and the store (which writes the result to its rows).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from .accounting import LedgerEntry, ledger_entry
@@ -26,6 +26,8 @@ class Applied:
     charges: list[LedgerEntry] = field(default_factory=list)
     # The ids of the slices the decisions changed or ended (a kept index's update).
     changed: set[int] = field(default_factory=set)
+    # The ids of the live slices that hold a promise (the next apply's promise_holders).
+    promise_holders: set[int] = field(default_factory=set)
 
 
 def requeued(slice_: Slice, now: float, protect_next: float | None = None) -> Slice:
@@ -94,8 +96,13 @@ def apply(
     decisions: Decisions,
     now: float,
     weights: Mapping[str, float],
+    promise_holders: Collection[int] | None = None,
 ) -> Applied:
-    """Apply ``decisions`` taken at ``now``; the inputs are left unchanged."""
+    """Apply ``decisions`` taken at ``now``; the inputs are left unchanged.
+
+    ``promise_holders``: the ids of the slices that hold a promise, where the caller
+    keeps them (the last apply's :attr:`Applied.promise_holders`: only an apply gives
+    a promise); without them every live slice is asked."""
     live = dict(slices)
     result = Applied(live, dict(nodes))
     node_types = {name: node.gpu_type for name, node in nodes.items()}
@@ -118,8 +125,10 @@ def apply(
     promised = {r.slice_id: r.placements for r in decisions.reservations if r.promised}
     # Only a slice that holds a promise or is given one can change here; the rest
     # (most live slices) are only asked whether they hold one.
-    holding = [slice_id for slice_id, slice_ in live.items() if slice_.promised]
-    for slice_id in {*holding, *promised}:
+    if promise_holders is None:
+        promise_holders = [slice_id for slice_id, slice_ in live.items() if slice_.promised]
+    may_hold = {*promise_holders, *promised}
+    for slice_id in may_hold:
         slice_ = live.get(slice_id)
         if (
             slice_ is not None
@@ -133,4 +142,7 @@ def apply(
         live[grant.slice_id] = granted(live[grant.slice_id], grant.placements, now)
     for change in decisions.node_changes:
         result.nodes[change.node] = replace(result.nodes[change.node], state=change.state)
+    result.promise_holders = {
+        slice_id for slice_id in may_hold if slice_id in live and live[slice_id].promised
+    }
     return result

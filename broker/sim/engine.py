@@ -181,6 +181,7 @@ class Simulation:
         self.node_types = {n.name: n.gpu_type for n in workload.nodes}
         self.nodes: dict[str, Node] = {n.name: n for n in workload.nodes}
         self.slices: dict[int, Slice] = {}
+        self._promise_holders: set[int] = set()  # of self.slices, from the last apply
         self.runs: dict[int, _Run] = {}
         self.waiting = 0  # pending slices
         self.usage = UsageTracker(
@@ -542,8 +543,9 @@ class Simulation:
     def _commit(self, now: float, decisions: Decisions) -> None:
         """Apply ``decisions`` at ``now`` and do the bookkeeping each change implies."""
         before = self.slices
-        applied = apply(before, self.nodes, decisions, now, self.weights)
+        applied = apply(before, self.nodes, decisions, now, self.weights, self._promise_holders)
         self.slices = applied.slices  # before the bookkeeping: users may submit again
+        self._promise_holders = applied.promise_holders
         for slice_id in applied.changed:
             self._changed[slice_id] = self.slices.get(slice_id)
         for entry in applied.charges:
