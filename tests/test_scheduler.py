@@ -618,6 +618,21 @@ def test_a_large_request_reserves_the_node_that_frees_first_and_small_work_canno
     assert entry.estimated_start == NOW + 10 * MIN
 
 
+def test_two_requests_alike_reserve_two_nodes_when_the_first_took_the_free_gpus():
+    # n0 frees at NOW+10min, n1 at NOW+20min (max runtimes). The first 8-GPU request
+    # reserves n0 and its 2 free GPUs; the 6 n0 frees then serve no other 8-GPU
+    # request, so the second, of the same class, reserves n1.
+    sooner = running("a", "n0", tuple(range(6)), granted_ago=0, max_runtime=10 * MIN)
+    later = running("a", "n1", tuple(range(8)), granted_ago=0, max_runtime=20 * MIN)
+    first = pending("b", 8, submitted_at=NOW - 200)
+    second = pending("b", 8, submitted_at=NOW - 100)
+    d = schedule(
+        snapshot(nodes(2), flat_tree("a", "b"), [sooner, later, first, second], usage={"a": 1e6})
+    )
+    reserved = {r.slice_id: (r.placements[0].node, r.due_at) for r in d.reservations}
+    assert reserved == {first.id: ("n0", NOW + 10 * MIN), second.id: ("n1", NOW + 20 * MIN)}
+
+
 def test_same_snapshot_gives_the_same_decisions():
     slices = [pending("a", 3), pending("b", 5), running("a", "n0", (0, 1), granted_ago=3 * HOUR)]
     snap = snapshot(nodes(2), flat_tree("a", "b"), slices, usage={"a": 5.0})
