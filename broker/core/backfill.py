@@ -13,8 +13,6 @@ from .model import Contract, Node, Placement, Reservation, Slice, SliceKind
 
 #: A node's expected releases for one requester: (time, GPUs freed) pairs, earliest first.
 Releases = Callable[[str], Sequence[tuple[float, int]]]
-#: When GPUs free up per (node, GPUs needed, GPUs free now), as found under one ``Releases``.
-Dues = dict[tuple[str, int, int], "float | None"]
 
 
 def plan(
@@ -24,7 +22,6 @@ def plan(
     free: Mapping[str, set[int]],
     releases: Releases,
     now: float,
-    dues: Dues | None = None,
 ) -> Reservation | None:
     """A reservation of the GPUs that free up soonest for ``requester``, or None
     when no release time is known.
@@ -33,11 +30,8 @@ def plan(
     first; a batch request larger than any node waits for whole nodes, earliest
     first (other work never spans nodes: it gets no reservation). Ties go to the
     node name. ``releases`` tells, per node, when its holders are expected to
-    give back how many GPUs to this requester; ``dues``, where given, keeps what
-    was found under them for the next plan under the same ``releases``.
+    give back how many GPUs to this requester.
     """
-    if dues is None:
-        dues = {}
     eligible = [
         n for n in nodes.values() if requester.gpu_type is None or n.gpu_type == requester.gpu_type
     ]
@@ -51,7 +45,7 @@ def plan(
         for node in eligible:
             if node.gpu_count < requester.gpus:
                 continue
-            due = _time_to_free(node, requester.gpus, free, releases, now, dues)
+            due = _time_to_free(node, requester.gpus, free, releases, now)
             if due is not None and (best is None or (due, node.name) < best):
                 best = (due, node.name)
         if best is None:
@@ -62,7 +56,7 @@ def plan(
         )
     by_type: dict[str, list[tuple[float, str]]] = {}
     for node in eligible:
-        due = _time_to_free(node, node.gpu_count, free, releases, now, dues)
+        due = _time_to_free(node, node.gpu_count, free, releases, now)
         if due is not None:
             by_type.setdefault(node.gpu_type, []).append((due, node.name))
     best_gang: tuple[float, str, list[str]] | None = None
@@ -90,23 +84,16 @@ def _time_to_free(
     free: Mapping[str, set[int]],
     releases: Releases,
     now: float,
-    dues: Dues,
 ) -> float | None:
     """When ``gpus`` GPUs of ``node`` will be free, if the holders' ends are known."""
     available = len(free.get(node.name, ()))
     if available >= gpus:
         return now
-    key = (node.name, gpus, available)
-    if key in dues:
-        return dues[key]
-    due = None
     for at, held in releases(node.name):
         available += held
         if available >= gpus:
-            due = max(at, now)
-            break
-    dues[key] = due
-    return due
+            return max(at, now)
+    return None
 
 
 def outlasts(contract: Contract, now: float, grace: float, due: float) -> bool:

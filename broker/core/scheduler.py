@@ -126,8 +126,8 @@ class _Pass:
         # project's preemption attempt.
         self._planned_by: tuple | None = None
         self._tried: dict[str, tuple] = {}
-        # requester class -> (node -> expected releases, the plans' dues); see _releases_for
-        self._releases: dict[tuple, tuple[dict[str, list[tuple[float, int]]], backfill.Dues]] = {}
+        # (node, requester class) -> expected releases; see _releases_for
+        self._releases: dict[tuple, list[tuple[float, int]]] = {}
         self._node_summaries: dict[str, NodeHolders] = {}  # see _node_holders
         # node -> (known end, GPUs) of holders with a maximum runtime; see _released_by
         self._expiring: dict[str, list[tuple[float, int]]] | None = None
@@ -637,14 +637,12 @@ class _Pass:
                 planned += 1
                 if planned == self.policy.max_reservations:
                     self._planned_by = walk_key(slice_, self.project_rank)
-                releases, dues = self._releases_for(slice_)
                 reservation = backfill.plan(
                     slice_,
                     nodes=self.free.nodes,
                     free=self.free.free,
-                    releases=releases,
+                    releases=self._releases_for(slice_),
                     now=self.now,
-                    dues=dues,
                 )
                 if reservation is not None and self._claim_due_gang(slice_, reservation, position):
                     continue
@@ -799,9 +797,8 @@ class _Pass:
         self.queue.append((slice_.id, position, value, deadline))
         return True
 
-    def _releases_for(self, requester: Slice) -> tuple[backfill.Releases, backfill.Dues]:
-        """Expected releases per node for ``requester``, earliest first, and the
-        dues the plans under them found (:func:`~broker.core.backfill.plan`).
+    def _releases_for(self, requester: Slice) -> backfill.Releases:
+        """Expected releases per node for ``requester``, earliest first.
 
         The lists are kept per node and requester class (project and
         :func:`within_project_key`) for the rest of the pass (until someone is
@@ -821,18 +818,17 @@ class _Pass:
         gang = requester.gpus > self.largest_node
         takes_batch = is_debug(requester, self.policy) and self.lane.admits(requester)
         answers: dict[tuple, bool] = {}  # see _release_at
-        kept = self._releases.get(requester_class)
-        if kept is None:
-            kept = self._releases[requester_class] = ({}, {})
-        by_node, dues = kept
 
         def releases(node: str) -> list[tuple[float, int]]:
-            found = by_node.get(node)
+            key = (node, requester_class)
+            found = self._releases.get(key)
             if found is None:
-                found = by_node[node] = self._estimate(node, requester, takes_batch, gang, answers)
+                found = self._releases[key] = self._estimate(
+                    node, requester, takes_batch, gang, answers
+                )
             return found
 
-        return releases, dues
+        return releases
 
     def _estimate(
         self,
