@@ -63,6 +63,23 @@ def test_a_gang_that_fits_the_free_gpus_of_several_nodes_is_granted_behind_its_b
     assert decisions.preemptions == ()
 
 
+def test_a_project_s_work_behind_its_blocked_gang_still_makes_its_preemption_attempt():
+    # Catches the scheduler's _blocked_until passing over, behind a gang (work larger
+    # than any node, which makes no preemption attempt), a request of the same project
+    # that fits a node and so would make the project's attempt. Two nodes of 8, each
+    # held whole by b past its protection; a, under its share, asks for 16 and then 8.
+    held = [running("b", "n0", tuple(range(8))), running("b", "n1", tuple(range(8)))]
+    gang = pending("a", 16, submitted_at=NOW - 2 * HOUR)
+    node = pending("a", 8, submitted_at=NOW - HOUR)
+    policy = Policy(max_reservations=0)
+    decisions = schedule(
+        snapshot(nodes(2), flat_tree("a", "b"), [*held, gang, node], policy=policy)
+    )
+    assert [(p.for_slice, p.reason) for p in decisions.preemptions] == [
+        (node.id, PreemptReason.FAIR_SHARE)
+    ]
+
+
 def test_a_gang_remainder_no_node_fits_is_spread_over_the_nodes_with_most_free():
     # Found by the mutation sample (docs/testing.md): `if not remaining: break` -> `if
     # remaining: break` in placement's _fit_gang went unnoticed, as no test reached the

@@ -224,12 +224,13 @@ def test_shape_numbers_start_again_once_the_shapes_numbered_are_mostly_gone():
     are dropped, and then every kept number with them, never one without the other."""
     tree = flat_tree("a", "b")
     kept = PassState(ProjectTree(tree))
-    policy = Policy(max_reservations=0)
-    # Work larger than any node makes no preemption attempt: the walk takes it one
-    # by one, by its shape.
+    policy = Policy(max_reservations=0, project_gpu_caps={"a": 8})
+    # Work larger than any node makes no preemption attempt; where the free GPUs
+    # of several nodes could hold it (here its project's cap holds it back), the
+    # walk takes it one by one, by its shape.
     holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
     staying = pending("a", 16, min_runtime=2 * HOUR)
-    snap = snapshot(nodes(1), tree, [holder, staying], policy=policy)
+    snap = snapshot(nodes(3), tree, [holder, staying], policy=policy)
     schedule(snap, index=kept)
     assert staying.id in kept.shapes
     for batch in range(10):  # 300 shapes a pass, each gone by the next
@@ -457,12 +458,13 @@ def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     budget, so no reservation's owner may take it back) is walked with its new one."""
     tree = flat_tree("a", "b")
     kept = PassState(ProjectTree(tree))
-    policy = Policy(max_reservations=0, preemption_budget=5)
+    policy = Policy(max_reservations=0, preemption_budget=5, project_gpu_caps={"a": 8})
     holder = running("b", "n0", tuple(range(7)), min_runtime=10 * HOUR)
-    # Larger than any node, the request makes no preemption attempt: the walk
+    # Larger than any node, the request makes no preemption attempt; the free GPUs
+    # of three nodes could hold it (its project's cap holds it back), so the walk
     # takes it on its own, by its shape.
     again = pending("a", 16, preemptions=4)
-    snap = snapshot(nodes(1), tree, [holder, again], policy=policy)
+    snap = snapshot(nodes(3), tree, [holder, again], policy=policy)
     schedule(snap, index=kept)
     assert kept.shapes[again.id] == kept.shape_number(again)
     budget_spent = replace(again, preemptions=5)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import cached_property
+from itertools import repeat
 from operator import attrgetter
 
 from . import backfill
@@ -566,13 +567,23 @@ class _Pass:
         while at < len(backlog):
             slice_ = backlog[at]
             at += 1
-            if planned >= max_reservations and slice_.project in tried_preemption:
-                end = self._blocked_until(backlog, at - 1, backfill_reserved)
+            if planned >= max_reservations and (
+                slice_.project in tried_preemption or slice_.gpus > largest_node
+            ):
+                end = self._blocked_until(
+                    backlog, at - 1, backfill_reserved, slice_.project in tried_preemption
+                )
                 if end >= at:
-                    value = values[slice_.project]
-                    for blocked in backlog[at - 1 : end]:
-                        position += 1
-                        enqueue((blocked.id, position, value, None))
+                    # Each takes its place in the queue, rows made in one go.
+                    self.queue.extend(
+                        zip(
+                            map(_ID, backlog[at - 1 : end]),
+                            range(position + 1, position + 2 + end - at),
+                            repeat(values[slice_.project]),
+                            repeat(None),
+                        )
+                    )
+                    position += 1 + end - at
                     at = end
                     continue
             position += 1
@@ -702,22 +713,28 @@ class _Pass:
         return False
 
     def _blocked_until(
-        self, backlog: list[Slice], start: int, reserved: list[tuple[Reservation, Slice]]
+        self,
+        backlog: list[Slice],
+        start: int,
+        reserved: list[tuple[Reservation, Slice]],
+        tried: bool,
     ) -> int:
         """Where the blocked stretch of ``backlog[start]``'s project's run ends: the
         first request from ``start`` on that might be placed, or the run's end
         (``start`` itself when it might be).
 
-        Asked once the project has made its preemption attempt and no more
-        reservations are planned: its remaining work can then only be granted,
-        or wait. A request waits if it does not fit in the free GPUs (more than any
-        one node has free and, if it could span nodes, more than all have) and
-        may not borrow reserved ones (more than that with every lendable GPU
-        too, or it would outlast every reservation): bounds of the tests of
-        :meth:`_place`, asked of the stretch at once. Such a request only takes
-        its place in the queue; one that might be placed is walked on its own.
+        Asked once no more reservations are planned, of a project that has made
+        its preemption attempt (``tried``) or, until its first request that fits
+        a node (which would make that attempt), of its work larger than any node:
+        such work can then only be granted, or wait. A request waits if it does
+        not fit in the free GPUs (more than any one node has free and, if it
+        could span nodes, more than all have) and may not borrow reserved ones
+        (more than that with every lendable GPU too, or it would outlast every
+        reservation): bounds of the tests of :meth:`_place`, asked of the stretch
+        at once. Such a request only takes its place in the queue; one that
+        might be placed is walked on its own.
         """
-        project = backlog[start].project
+        project, largest_node = backlog[start].project, self.largest_node
         free, most_free = self.free.free_total, self.free.most_free()
         spans_above = min(self.free.largest.values(), default=0)  # see FreeGpus.fit
         # Reserved GPUs it may borrow; with none, every request outlasts them all.
@@ -730,6 +747,8 @@ class _Pass:
             if slice_.project != project:
                 return end
             gpus = slice_.gpus
+            if not tried and gpus <= largest_node:
+                return end  # its project's preemption attempt
             if gpus > most_lent and not spans_above < gpus <= free_lent:
                 continue  # too large for the free GPUs, even with all the lent ones
             if gpus <= most_free or spans_above < gpus <= free:
@@ -1126,3 +1145,4 @@ class _Pass:
 
 
 _NEVER = 1 << 62
+_ID = attrgetter("id")
