@@ -58,6 +58,22 @@ def test_a_pass_s_queue_reads_as_its_entries_and_equals_them():
     assert queue != () and Queue([(1, 1, 0.5, None)]) == Queue([(1, 1, 0.5, None)])
 
 
+def test_the_stretch_a_pass_passes_over_reads_as_one_entry_per_slice_in_order():
+    """A blocked stretch of a project's queue is kept as one part (model.QueueStretch)
+    and read as the entries a walk of it one by one would have made."""
+    busy = running("a", "n0", tuple(range(8)), granted_ago=60)  # protected
+    waiting = [pending("b", 8, submitted_at=NOW - 100 + k) for k in range(5)]
+    policy = Policy(max_reservations=0)
+    snap = snapshot(nodes(1), flat_tree("a", "b"), [busy, *waiting], policy=policy)
+    queue = schedule(snap).queue
+    assert isinstance(queue, Queue)
+    assert [e[:2] for e in queue] == [(s.id, position) for position, s in enumerate(waiting, 1)]
+    assert {e.estimated_start for e in queue} == {None}
+    assert len({e.fairshare_value for e in queue}) == 1
+    assert queue[3] == tuple(queue)[3] and queue[1:3] == tuple(queue)[1:3]
+    assert hash(Decisions(queue=queue)) == hash(Decisions(queue=tuple(queue)))
+
+
 # ---- fair-share order ---------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
 from typing import NamedTuple, overload
 
 HOUR = 3600.0
@@ -304,19 +305,60 @@ QueueRow = tuple[int, int, float, float | None]  # a QueueEntry's fields, in ord
 _entry = partial(tuple.__new__, QueueEntry)  # a QueueEntry from a row, without a Python call
 
 
+class QueueStretch:
+    """Pending slices in a row that only take their places in the queue: the rows of
+    ``slices[start:stop]``, from ``position`` on, each with ``fairshare_value`` and
+    no estimated start. A pass passes over most of a long backlog in such
+    stretches; their rows are made when the queue is first read."""
+
+    __slots__ = ("fairshare_value", "position", "slices", "start", "stop")
+
+    def __init__(
+        self, slices: Sequence[Slice], start: int, stop: int, position: int, value: float
+    ) -> None:
+        self.slices, self.start, self.stop = slices, start, stop
+        self.position, self.fairshare_value = position, value
+
+    def rows(self) -> Iterator[QueueRow]:
+        return zip(
+            map(_SLICE_ID, self.slices[self.start : self.stop]),
+            range(self.position, self.position + self.stop - self.start),
+            repeat(self.fairshare_value),
+            repeat(None),
+        )
+
+
+_SLICE_ID = operator.attrgetter("id")
+
+
 class Queue(Sequence[QueueEntry]):
     """A pass's queue: one plain row per pending slice, each made a
     :class:`QueueEntry` only when read.
 
     A pass lists every pending slice, and the simulator never reads the list:
-    making thousands of named tuples per pass was a tenth of a simulated run.
+    making thousands of named tuples per pass was a tenth of a simulated run,
+    and the rows of the long stretches it passes over at once a twentieth
+    (:class:`QueueStretch`, made rows when the queue is first read).
     Equal to any sequence of the same entries (a tuple of them included).
     """
 
-    __slots__ = ("_rows",)
+    __slots__ = ("_made", "_parts")
 
-    def __init__(self, rows: Sequence[QueueRow] = ()) -> None:
-        self._rows = rows
+    def __init__(self, rows: Sequence[QueueRow | QueueStretch] = ()) -> None:
+        self._parts = rows
+        self._made: list[QueueRow] | None = None
+
+    @property
+    def _rows(self) -> list[QueueRow]:
+        if self._made is None:
+            made: list[QueueRow] = []
+            for part in self._parts:
+                if isinstance(part, QueueStretch):
+                    made += part.rows()
+                else:
+                    made.append(part)
+            self._made = made
+        return self._made
 
     def __len__(self) -> int:
         return len(self._rows)

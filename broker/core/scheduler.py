@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import cached_property
-from itertools import repeat
 from operator import attrgetter
 
 from . import backfill
@@ -33,6 +32,7 @@ from .model import (
     PreemptReason,
     Queue,
     QueueRow,
+    QueueStretch,
     Quiet,
     Reservation,
     Slice,
@@ -105,7 +105,7 @@ class _Pass:
         self.endings: list[Ending] = []
         self.reservations: list[Reservation] = []
         self.node_changes: list[NodeChange] = []
-        self.queue: list[QueueRow] = []  # rows of Decisions.queue, see Queue
+        self.queue: list[QueueRow | QueueStretch] = []  # of Decisions.queue, see Queue
         self.timings: dict[str, float] = {}
         # The index's own map until the pass requeues a slice (see _end): most passes
         # requeue none, and a copy of thousands is the dearest part of a small pass.
@@ -574,15 +574,9 @@ class _Pass:
                     backlog, at - 1, backfill_reserved, slice_.project in tried_preemption
                 )
                 if end >= at:
-                    # Each takes its place in the queue, rows made in one go.
-                    self.queue.extend(
-                        zip(
-                            map(_ID, backlog[at - 1 : end]),
-                            range(position + 1, position + 2 + end - at),
-                            repeat(values[slice_.project]),
-                            repeat(None),
-                        )
-                    )
+                    # Each takes its place in the queue, its row made when it is read.
+                    value = values[slice_.project]
+                    enqueue(QueueStretch(backlog, at - 1, end, position + 1, value))
                     position += 1 + end - at
                     at = end
                     continue
@@ -1145,4 +1139,3 @@ class _Pass:
 
 
 _NEVER = 1 << 62
-_ID = attrgetter("id")
