@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import NamedTuple, overload
+from typing import NamedTuple, cast, overload
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -342,21 +342,26 @@ class Queue(Sequence[QueueEntry]):
     Equal to any sequence of the same entries (a tuple of them included).
     """
 
-    __slots__ = ("_made", "_parts")
+    __slots__ = ("_made", "_parts", "_stretches")
 
-    def __init__(self, rows: Sequence[QueueRow | QueueStretch] = ()) -> None:
-        self._parts = rows
-        self._made: list[QueueRow] | None = None
+    def __init__(
+        self, rows: Sequence[QueueRow | QueueStretch] = (), stretches: Sequence[int] = ()
+    ) -> None:
+        """``rows``: the queue's rows in order, where the indexes ``stretches`` hold a
+        :class:`QueueStretch` each instead."""
+        self._parts, self._stretches = rows, stretches
+        self._made = None if stretches else cast("Sequence[QueueRow]", rows)
 
     @property
-    def _rows(self) -> list[QueueRow]:
+    def _rows(self) -> Sequence[QueueRow]:
         if self._made is None:
             made: list[QueueRow] = []
-            for part in self._parts:
-                if isinstance(part, QueueStretch):
-                    made += part.rows()
-                else:
-                    made.append(part)
+            start = 0
+            for at in self._stretches:
+                made += cast("Sequence[QueueRow]", self._parts[start:at])
+                made += cast(QueueStretch, self._parts[at]).rows()
+                start = at + 1
+            made += cast("Sequence[QueueRow]", self._parts[start:])
             self._made = made
         return self._made
 

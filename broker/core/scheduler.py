@@ -106,6 +106,7 @@ class _Pass:
         self.reservations: list[Reservation] = []
         self.node_changes: list[NodeChange] = []
         self.queue: list[QueueRow | QueueStretch] = []  # of Decisions.queue, see Queue
+        self.stretches: list[int] = []  # where self.queue holds a QueueStretch
         self.timings: dict[str, float] = {}
         # The index's own map until the pass requeues a slice (see _end): most passes
         # requeue none, and a copy of thousands is the dearest part of a small pass.
@@ -177,7 +178,7 @@ class _Pass:
             endings=tuple(self.endings),
             reservations=tuple(self.reservations),
             node_changes=tuple(self.node_changes),
-            queue=Queue(self.queue),
+            queue=Queue(self.queue, self.stretches),
             deferred=tuple(self.deferred),
             quiet=self._quiet(),
             phase_seconds=self.timings,
@@ -576,6 +577,7 @@ class _Pass:
                 if end >= at:
                     # Each takes its place in the queue, its row made when it is read.
                     value = values[slice_.project]
+                    self.stretches.append(len(self.queue))
                     enqueue(QueueStretch(backlog, at - 1, end, position + 1, value))
                     position += 1 + end - at
                     at = end
