@@ -7,7 +7,6 @@ pass deterministic: two slices never compare equal.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from operator import attrgetter
 
 from .model import Node, Slice, SliceKind
 
@@ -45,8 +44,9 @@ def within_queue_key(slice_: Slice) -> tuple:
 
 
 def walk_key(slice_: Slice, project_rank: Mapping[str, int]) -> tuple:
-    """Where an allocated pending slice comes in the queue: :func:`queue_order`'s
-    criteria 2–5 as one key (the resumed pass places requests by it)."""
+    """Where a pending slice comes among the allocated (or the unallocated) ones:
+    :func:`queue_order`'s criteria 2–5 as one key (a pass puts the slices it
+    requeues in by it, and the resumed pass the requests that join)."""
     return (project_rank[slice_.project], *within_queue_key(slice_))
 
 
@@ -62,12 +62,9 @@ def queue_order(pending: Iterable[Slice], project_rank: Mapping[str, int]) -> li
     A pass does not sort: the index keeps each project's queue by
     :func:`within_queue_key` and joins them in rank order, and a pass puts the
     slices it requeues in by :func:`walk_key`. This is the order they keep,
-    which the tests hold them to; sorted in two stable steps, the last two
-    criteria first (their key built in C).
+    which the tests hold them to.
     """
-    ordered = sorted(pending, key=attrgetter("submitted_at", "id"))
-    ordered.sort(key=lambda s: (not s.allocated, project_rank[s.project], within_project_key(s)))
-    return ordered
+    return sorted(pending, key=lambda s: (not s.allocated, *walk_key(s, project_rank)))
 
 
 def lane_first(backlog: list[Slice], in_lane: Callable[[Slice], bool]) -> list[Slice]:

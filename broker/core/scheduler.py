@@ -335,6 +335,8 @@ class _Pass:
         ended = [self.kept.slices[e.slice_id] for e in self.endings]
         self.free = self.kept.free_map(ready, self.snap.gpu_type_weights, ended)
         self.largest_node = max(self.free.largest.values(), default=0)
+        # Work larger than this may span nodes, on a type whose nodes are smaller.
+        self.spans_above = min(self.free.largest.values(), default=0)  # see FreeGpus.fit
         self._holders: dict[str, list[tuple[Slice, int]]] = {}  # see _holders_on
         # The window's share used is what the queue shows (the order itself is
         # project_rank's); fair share now decides who may take running GPUs from whom.
@@ -732,7 +734,7 @@ class _Pass:
         """
         project, largest_node = backlog[start].project, self.largest_node
         free, most_free = self.free.free_total, self.free.most_free()
-        spans_above = min(self.free.largest.values(), default=0)  # see FreeGpus.fit
+        spans_above = self.spans_above
         # Reserved GPUs it may borrow; with none, every request outlasts them all.
         lent = self._lendable_gpus if reserved else 0
         latest = self._latest_due(reserved) if reserved else -math.inf
