@@ -120,7 +120,7 @@ def test_passes_left_out_as_quiet_change_nothing_in_the_run(small):
 
 
 class _CheckedIndex(FairShare):
-    """Ours, asserting before every pass that the slices the engine said changed
+    """Ours, asserting at every pass that the slices the engine said changed
     (FairShare.expect) brought the kept index to exactly the snapshot's slices."""
 
     def __call__(self, snapshot, /):
