@@ -4,9 +4,12 @@ against a real broker and the reference server."""
 from __future__ import annotations
 
 import json
+import tomllib
 
 from broker.bench import api
 from broker.bench.__main__ import main
+from broker.config import parse_config
+from broker.store import Broker, Principal
 
 KINDS = set(api.MIX)
 
@@ -60,6 +63,7 @@ def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
             assert summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
         assert figures["achieved_rate"] > 0
         assert figures["live_slices_at_start"] == work.sessions + work.churn
+    assert point["broker"]["leases_lapsed"] == 0 and "leases_lapsed" not in point["reference"]
     ratios = point["broker_over_reference"]
     assert set(ratios) == {"achieved_rate", "p99"} and ratios["achieved_rate"] > 0
 
@@ -72,3 +76,29 @@ def test_the_store_pass_bench_times_the_service_pass_with_every_slice_running(ca
     for figures in (report["service_pass"], report["minimal"]):
         assert 0 < figures["median_ms"] <= figures["p99_ms"]
     assert report["ratio_to_minimal_median"] > 0
+
+
+def test_the_open_loop_counts_the_slices_whose_lease_lapsed(db_url, clock):
+    # Its heartbeats lost, a slice ends "lost" once its lease is over; the one whose
+    # heartbeat came in time lives on, and one released is not counted. The count is
+    # read from the broker's database.
+    config = parse_config(tomllib.loads(api.cluster_config(2)))
+    broker = Broker(db_url, config, lease=120.0, clock=clock)
+    try:
+        user = api.users_of("alpha")[0]
+        request = {"project": "alpha", "gpus": 1, "kind": "interactive"}
+        kept, dropped, released = (
+            broker.submit(principal=Principal(user), **request) for _ in range(3)
+        )
+        broker.run_pass()
+        broker.release(released["id"], caller=Principal(user))
+        assert api.leases_lapsed(db_url) == 0
+        clock.advance(100)
+        broker.heartbeat(kept["id"], caller=Principal(user))
+        clock.advance(30)
+        broker.run_pass()
+        assert broker.get_slice(dropped["id"])["end_reason"] == "lost"
+        assert broker.get_slice(kept["id"])["state"] == "granted"
+    finally:
+        broker.close()
+    assert api.leases_lapsed(db_url) == 1

@@ -536,12 +536,33 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
                 figures = asyncio.run(_drive_open(process.url, tokens, held, work))
             finally:
                 server_cpu = process.stop()
+            if server == "broker":
+                figures["leases_lapsed"] = leases_lapsed(url)
     return {
         **figures,
         "live_slices_at_start": len(held),
         "setup_s": round(seeded_s, 1),
         "server_cpu_s": round(server_cpu, 1),
     }
+
+
+def leases_lapsed(url: str) -> int:
+    """Slices of the database at ``url`` ended because no heartbeat came within their
+    lease: in an open loop, heartbeats the broker lost (a run shorter than the lease,
+    120 s, cannot show any)."""
+    from sqlalchemy import func, select
+    from sqlalchemy.orm import Session
+
+    from ..core.model import EndReason
+    from ..orm import SliceRow, make_engine
+
+    engine = make_engine(url)
+    try:
+        with Session(engine) as session:
+            lost = select(func.count()).where(SliceRow.end_reason == EndReason.LOST.value)
+            return session.scalar(lost) or 0
+    finally:
+        engine.dispose()
 
 
 #: A live slice the driver knows: its id, project and user.
