@@ -560,7 +560,7 @@ def leases_lapsed(url: str) -> int:
     try:
         with Session(engine) as session:
             lost = select(func.count()).where(SliceRow.end_reason == EndReason.LOST.value)
-            return session.scalar(lost) or 0
+            return session.scalar(lost)
     finally:
         engine.dispose()
 

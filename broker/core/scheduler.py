@@ -215,7 +215,7 @@ class _Pass:
             self._tried,
             self.free,
             self._lendable_gpus,
-            self._latest_due(self._backfill_reserved) if self._backfill_reserved else -math.inf,
+            self._latest_due(self._backfill_reserved),
         )
 
     # -- phase 1 -----------------------------------------------------------
@@ -735,9 +735,9 @@ class _Pass:
         project, largest_node = backlog[start].project, self.largest_node
         free, most_free = self.free.free_total, self.free.most_free()
         spans_above = self.spans_above
-        # Reserved GPUs it may borrow; with none, every request outlasts them all.
-        lent = self._lendable_gpus if reserved else 0
-        latest = self._latest_due(reserved) if reserved else -math.inf
+        # Reserved GPUs it may borrow (none while nothing is reserved, when every
+        # request outlasts them all: the latest due time is then -inf).
+        lent, latest = self._lendable_gpus, self._latest_due(reserved)
         most_lent, free_lent = most_free + lent, free + lent
         now, grace = self.now, self.policy.grace_period
         for end in range(start, len(backlog)):
