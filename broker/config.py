@@ -168,6 +168,8 @@ _POLICY_KEYS = (
     "interactive_preemption_delay",
     "debug_preemption_delay",
     "debug_grace_period",
+    "lease_lapse_floor",
+    "lease_lapse_fraction",
     "project_gpu_caps",
 )
 # Policy durations and whether zero is allowed.
@@ -406,6 +408,24 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
                 f"expected a fraction of the cluster in (0, 1] (0.05 is 5%), got {fraction!r}", at
             )
         settings["debug_lane_fraction"] = fraction
+    if "lease_lapse_floor" in table:
+        # At least 1: a holder that is gone must end some time.
+        at = _at(where, "lease_lapse_floor")
+        settings["lease_lapse_floor"] = _whole(
+            table["lease_lapse_floor"], at, minimum=1, what="a number of slices per minute"
+        )
+    if "lease_lapse_fraction" in table:
+        at = _at(where, "lease_lapse_fraction")
+        fraction = _positive_number(
+            table["lease_lapse_fraction"], at, "a fraction in [0, 1]", zero_ok=True
+        )
+        if fraction > 1:
+            raise InvalidConfig(
+                f"expected a fraction of the leased slices per minute in [0, 1] (0.05 is 5%), "
+                f"got {fraction!r}",
+                at,
+            )
+        settings["lease_lapse_fraction"] = fraction
     caps: dict[str, int] = {}
     caps_at = _at(where, "project_gpu_caps")
     for name, cap in _table(table.get("project_gpu_caps", {}), caps_at).items():

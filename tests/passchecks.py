@@ -4,6 +4,7 @@ pass cannot hide behind the same mistake in its oracle."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hypothesis import currently_in_test_context
@@ -11,6 +12,7 @@ from hypothesis import event as hypothesis_event
 
 from broker.core.model import (
     Decisions,
+    EndReason,
     Node,
     NodeState,
     Placement,
@@ -44,15 +46,32 @@ def check_pass(snap: Snapshot, decisions: Decisions) -> None:
 
 
 def check_endings(snap: Snapshot, decisions: Decisions) -> None:
-    """Every term that fell due by ``now`` (grace, ``max_runtime``, lease) ends the slice."""
-    ended = {e.slice_id for e in decisions.endings}
+    """Every term that fell due by ``now`` (grace, ``max_runtime``) ends the slice; of
+    those whose lease is over, the lapse limit's allowance ends ``lost``, those whose
+    lease ended longest ago first, and the pass says it holds the rest (design.md §8)."""
+    ended = {e.slice_id: e.reason for e in decisions.endings}
+    lapsed = []
     for slice_ in snap.slices:
         ends = slice_.ends_at() if slice_.holds_gpus else None
         if ends is not None and ends <= snap.now:
             assert slice_.id in ended, f"slice {slice_.id} outlived its end at {ends}"
         lease = slice_.lease_expires_at
-        if lease is not None and lease <= snap.now:
-            assert slice_.id in ended, f"slice {slice_.id} outlived its lease at {lease}"
+        if (
+            lease is not None
+            and lease <= snap.now
+            and ended.get(slice_.id, EndReason.LOST) is EndReason.LOST
+        ):
+            lapsed.append(slice_)
+    policy = snap.policy
+    leased = sum(1 for s in snap.slices if s.lease_expires_at is not None)
+    per_minute = max(policy.lease_lapse_floor, math.floor(policy.lease_lapse_fraction * leased))
+    allowed = max(0, per_minute - snap.lapsed_last_minute)
+    lapsed.sort(key=lambda s: (s.lease_expires_at, s.id))
+    lost = {s.id for s in lapsed if s.id in ended}
+    assert lost == {s.id for s in lapsed[:allowed]}, "the lapse limit ends the longest lapsed"
+    assert set(decisions.lapses_held) == {s.id for s in lapsed[allowed:]}
+    if decisions.lapses_held:
+        event("the lapse limit held leases back")
 
 
 def check_queue_complete(snap: Snapshot, decisions: Decisions) -> None:

@@ -730,6 +730,13 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
     assert parse(MINIMAL + "[policy]\nfair_share_margin = 0\n").policy.fair_share_margin == 0.0
 
 
+def test_the_lease_lapse_limit_reads_from_the_policy_with_its_defaults():
+    policy = parse(MINIMAL + "[policy]\nlease_lapse_floor = 3\nlease_lapse_fraction = 0\n").policy
+    assert (policy.lease_lapse_floor, policy.lease_lapse_fraction) == (3, 0.0)
+    default = parse(MINIMAL).policy
+    assert (default.lease_lapse_floor, default.lease_lapse_fraction) == (10, 0.05)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
@@ -742,6 +749,10 @@ def test_the_rules_of_preemption_by_waiting_are_set_in_the_policy_table():
         ("fair_share_margin", "nan", "a margin in shares, a number ≥ 0, got nan"),
         ("fair_share_margin", '"half"', "a margin in shares, a number ≥ 0, got a string"),
         ("fair_share_margin", "true", "a margin in shares, a number ≥ 0, got a boolean"),
+        ("lease_lapse_floor", "0", "a number of slices per minute, a whole number >= 1"),
+        ("lease_lapse_floor", "2.5", "a number of slices per minute"),
+        ("lease_lapse_fraction", "1.5", "a fraction of the leased slices per minute in [0, 1]"),
+        ("lease_lapse_fraction", "-0.1", "a fraction in [0, 1], a number ≥ 0, got -0.1"),
     ],
 )
 def test_a_wrong_preemption_setting_is_refused_where_it_is(key, value, message):

@@ -15,7 +15,8 @@ back. After every pass it checks:
   preemption reason names a victim that reason may take (drain: on a draining
   node; unallocated: a free slice; priority: the same project's lower-ranked
   work; debug lane: a batch slice, for a debug session); grace periods,
-  ``max_runtime`` and leases end no later than the first pass at or after them;
+  ``max_runtime`` end no later than the first pass at or after them, and leases
+  too, as many a minute as the lease lapse limit allows, longest lapsed first;
   work lent reserved GPUs is gone or preemptible by the reservation's due time;
 - **liveness**: the slice the pass ranks first (past any over its cap), if it
   fits the free GPUs, is granted in that pass (or promised GPUs);
@@ -48,6 +49,7 @@ from broker.core.fairshare import ProjectTree
 from broker.core.model import (
     Account,
     Contract,
+    EndReason,
     Node,
     NodeState,
     Policy,
@@ -147,6 +149,8 @@ def draw_policy(draw: st.DrawFn, projects: tuple[str, ...]) -> Policy:
         debug_lane_fraction=draw(one_of_these(0.05, 0.25)),
         max_reservations=draw(one_of_these(1, 8)),
         fair_share_margin=draw(one_of_these(0.0, 0.0, 0.5)),
+        lease_lapse_floor=draw(one_of_these(10, 1, 2)),
+        lease_lapse_fraction=draw(one_of_these(0.05, 0.0, 0.5)),
         project_gpu_caps=caps,
     )
 
@@ -276,6 +280,7 @@ class World:
     held_seconds: dict[int, float] = field(default_factory=dict)  # independent record
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     promise_holders: set[int] = field(default_factory=set)  # as the last apply told
+    lapses: list[tuple[float, int]] = field(default_factory=list)  # (when, how many) lost
 
     def __post_init__(self) -> None:
         self.nodes = {n.name: n for n in self.cluster.nodes}
@@ -376,12 +381,15 @@ class World:
             usage=usage,
             gpu_type_weights=WEIGHTS,
             policy=self.policy,
+            lapsed_last_minute=sum(n for at, n in self.lapses if at > self.now - 60),
         )
 
     def run_pass(self) -> None:
         snap = self.snapshot()
         decisions = schedule(snap, self.tree)
         check_pass(snap, decisions)
+        lost = sum(1 for e in decisions.endings if e.reason is EndReason.LOST)
+        self.lapses.append((self.now, lost))
         applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
         told = apply(self.live, self.nodes, decisions, self.now, WEIGHTS, self.promise_holders)
         assert told == applied, "the holders of promises an apply tells are all of them"

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.core.fairshare import ProjectTree
+from broker.core.incremental import PassState
 from broker.core.model import (
     Account,
     Decisions,
@@ -546,6 +547,41 @@ def test_a_slice_whose_lease_ran_out_is_lost_and_its_gpus_are_reused_at_once():
     d = schedule(snapshot(nodes(1), flat_tree("a"), [lost, waiting]))
     assert [(e.slice_id, e.reason) for e in d.endings] == [(lost.id, EndReason.LOST)]
     assert granted_ids(d) == {waiting.id}
+
+
+def test_the_lapse_limit_ends_the_longest_lapsed_first_and_holds_the_rest():
+    """Many leases over at once are more often the broker's trouble than many holders
+    gone: a minute ends at most the larger of ``lease_lapse_floor`` and
+    ``lease_lapse_fraction`` of the leased slices, those lapsed longest first."""
+    holders = [
+        replace(running("a", f"n{i // 8}", (i % 8,)), lease_expires_at=NOW + 60) for i in range(40)
+    ]
+    for k in range(6):  # six lapsed, the sixth longest ago
+        holders[k] = replace(holders[k], lease_expires_at=NOW - 1 - k)
+    ids = [h.id for h in holders]
+
+    def lapses(policy: Policy, already: int = 0, index: PassState | None = None, now=NOW):
+        snap = replace(
+            snapshot(nodes(5), flat_tree("a"), holders, policy=policy, now=now),
+            lapsed_last_minute=already,
+        )
+        d = schedule(snap, index=index)
+        lost = {e.slice_id for e in d.endings if e.reason is EndReason.LOST}
+        return lost, set(d.lapses_held), d.quiet
+
+    # a tenth of 40 leased slices is 4 a minute, more than the floor of 3
+    limit = Policy(lease_lapse_floor=3, lease_lapse_fraction=0.1)
+    assert lapses(limit) == (set(ids[2:6]), set(ids[:2]), None)
+    assert lapses(limit, already=3) == ({ids[5]}, set(ids[:5]), None)
+    floor = Policy(lease_lapse_floor=3, lease_lapse_fraction=0.0)
+    assert lapses(floor) == (set(ids[3:6]), set(ids[:3]), None)
+    assert lapses(Policy())[:2] == (set(ids[:6]), set()), "six are within the floor of 10"
+    # A long-running caller's index: a pass that held lapses back is not quiet, so
+    # the next one walks them again rather than resuming, and ends them when it may.
+    kept = PassState()
+    assert lapses(Policy(), already=10, index=kept) == (set(), set(ids[:6]), None)
+    assert lapses(Policy(), already=10, index=kept, now=NOW + 1)[1] == set(ids[:6])
+    assert lapses(Policy(), already=0, index=kept, now=NOW + 2)[0] == set(ids[:6])
 
 
 @pytest.mark.parametrize(

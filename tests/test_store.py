@@ -277,6 +277,38 @@ def test_a_waiting_slice_that_was_heartbeated_is_lost_when_the_beats_stop(open_b
     assert broker.get_slice(waiting["id"])["end_reason"] == "lost"
 
 
+def test_the_lapse_limit_ends_so_many_lost_a_minute_and_a_late_heartbeat_keeps_a_slice(
+    open_broker, clock
+):
+    """When more leases are over at once than the lapse limit allows a minute, the
+    rest stay granted, and a heartbeat that comes late still keeps its slice: under
+    an overload, the broker ends no more live sessions than that (design.md §8)."""
+    policy = cluster()["policy"] | {"lease_lapse_floor": 2, "lease_lapse_fraction": 0.0}
+    broker = open_broker(cluster(policy=policy), lease=120.0)
+    made = [ask(broker, kind="interactive")["id"] for _ in range(6)]
+    broker.run_pass()
+    clock.advance(120)  # every lease is over
+
+    def ended() -> list[int]:
+        return [i for i in made if broker.get_slice(i)["end_reason"] == "lost"]
+
+    assert broker.run_pass().lapses_held == tuple(made[2:])
+    assert ended() == made[:2]
+    late = broker.heartbeat(made[2], caller=Principal("alice"))
+    assert (late["state"], late["lease_expires_at"]) == ("granted", clock.now + 120)
+    clock.advance(59)
+    broker.run_pass()
+    assert ended() == made[:2], "two a minute, and that minute is not over"
+    clock.advance(1)
+    assert broker.run_pass().lapses_held == (made[5],)
+    assert ended() == [*made[:2], *made[3:5]], "the heartbeated slice is kept"
+    broker.heartbeat(made[2], caller=Principal("alice"))
+    clock.advance(60)
+    broker.run_pass()
+    assert ended() == [*made[:2], *made[3:]]
+    assert broker.get_slice(made[2])["state"] == "granted"
+
+
 def test_bad_filters_are_refused(broker):
     with pytest.raises(InvalidRequest):
         broker.list_slices(state="running")

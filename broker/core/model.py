@@ -217,6 +217,13 @@ class Policy:
     # The grace a batch slice gets when a debug session preempts it: debug
     # sessions get a GPU within this, the batch runner checkpoints on SIGTERM.
     debug_grace_period: float = 20.0
+    # At most the larger of these many slices, and of this fraction of the leased
+    # live slices, are ended `lost` in any minute (design.md §8): many leases
+    # lapsing together mean the broker's own trouble (an overload, a network cut)
+    # more often than that many holders dying at once. The rest wait for a later
+    # pass, and a heartbeat before then keeps them.
+    lease_lapse_floor: int = 10
+    lease_lapse_fraction: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +242,7 @@ class Snapshot:
     usage: Mapping[str, float] = field(default_factory=dict)
     gpu_type_weights: Mapping[str, float] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
+    lapsed_last_minute: int = 0  # slices ended `lost` in the minute before ``now``
 
     def weight(self, gpu_type: str) -> float:
         return self.gpu_type_weights.get(gpu_type, 1.0)
@@ -414,6 +422,8 @@ class Decisions:
     queue: Sequence[QueueEntry] = ()  # a Queue from a pass
     # Requests that could have preempted but wait for releases instead (design.md §5.7).
     deferred: tuple[int, ...] = ()
+    # Slices whose lease is over that the lapse limit keeps for a later pass.
+    lapses_held: tuple[int, ...] = ()
     quiet: Quiet | None = None  # set only when nothing above but the queue was decided
     phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)
 

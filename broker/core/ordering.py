@@ -24,6 +24,12 @@ def within_project_key(slice_: Slice) -> tuple[int, int]:
     return (-slice_.priority, 0 if slice_.kind is _INTERACTIVE else 1)
 
 
+def lapse_order(slice_: Slice) -> tuple[float, int]:
+    """Which slices whose lease is over end first when the lapse limit holds some
+    back (design.md §8): those whose lease ended longest ago, most likely gone."""
+    return (slice_.lease_expires_at or 0.0, slice_.id)
+
+
 def project_rank(window_order: Iterable[str], over_share: Collection[str]) -> dict[str, int]:
     """Which project's pending work is served first from free GPUs:
 

@@ -40,7 +40,7 @@ from .model import (
     SliceState,
     Snapshot,
 )
-from .ordering import lane_first, project_rank, walk_key, within_project_key
+from .ordering import lane_first, lapse_order, project_rank, walk_key, within_project_key
 from .preemption import (
     DebugLane,
     Preemptor,
@@ -115,6 +115,7 @@ class _Pass:
         # Slices preempted in this pass -> their grace deadline (when their GPUs are free)
         self.leaving: dict[int, float] = {}
         self.deferred: list[int] = []  # requests that wait for releases instead
+        self.lapses_held: tuple[int, ...] = ()  # see _end_lapsed
         self._smallest_misfit: dict[tuple, int] = {}
         self._usable: dict[tuple, tuple[int, ...]] = {}
         self._spans_memo: dict[tuple, tuple[str, ...]] = {}
@@ -180,6 +181,7 @@ class _Pass:
             node_changes=tuple(self.node_changes),
             queue=Queue(self.queue, self.stretches),
             deferred=tuple(self.deferred),
+            lapses_held=self.lapses_held,
             quiet=self._quiet(),
             phase_seconds=self.timings,
         )
@@ -191,6 +193,8 @@ class _Pass:
         this one decided nothing (:mod:`broker.core.resume`); else None."""
         if self.grants or self.preemptions or self.endings or self.node_changes:
             return None
+        if self.lapses_held:
+            return None  # a later pass ends them as the lapse limit allows: not the same
         promised = {r.slice_id: r.placements for r in self.reservations if r.promised}
         if promised.keys() != self.kept.promised_ids or any(
             self.live[i].promised != placements for i, placements in promised.items()
@@ -254,6 +258,7 @@ class _Pass:
 
     def end_finished(self) -> None:
         now = self.now
+        lapsed: list[Slice] = []
         for slice_ in map(self.live.__getitem__, self.kept.due(now, self.nodes)):
             if slice_.holds_gpus:
                 if any(
@@ -271,8 +276,30 @@ class _Pass:
                     self._end(slice_, EndReason.PREEMPTED)
                     continue
             if slice_.lease_expires_at is not None and now >= slice_.lease_expires_at:
-                self._end(slice_, EndReason.LOST)
-                continue
+                lapsed.append(slice_)
+        if lapsed:
+            self._end_lapsed(lapsed)
+
+    def _end_lapsed(self, lapsed: list[Slice]) -> None:
+        """End the slices whose lease is over as ``lost``, within the lapse limit
+        (``Policy.lease_lapse_floor`` and ``lease_lapse_fraction`` per minute),
+        those lapsed longest first; the rest stay as they are until a later pass.
+
+        A holder that stopped heartbeating is gone or cut off; many at once are
+        more often the broker's own trouble (heartbeats it could not read in time)
+        than many holders dying together, and ending them all would end live
+        sessions. A heartbeat before a later pass keeps a slice held here.
+        """
+        policy, already = self.policy, self.snap.lapsed_last_minute
+        limit = policy.lease_lapse_floor
+        if len(lapsed) > limit - already:  # the fraction can only allow more
+            leased = sum(1 for s in self.live.values() if s.lease_expires_at is not None)
+            limit = max(limit, math.floor(policy.lease_lapse_fraction * leased))
+        allowed = max(0, limit - already)
+        lapsed.sort(key=lapse_order)
+        for slice_ in lapsed[:allowed]:
+            self._end(slice_, EndReason.LOST)
+        self.lapses_held = tuple(sorted(s.id for s in lapsed[allowed:]))
 
     # -- phase 2 -----------------------------------------------------------
 

@@ -108,6 +108,13 @@ class BrokerMetrics:
             ["reason"],
             registry=r,
         )
+        self.lapses_held = Gauge(
+            "slicebroker_lease_lapses_held",
+            "Slices whose lease is over that the last pass did not end, held back by the "
+            "lease lapse limit (policy lease_lapse_floor and lease_lapse_fraction): above "
+            "zero, heartbeats may be going unanswered.",
+            registry=r,
+        )
         self.pass_duration = Histogram(
             "slicebroker_pass_duration_seconds",
             "Wall time of a whole scheduling pass: load, decide and write.",
@@ -155,6 +162,7 @@ class BrokerMetrics:
     ) -> None:
         """Count what a pass decided; ``live`` holds the live slices read right after it."""
         self.pass_duration.observe(seconds)
+        self.lapses_held.set(len(decisions.lapses_held))
         for phase, phase_seconds in decisions.phase_seconds.items():
             self.pass_phase.labels(phase=phase).observe(phase_seconds)
         for preemption in decisions.preemptions:

@@ -58,6 +58,7 @@ from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Principal, _check_member, _check_owner, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, LiveViews, _Catalog, _LiveSlice, ledger_since, not_durable
+from .lapses import RecentLapses
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -151,6 +152,7 @@ class Broker:
         self._schedule = schedule
         self.lease = lease
         self.usual_gap = usual_gap
+        self.lapses = RecentLapses()  # for the pass's lease lapse limit
         self.journal = Journal(url, db_timeout, single_writer=single_writer)
         try:
             self.journal.prepare_schema(upgrade)
@@ -768,6 +770,7 @@ class Broker:
             usage=self._usage_now(session, now, catalog.costs, live),
             gpu_type_weights=catalog.costs.weights,
             policy=self.config.policy,
+            lapsed_last_minute=self.lapses.count(now),
         )
 
     # ---- the policy clients plan by ----------------------------------------------
@@ -1135,12 +1138,14 @@ class Broker:
             usage=self._usage(session, now, costs, slices, changed),
             gpu_type_weights=costs.weights,
             policy=self.config.policy,
+            lapsed_last_minute=self.lapses.count(now),
         )
         if self._kept_index is not None:
             self._kept_index.expect(changed)
         decisions = self._schedule(snapshot)
         nodes = {node.name: node for node in snapshot.nodes}
         self._apply(session, decisions, live, nodes, now, costs)
+        self.lapses.record(now, decisions)
         after = self.journal.live_slices(session)
         if self._kept_index is not None:
             # The index takes in the pass's own writes now, so that it tells the next
