@@ -145,6 +145,16 @@ class _Pass:
         return sorted(self.live)
 
     @cached_property
+    def holding(self) -> list[Slice]:
+        """The holders as phase 1 left them, in id order: the index's, less those it
+        ended or requeued. Listed when a phase first asks: most passes never do, and
+        a list of thousands was a tenth of a busy service's pass."""
+        if not self.endings:
+            return list(self.kept.holding())
+        live, gone = self.live, self.ended
+        return [s for s in self.kept.holding() if s.id not in gone and live[s.id] is s]
+
+    @cached_property
     def pending(self) -> list[Slice]:
         """The pending slices as phase 1 left them, in no particular order: the
         index's, less those it ended, with those it requeued. A pass after no
@@ -353,12 +363,6 @@ class _Pass:
 
     def build_free_map(self) -> None:
         ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
-        # The holders as phase 1 left them: the index's, less those it ended or requeued.
-        if not self.endings:
-            self.holding = list(self.kept.holding())
-        else:
-            live, gone = self.live, self.ended
-            self.holding = [s for s in self.kept.holding() if s.id not in gone and live[s.id] is s]
         ended = [self.kept.slices[e.slice_id] for e in self.endings]
         self.free = self.kept.free_map(ready, self.snap.gpu_type_weights, ended)
         self.largest_node = max(self.free.largest.values(), default=0)
