@@ -991,7 +991,7 @@ class Broker:
             now = self._clock()
             catalog = self.journal.catalog(session)
             tree = catalog.tree
-            live = self.journal.live_values(session)
+            live = self.journal.live_view(session)  # a single writer's counts walk none
             usage = self._usage_now(session, now, catalog.costs, live)
             subtree = tree.subtree_usage(usage)
             values = tree.share_used(usage)

@@ -488,6 +488,13 @@ class Journal:
             return [entry.slice for entry in self.live_slices(session).values()]
         return [_to_slice(row) for row in session.scalars(LIVE_ROWS)]
 
+    def live_view(self, session: Session) -> Sequence[Slice]:
+        """:meth:`live_values` without the copy where they are kept: a view to walk
+        within ``session`` only (a later write changes it), when the walk may not come."""
+        if self.single_writer or self._transaction_depth:
+            return SliceValues(self.live_slices(session))
+        return self.live_values(session)
+
     def _follow_flush(self, session: Session, _context: Any) -> None:
         """Keep the live slices as the flush just wrote them (ids only grow, so new
         slices go last and the order stays oldest first); a catalog row written
