@@ -196,7 +196,12 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
         leaving = s.preempt_deadline is not None and now >= s.preempt_deadline
         return gone or expired or leaving
 
-    assert kept.due(now, nodes) == sorted(s.id for s in slices if due(s))
+    assert kept.due(now) == sorted(s.id for s in slices if due(s))
+    # The nodes as the index keeps them are the snapshot's.
+    assert kept.nodes.by_name == nodes and kept.nodes.ready == ready
+    assert kept.nodes.draining == any(n.state is NodeState.DRAINING for n in snap.nodes)
+    capacity = sum(n.gpu_count * snap.weight(n.gpu_type) for n in ready)
+    assert kept.nodes.capacity(snap.gpu_type_weights) == capacity
 
     def wakes(s) -> list[float]:
         """When a pass may have something to do for ``s``: its lease; a holder's end

@@ -148,6 +148,31 @@ class NodeHolders:
         self.known.sort()
 
 
+class NodeView:
+    """A snapshot's nodes as a pass asks of them, worked out once per list of nodes:
+    a service's catalog keeps the same list from pass to pass, and each of these
+    walks of a large cluster's nodes was a few % of a busy service's CPU."""
+
+    __slots__ = ("_capacity", "by_name", "down", "draining", "listed", "ready", "types")
+
+    def __init__(self, nodes: tuple[Node, ...]):
+        self.listed = nodes
+        self.by_name = {node.name: node for node in nodes}  # shared: never to be changed
+        self.types = {node.name: node.gpu_type for node in nodes}
+        self.ready = [node for node in nodes if node.state is NodeState.READY]
+        self.draining = any(node.state is NodeState.DRAINING for node in nodes)
+        self.down = [node.name for node in nodes if node.state is NodeState.DOWN]
+        self._capacity: tuple[tuple, float] | None = None
+
+    def capacity(self, weights: Mapping[str, float]) -> float:
+        """The ready nodes' weighted GPUs (a GPU type without a weight weighs 1)."""
+        key = tuple(sorted(weights.items()))
+        if self._capacity is None or self._capacity[0] != key:
+            total = sum(node.gpu_count * weights.get(node.gpu_type, 1.0) for node in self.ready)
+            self._capacity = (key, total)
+        return self._capacity[1]
+
+
 class PassState:
     """The pass's index of the live slices, brought up to date by :meth:`update`."""
 
@@ -157,6 +182,7 @@ class PassState:
         self.tree = tree
         self.fixed_tree = tree is not None
         self.accounts: tuple = ()
+        self.nodes = NodeView(())  # the last snapshot's nodes
         # What filing a holder reads besides the slice: a change refiles them all.
         self.node_types: dict[str, str] = {}
         self.policy: Policy | None = None
@@ -219,7 +245,9 @@ class PassState:
             self.tree = ProjectTree(snapshot.accounts)
             self.accounts = snapshot.accounts
             self.settled = None
-        node_types = {node.name: node.gpu_type for node in snapshot.nodes}
+        if snapshot.nodes != self.nodes.listed:  # elements compared by identity first
+            self.nodes = NodeView(tuple(snapshot.nodes))
+        node_types = self.nodes.types
         if len(self._shape_numbers) > _SHAPES_KEPT_PER_SLICE * len(self.slices) + 1024:
             self.shapes, self._shape_numbers = {}, {}  # numbered anew as the walk asks
         if node_types != self.node_types or snapshot.policy != self.policy:
@@ -373,18 +401,19 @@ class PassState:
 
     # -- what a pass asks ----------------------------------------------------
 
-    def due(self, now: float, nodes: Mapping[str, Node]) -> list[int]:
+    def due(self, now: float) -> list[int]:
         """Ids of the slices the first phase must look at, in id order: those due
-        to end by ``now`` and those holding GPUs on a node that is down or gone."""
+        to end by ``now`` and those holding GPUs on a node that is down or gone
+        (of the last snapshot's nodes)."""
         ids = set()
         for at, slice_id in self.deadlines:
             if at > now:
                 break
             ids.add(slice_id)
-        for name, held in self.holders.items():
-            node = nodes.get(name)
-            if held and (node is None or node.state is NodeState.DOWN):
-                ids.update(held)
+        for name in self.nodes.down:
+            ids.update(self.holders.get(name, ()))
+        for name in self.holders.keys() - self.nodes.by_name.keys():
+            ids.update(self.holders[name])
         return sorted(ids)
 
     def next_wake(self, now: float) -> float | None:

@@ -99,7 +99,7 @@ class _Pass:
         self.now = snapshot.now
         self.policy = snapshot.policy
         self.tree = tree
-        self.nodes = {n.name: n for n in snapshot.nodes}
+        self.nodes = kept.nodes.by_name  # shared with the index: never changed here
         self.grants: list[Grant] = []
         self.preemptions: list[Preemption] = []
         self.endings: list[Ending] = []
@@ -269,7 +269,7 @@ class _Pass:
     def end_finished(self) -> None:
         now = self.now
         lapsed: list[Slice] = []
-        for slice_ in map(self.live.__getitem__, self.kept.due(now, self.nodes)):
+        for slice_ in map(self.live.__getitem__, self.kept.due(now)):
             if slice_.holds_gpus:
                 if any(
                     self.nodes.get(p.node) is None or self.nodes[p.node].state is NodeState.DOWN
@@ -314,7 +314,7 @@ class _Pass:
     # -- phase 2 -----------------------------------------------------------
 
     def drain_nodes(self) -> None:
-        if not any(node.state is NodeState.DRAINING for node in self.nodes.values()):
+        if not self.kept.nodes.draining:
             return
         busy: set[str] = set()
         for slice_ in map(self.live.__getitem__, self.ids):
@@ -362,7 +362,7 @@ class _Pass:
     # -- phase 3 -----------------------------------------------------------
 
     def build_free_map(self) -> None:
-        ready = [n for n in self.nodes.values() if n.state is NodeState.READY]
+        ready = self.kept.nodes.ready
         ended = [self.kept.slices[e.slice_id] for e in self.endings]
         self.free = self.kept.free_map(ready, self.snap.gpu_type_weights, ended)
         self.largest_node = max(self.free.largest.values(), default=0)
@@ -372,7 +372,7 @@ class _Pass:
         # The window's share used is what the queue shows (the order itself is
         # project_rank's); fair share now decides who may take running GPUs from whom.
         self.values = self.tree.share_used(self.snap.usage)
-        capacity = sum(node.gpu_count * self.snap.weight(node.gpu_type) for node in ready)
+        capacity = self.kept.nodes.capacity(self.snap.gpu_type_weights)
         # What the holders hold, from the index's counts: not a walk over them.
         held = self.kept.holdings(ended)
         wanting = {project for project, _ in held.allocated}
