@@ -184,6 +184,25 @@ _POLICY_DURATIONS = {
     "debug_preemption_delay": True,
     "debug_grace_period": True,
 }
+# Policy numbers up to 1: what each is, what is expected of one above 1, and
+# whether zero is allowed.
+_POLICY_UP_TO_ONE = {
+    "fair_share_margin": (
+        "a margin in shares",
+        "a margin in shares from 0 to 1 (0: off, 0.5: half a share)",
+        True,
+    ),
+    "debug_lane_fraction": (
+        "a fraction in (0, 1]",
+        "a fraction of the cluster in (0, 1] (0.05 is 5%)",
+        False,
+    ),
+    "lease_lapse_fraction": (
+        "a fraction in [0, 1]",
+        "a fraction of the leased slices per minute in [0, 1] (0.05 is 5%)",
+        True,
+    ),
+}
 # Keys an earlier release read and this one ignores, with why: a file that has
 # them still loads, with a warning.
 _RETIRED_POLICY_KEYS = {
@@ -388,44 +407,17 @@ def _parse_policy(value: object, where: str, tree: ProjectTree) -> Policy:
                 at,
             )
         settings["preemption_backoff"] = backoff
-    if "fair_share_margin" in table:
-        at = _at(where, "fair_share_margin")
-        margin = _positive_number(
-            table["fair_share_margin"], at, "a margin in shares", zero_ok=True
-        )
-        if margin > 1:
-            raise InvalidConfig(
-                f"expected a margin in shares from 0 to 1 (0: off, 0.5: half a share), "
-                f"got {margin!r}",
-                at,
+    for key, (what, at_most_one, zero_ok) in _POLICY_UP_TO_ONE.items():
+        if key in table:
+            settings[key] = _up_to_one(
+                table[key], _at(where, key), what, at_most_one, zero_ok=zero_ok
             )
-        settings["fair_share_margin"] = margin
-    if "debug_lane_fraction" in table:
-        at = _at(where, "debug_lane_fraction")
-        fraction = _positive_number(table["debug_lane_fraction"], at, "a fraction in (0, 1]")
-        if fraction > 1:
-            raise InvalidConfig(
-                f"expected a fraction of the cluster in (0, 1] (0.05 is 5%), got {fraction!r}", at
-            )
-        settings["debug_lane_fraction"] = fraction
     if "lease_lapse_floor" in table:
         # At least 1: a holder that is gone must end some time.
         at = _at(where, "lease_lapse_floor")
         settings["lease_lapse_floor"] = _whole(
             table["lease_lapse_floor"], at, minimum=1, what="a number of slices per minute"
         )
-    if "lease_lapse_fraction" in table:
-        at = _at(where, "lease_lapse_fraction")
-        fraction = _positive_number(
-            table["lease_lapse_fraction"], at, "a fraction in [0, 1]", zero_ok=True
-        )
-        if fraction > 1:
-            raise InvalidConfig(
-                f"expected a fraction of the leased slices per minute in [0, 1] (0.05 is 5%), "
-                f"got {fraction!r}",
-                at,
-            )
-        settings["lease_lapse_fraction"] = fraction
     caps: dict[str, int] = {}
     caps_at = _at(where, "project_gpu_caps")
     for name, cap in _table(table.get("project_gpu_caps", {}), caps_at).items():
@@ -567,6 +559,17 @@ def _positive_number(value: object, where: str, what: str, *, zero_ok: bool = Fa
     if not ((value >= 0 if zero_ok else value > 0) and math.isfinite(value)):
         raise InvalidConfig(f"expected {what}, a number {bound}, got {value!r}", where)
     return float(value)
+
+
+def _up_to_one(
+    value: object, where: str, what: str, at_most_one: str, *, zero_ok: bool = False
+) -> float:
+    """A number above 0 (or from 0, ``zero_ok``) up to 1; ``at_most_one`` says what is
+    expected of one above 1."""
+    number = _positive_number(value, where, what, zero_ok=zero_ok)
+    if number > 1:
+        raise InvalidConfig(f"expected {at_most_one}, got {number!r}", where)
+    return number
 
 
 def _whole(value: object, where: str, *, minimum: int, what: str = "a whole number") -> int:
