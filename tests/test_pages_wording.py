@@ -8,7 +8,8 @@ import pytest
 from broker.core.fairshare import ProjectTree
 from broker.core.model import Account, Policy
 from broker.service.pages import page_settings
-from broker.service.pages.views import Cluster, slice_row
+from broker.service.pages.views import Cluster, node_rows, slice_row
+from broker.store.access import Principal
 from broker.units import count, duration_text, share_used
 
 
@@ -35,6 +36,22 @@ def test_a_slice_of_any_type_shows_the_type_it_was_granted_as_lab_does():
     assert slice_row(granted, cluster, 0.0)["gpu_type"] == "h100"
     waiting = {**granted, "state": "pending", "placements": []}
     assert slice_row(waiting, cluster, 0.0)["gpu_type"] == "any"
+
+
+def test_a_gpu_whose_holder_stopped_heartbeating_reads_lapsed_until_it_ends():
+    nodes = [{"name": "n1", "gpu_type": "h100", "gpu_count": 2, "gpus_held": 2, "state": "ready"}]
+    held = {
+        "state": "granted", "project": "vision", "user": "alice", "kind": "interactive",
+        "placements": [{"node": "n1", "gpu_indices": [0]}], "protected_until": 500.0,
+        "lease_expires_at": 100.0,
+    }  # fmt: skip
+    other = {**held, "placements": [{"node": "n1", "gpu_indices": [1]}], "lease_expires_at": None}
+    cluster = Cluster(nodes, {}, [held, other], Policy())
+    viewer = Principal("alice")
+    before = node_rows(cluster, viewer, 99.0)[0]["cells"]
+    assert [c["status"] for c in before] == ["protected", "protected"]
+    after = node_rows(cluster, viewer, 100.0)[0]["cells"]
+    assert [(c["status"], c["until"]) for c in after] == [("lapsed", None), ("protected", 500.0)]
 
 
 @pytest.mark.parametrize(

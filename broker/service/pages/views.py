@@ -267,7 +267,8 @@ def queue_rows(cluster: Cluster, viewer: Principal) -> list[dict[str, Any]]:
 
 
 def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str, Any]]:
-    """Each node with one cell per GPU: who holds it, protected or preemptible, for how long."""
+    """Each node with one cell per GPU: who holds it, protected, preemptible, leaving or
+    past its lease (``lapsed``: no heartbeat in time), and for how long."""
     holders: dict[tuple[str, int], Mapping[str, Any]] = {}
     for slice_ in cluster.live:
         if slice_["state"] == "pending":
@@ -285,8 +286,11 @@ def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str,
                 continue
             protected = slice_.get("protected_until")
             visible = viewer.admin or slice_["user"] == viewer.name
+            lease = slice_.get("lease_expires_at")
             if slice_["state"] == "preempting":
                 status, until = "leaving", slice_.get("preempt_deadline")
+            elif lease is not None and lease <= now:
+                status, until = "lapsed", None  # ends as the lease lapse limit allows
             elif protected is not None and protected > now:
                 status, until = "protected", protected
             else:
