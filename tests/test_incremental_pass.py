@@ -376,6 +376,19 @@ def test_the_kept_state_follows_slices_through_their_life():
     assert wanting.id not in {s.id for s in kept.holding()}
 
 
+def test_a_holder_filed_on_a_gone_node_is_due_though_the_nodes_did_not_change():
+    """The index works out once per list of nodes which holders' nodes are gone;
+    a holder filed later on such a node (the list unchanged) is due all the same."""
+    cluster = nodes(1)
+    on_n0 = running("a", "n0", (0,))
+    kept = PassState()
+    kept.update(snapshot(cluster, flat_tree("a"), [on_n0]))
+    assert kept.due(NOW) == []
+    on_gone = running("a", "gone", (0,))  # a node the snapshot no longer lists
+    kept.update(snapshot(cluster, flat_tree("a"), [on_n0, on_gone]))
+    assert kept.due(NOW) == [on_gone.id]
+
+
 def test_a_copy_of_the_index_counts_the_gpus_held_apart_from_the_original():
     """A what-if pass's copy that sees a holder gone leaves the original's count of
     held GPUs as it was: the original, rebuilding its free map (its nodes changed),

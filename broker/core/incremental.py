@@ -200,6 +200,11 @@ class PassState:
         self.queues: dict[tuple[bool, str], tuple[list[tuple], list[Slice]]] = {}
         self.holding_ids: list[int] = []  # slices that hold GPUs, in id order
         self.holders: dict[str, set[int]] = {}  # node -> ids of the slices on it
+        # The nodes holders are on that a view of the nodes lacks (gone from the
+        # snapshot), worked out when ``due`` first asks under that view and dropped
+        # when a holder is filed on such a node: a set of every holder's node per pass
+        # was most of ``due``'s time.
+        self._gone_nodes: tuple[NodeView, list[str]] | None = None
         # node -> its holders as release estimates see them, built when a pass first
         # asks and dropped when a holder there is filed or forgotten
         self._node_holders: dict[str, NodeHolders] = {}
@@ -358,6 +363,7 @@ class PassState:
         self.settled = None
         self.delay_ends, self._delays_asked = None, False
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
+        self._gone_nodes = None
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self._shape_numbers = {}
         self.protection_ends = []
@@ -370,6 +376,7 @@ class PassState:
         sorted one insertion at a time."""
         self.slices = {s.id: s for s in slices}
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
+        self._gone_nodes = None
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines, protection_ends = [], []
@@ -410,10 +417,12 @@ class PassState:
             if at > now:
                 break
             ids.add(slice_id)
-        for name in self.nodes.down:
+        gone = self._gone_nodes
+        if gone is None or gone[0] is not self.nodes:
+            by_name = self.nodes.by_name
+            gone = self._gone_nodes = (self.nodes, [n for n in self.holders if n not in by_name])
+        for name in itertools.chain(self.nodes.down, gone[1]):
             ids.update(self.holders.get(name, ()))
-        for name in self.holders.keys() - self.nodes.by_name.keys():
-            ids.update(self.holders[name])
         return sorted(ids)
 
     def next_wake(self, now: float) -> float | None:
@@ -567,6 +576,8 @@ class PassState:
             for placement in slice_.placements:
                 self.holders.setdefault(placement.node, set()).add(slice_.id)
                 self._node_holders.pop(placement.node, None)
+                if placement.node not in self.nodes.by_name:
+                    self._gone_nodes = None
             self.held.add(slice_, self.node_types, self.policy, 1)
             self._hold(slice_.placements, 1)
         else:
