@@ -29,6 +29,7 @@ from broker.core.model import (
     Reservation,
     Snapshot,
 )
+from broker.core.scheduler import schedule as default_schedule
 from broker.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from broker.orm import (
     UPGRADE_COMMAND,
@@ -953,6 +954,33 @@ def test_an_outage_longer_than_the_lease_loses_no_slice(open_broker, clock):
     run_passes(broker, clock, LEASE)
     ended = broker.get_slice(held["id"])
     assert (ended["state"], ended["end_reason"]) == ("ended", "lost")
+
+
+@pytest.mark.parametrize("single_writer", [True, False])
+def test_a_pass_that_failed_after_reading_the_last_pass_time_leaves_the_absence_whole(
+    open_broker, clock, single_writer
+):
+    """A single writer keeps the last pass's time in memory instead of reading its row:
+    only a pass that committed moves it, or the absence would be forgotten."""
+    failing = False
+
+    def schedule(snapshot):
+        if failing:
+            raise RuntimeError("the pass failed after the absence was counted")
+        return default_schedule(snapshot)
+
+    broker = open_broker(lease=LEASE, single_writer=single_writer, schedule=schedule)
+    held = ask(broker)
+    broker.run_pass_and_live(usual_gap=USUAL_GAP)
+    broker.run_pass_and_live(usual_gap=USUAL_GAP)  # from the kept time, where kept
+    before = broker.heartbeat(held["id"])["lease_expires_at"]
+    clock.advance(3 * LEASE)
+    failing = True
+    with pytest.raises(RuntimeError):
+        broker.run_pass_and_live(usual_gap=USUAL_GAP)
+    failing = False
+    _, live = broker.run_pass_and_live(usual_gap=USUAL_GAP)
+    assert live[held["id"]]["lease_expires_at"] == pytest.approx(before + 3 * LEASE)
 
 
 def test_passes_at_their_usual_pace_extend_nothing(open_broker, clock):

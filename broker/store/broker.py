@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, S
 from functools import partial
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ..config import ClusterConfig, format_duration
@@ -153,6 +153,10 @@ class Broker:
         self.lease = lease
         self.usual_gap = usual_gap
         self.lapses = RecentLapses()  # for the pass's lease lapse limit
+        # When the last committed pass ran, as its row says, and what the pass under
+        # way writes there (_cover_absence): kept by a single writer only.
+        self._alive_at: float | None = None
+        self._alive_writing: float | None = None
         self.journal = Journal(url, db_timeout, single_writer=single_writer)
         try:
             self.journal.prepare_schema(upgrade)
@@ -1106,11 +1110,18 @@ class Broker:
         :meth:`_cover_absence` (``None``: the Broker's own ``usual_gap``; ``None``
         there too: passes are driven by hand, as in tests, and leases are left alone).
         """
+        self._alive_writing = None
         with self.journal.write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
             decisions = self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
             after = self.journal.live_slices(session)
+        if self.single_writer and self._alive_writing is not None:
+            # Committed (unless inside a transaction of the caller's: then read it again
+            # next time). No other process writes the row while this one leads, so the
+            # next pass need not read it; a pass that failed left the copy as it was.
+            nested = self.journal.in_transaction
+            self._alive_at = None if nested else self._alive_writing
         committed = self.journal.committed
         if committed is None or self.journal.in_transaction:  # a single writer's alone
             return decisions, LiveViews(dict(after))  # a copy: later writes change them
@@ -1180,13 +1191,24 @@ class Broker:
         seconds it was away, not a fresh lease). With no record of a last pass
         (a database from before revision 0004), every leased slice gets a full lease.
         """
-        alive = session.get(BrokerAliveRow, 1)
-        if alive is None:
-            session.add(BrokerAliveRow(id=1, alive_at=now))
-            away, renew = None, True
+        known = self._alive_at  # a single writer's copy of the row, as last committed
+        if known is not None:
+            away, renew = now - known, False
+            self._alive_writing = max(known, now)
+            session.execute(
+                update(BrokerAliveRow)
+                .where(BrokerAliveRow.id == 1)
+                .values(alive_at=self._alive_writing)
+            )
         else:
-            away, renew = now - alive.alive_at, False
-            alive.alive_at = max(alive.alive_at, now)
+            alive = session.get(BrokerAliveRow, 1)
+            if alive is None:
+                session.add(BrokerAliveRow(id=1, alive_at=now))
+                away, renew = None, True
+            else:
+                away, renew = now - alive.alive_at, False
+                alive.alive_at = max(alive.alive_at, now)
+            self._alive_writing = now if alive is None else alive.alive_at
         if not renew and (away is None or away <= usual_gap):
             return
         leased = session.scalars(
