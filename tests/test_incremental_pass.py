@@ -135,6 +135,16 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     """The index's answers are their definitions over ``snap``'s slices."""
     slices = snap.slices
     assert [s.id for s in kept.holding()] == sorted(s.id for s in slices if s.holds_gpus)
+    # What the index holds of each slice is the slice as it is now, a heartbeat's
+    # new lease included: its queues, and the summaries of each node's holders.
+    now_is = {s.id: s for s in slices}
+    assert all(s == now_is[s.id] for s in kept.pending())
+    for node in snap.nodes:
+        summary = kept.node_holders(node.name)
+        held = [h for found in summary.rivals.values() for h, _ in found] + [
+            h for h, _ in summary.unallocated
+        ]
+        assert all(h == now_is[h.id] for h in held)
     waiting = [s for s in slices if not s.holds_gpus]
     assert sorted(s.id for s in kept.pending()) == sorted(s.id for s in waiting)
     assert set(kept.waiting()) == {s.project for s in waiting if s.allocated}
