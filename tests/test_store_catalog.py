@@ -499,13 +499,13 @@ def test_the_pass_takes_in_what_was_written_since_the_last_one_alone(broker, clo
     broker.run_pass()  # takes in the grant; nothing is written since
     filed: list[int] = []
     index = broker._kept_index
-    original = index._file
+    original = index._changed
 
-    def file(slice_) -> None:
-        filed.append(slice_.id)
-        original(slice_)
+    def changed(before, after) -> None:  # every slice the index takes in again
+        filed.append((after or before).id)
+        original(before, after)
 
-    index._file = file
+    index._changed = changed
     broker.run_pass()
     assert filed == []  # nothing written since: no slice looked at again
     clock.advance(60)
