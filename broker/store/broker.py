@@ -153,10 +153,8 @@ class Broker:
         self.lease = lease
         self.usual_gap = usual_gap
         self.lapses = RecentLapses()  # for the pass's lease lapse limit
-        # When the last committed pass ran, as its row says, and what the pass under
-        # way writes there (_cover_absence): kept by a single writer only.
+        # When the last committed pass ran, as its row says: kept by a single writer only.
         self._alive_at: float | None = None
-        self._alive_writing: float | None = None
         self.journal = Journal(url, db_timeout, single_writer=single_writer)
         try:
             self.journal.prepare_schema(upgrade)
@@ -1110,29 +1108,32 @@ class Broker:
         :meth:`_cover_absence` (``None``: the Broker's own ``usual_gap``; ``None``
         there too: passes are driven by hand, as in tests, and leases are left alone).
         """
-        self._alive_writing = None
         with self.journal.write() as session:
             # Read the clock only once the lock is held, so passes see time move forward.
             now = self._clock()
-            decisions = self._pass(session, now, self.usual_gap if usual_gap is None else usual_gap)
+            decisions, alive_at = self._pass(
+                session, now, self.usual_gap if usual_gap is None else usual_gap
+            )
             after = self.journal.live_slices(session)
-        if self.single_writer and self._alive_writing is not None:
+        if self.single_writer and alive_at is not None:
             # Committed (unless inside a transaction of the caller's: then read it again
             # next time). No other process writes the row while this one leads, so the
             # next pass need not read it; a pass that failed left the copy as it was.
             nested = self.journal.in_transaction
-            self._alive_at = None if nested else self._alive_writing
+            self._alive_at = None if nested else alive_at
         committed = self.journal.committed
         if committed is None or self.journal.in_transaction:  # a single writer's alone
             return decisions, LiveViews(dict(after))  # a copy: later writes change them
         return decisions, LiveViews(committed.live)  # what this pass's commit left
 
-    def _pass(self, session: Session, now: float, usual_gap: float | None) -> Decisions:
-        """Snapshot, schedule and apply in ``session``."""
+    def _pass(
+        self, session: Session, now: float, usual_gap: float | None
+    ) -> tuple[Decisions, float | None]:
+        """Snapshot, schedule and apply in ``session``; the decisions, and the time the
+        pass wrote as the last pass's (None: leases left alone, ``usual_gap`` None)."""
         catalog = self.journal.catalog(session)
         costs = catalog.costs
-        if usual_gap is not None:
-            self._cover_absence(session, now, usual_gap)
+        alive_at = None if usual_gap is None else self._cover_absence(session, now, usual_gap)
         live = self.journal.live_slices(session)
         slices = self.journal.committed_values()
         if slices is None:
@@ -1169,7 +1170,7 @@ class Broker:
             self._kept_index.take_in(changed, len(after), every)
         self._live_mark = mark
         self.journal.forget_changes_before(mark)
-        return decisions
+        return decisions, alive_at
 
     def next_wake(self, after: float) -> float | None:
         """When a pass next has something to do for a live slice, after ``after``: the
@@ -1181,7 +1182,7 @@ class Broker:
             times = [at for s in self.journal.live_values(session) for at in wake_times(s)]
         return min((at for at in times if at > after), default=None)
 
-    def _cover_absence(self, session: Session, now: float, usual_gap: float) -> None:
+    def _cover_absence(self, session: Session, now: float, usual_gap: float) -> float:
         """Extend every live lease by the time no broker could take heartbeats.
 
         That is the time since the last pass, when it is longer than
@@ -1190,15 +1191,14 @@ class Broker:
         not keep a dead holder alive for ever (each restart adds only the
         seconds it was away, not a fresh lease). With no record of a last pass
         (a database from before revision 0004), every leased slice gets a full lease.
+        Returns the time it records as the last pass's.
         """
         known = self._alive_at  # a single writer's copy of the row, as last committed
         if known is not None:
             away, renew = now - known, False
-            self._alive_writing = max(known, now)
+            alive_at = max(known, now)
             session.execute(
-                update(BrokerAliveRow)
-                .where(BrokerAliveRow.id == 1)
-                .values(alive_at=self._alive_writing)
+                update(BrokerAliveRow).where(BrokerAliveRow.id == 1).values(alive_at=alive_at)
             )
         else:
             alive = session.get(BrokerAliveRow, 1)
@@ -1208,9 +1208,9 @@ class Broker:
             else:
                 away, renew = now - alive.alive_at, False
                 alive.alive_at = max(alive.alive_at, now)
-            self._alive_writing = now if alive is None else alive.alive_at
+            alive_at = now if alive is None else alive.alive_at
         if not renew and (away is None or away <= usual_gap):
-            return
+            return alive_at
         leased = session.scalars(
             select(SliceRow).where(
                 SliceRow.state.in_(LIVE_STATES), SliceRow.lease_expires_at.is_not(None)
@@ -1231,6 +1231,7 @@ class Broker:
                     away,
                     len(leased),
                 )
+        return alive_at
 
     def _usage_now(
         self, session: Session, now: float, costs: _Costs, live: Collection[Slice]
