@@ -173,6 +173,16 @@ def test_the_bench_extrapolates_a_short_sample_to_the_month():
     assert row["extrapolated_month_cpu_seconds"] == pytest.approx(row["cpu_seconds"] * 60)
 
 
+def test_the_bench_times_a_policy_that_is_still_told_what_changed(tiny):
+    from broker.sim.bench import _Timed
+
+    ours, baseline = _Timed(FairShare(tiny.accounts)), _Timed(POLICIES["priority"](tiny.accounts))
+    assert ours.expect.__self__ is ours.inner  # the engine finds it by getattr
+    assert getattr(baseline, "expect", None) is None  # a baseline keeps no index
+    told = simulate(tiny, ours, SimConfig()).summary
+    assert told == simulate(tiny, FairShare(tiny.accounts), SimConfig()).summary
+
+
 # ---- what a preemption costs the victim ---------------------------------------------------
 
 ACCOUNTS = (Account("a"), Account("b"))

@@ -67,6 +67,11 @@ class _Timed:
         self.name = inner.name
         self.policy = inner.policy
         self.passes: list[tuple[float, float]] = []
+        # The engine tells a policy that keeps an index what changed (FairShare.expect);
+        # timed, it must be told too, or it compares every live slice each pass.
+        expect = getattr(inner, "expect", None)
+        if expect is not None:
+            self.expect = expect
 
     def __call__(self, snapshot, /):
         started = time.perf_counter()
