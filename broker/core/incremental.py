@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -546,9 +546,15 @@ class PassState:
         for _, slices in self.queues.values():
             yield from slices
 
-    def waiting(self) -> Iterator[str]:
-        """The projects with allocated work pending."""
-        return (project for allocated, project in self.queues if allocated)
+    def waiting(self, without: Container[int] = ()) -> Iterator[str]:
+        """The projects with allocated work pending, other than the slices ``without``."""
+        if not without:
+            return (project for allocated, project in self.queues if allocated)
+        return (
+            project
+            for (allocated, project), (_, queued) in self.queues.items()
+            if allocated and any(s.id not in without for s in queued)
+        )
 
     def backlog(self, ranked: Iterator[str], allocated: bool) -> list[Slice]:
         """The pending slices of ``allocated`` work in queue order, for projects

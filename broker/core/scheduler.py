@@ -376,10 +376,13 @@ class _Pass:
         # What the holders hold, from the index's counts: not a walk over them.
         held = self.kept.holdings(ended)
         wanting = {project for project, _ in held.allocated}
-        if self.endings:
-            wanting.update(s.project for s in self.pending if s.allocated)
-        else:
-            wanting.update(self.kept.waiting())  # its queues, not a walk of the backlog
+        # The index's queues, not a walk of the backlog: less what this pass ended,
+        # with what it requeued.
+        wanting.update(self.kept.waiting(self.ended))
+        for ending in self.endings:
+            requeued = self.live[ending.slice_id]
+            if ending.requeue and requeued.allocated:
+                wanting.add(requeued.project)
         self.standings = Standings.now(
             self.tree, capacity, wanting, margin=self.policy.fair_share_margin
         )
