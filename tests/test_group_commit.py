@@ -181,6 +181,24 @@ async def test_a_group_s_heartbeat_statement_that_fails_fails_each_of_them_and_k
     assert runner.broker.get_slice(made[0]["id"]) == again
 
 
+async def test_heartbeats_whose_commit_fails_keep_no_lease_in_memory(runner):
+    """The heartbeats' UPDATE went through and their commit failed: the leases kept
+    in memory are those the database has, not the renewed ones."""
+    made = [await submit(runner) for _ in range(2)]
+    before = {m["id"]: runner.broker.get_slice(m["id"])["lease_expires_at"] for m in made}
+    failures = [RuntimeError("the disk is full")]
+
+    def fails_once(_conn) -> None:
+        if failures:
+            raise failures.pop()
+
+    event.listen(runner.broker.journal.engine, "commit", fails_once)
+    answers = await while_busy(runner, [runner.write(runner.broker.heartbeat, i) for i in before])
+    event.remove(runner.broker.journal.engine, "commit", fails_once)
+    assert [str(a) for a in answers] == ["the disk is full"] * 2
+    assert {i: runner.broker.get_slice(i)["lease_expires_at"] for i in before} == before
+
+
 async def test_a_write_refused_after_it_wrote_is_undone_and_the_others_run_again(db_url):
     """On SQLite and PostgreSQL: a write refused after it had written (its flush
     failed) spoils its group, which is rolled back whole and run again without it;

@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from sqlalchemy import event, inspect, select, update
+from sqlalchemy import bindparam, event, inspect, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import ORMExecuteState, Session, make_transient_to_detached, sessionmaker
 from sqlalchemy.orm.util import identity_key
@@ -60,10 +60,6 @@ from .views import _node_dict, _row_view
 #: The rows the catalog is read from: writing any of them changes it.
 CATALOG_ROWS = (AccountRow, MemberRow, GpuTypeRow, NodeRow)
 
-#: Execution option of a statement whose effect on the live slices the journal
-#: applies itself (:meth:`Journal.renew_leases`), so they are not read again.
-FOLLOWED_OPTION = "slicebroker_followed"
-
 #: A slice row's columns, by attribute name, and those the database leaves NULL when
 #: an insert gives no value (no default of the database's own).
 _SLICE_COLUMNS = tuple(column.key for column in inspect(SliceRow).column_attrs)
@@ -82,9 +78,14 @@ LIVE_ROWS = select(SliceRow).where(SliceRow.state.in_(LIVE_STATES)).order_by(Sli
 
 Write = TypeVar("Write", bound=Callable[..., Any])
 
-#: Leases one UPDATE renews at most (an ``IN`` list: SQLite allows a few thousand
-#: parameters).
-LEASES_PER_STATEMENT = 1000
+#: One lease renewed: a statement compiled once and sent for many slices at once
+#: (executemany), past the ORM, whose bulk update costs more than the database's
+#: work here (the journal follows it itself: :meth:`Journal.renew_leases`).
+_RENEW_LEASE = (
+    update(SliceRow.__table__)
+    .where(SliceRow.__table__.c.id == bindparam("slice_id"))
+    .values(lease_expires_at=bindparam("expires_at"))
+)
 
 #: Whether the write under way is flushed to disk (see :func:`not_durable`).
 _DURABLE: ContextVar[bool] = ContextVar("durable", default=True)
@@ -438,16 +439,14 @@ class Journal:
     def renew_leases(
         self, session: Session, slice_ids: Sequence[int], expires_at: float
     ) -> dict[int, _LiveSlice]:
-        """Write kept live slices' new lease expiry in one statement (no row read)
-        and keep it; returns the slices as now kept, by id."""
+        """Write kept live slices' new lease expiry (no row read) and keep it;
+        returns the slices as now kept, by id."""
         assert self._live is not None  # kept_live answered each of them
         wanted = sorted(set(slice_ids))
-        for start in range(0, len(wanted), LEASES_PER_STATEMENT):
-            chunk = wanted[start : start + LEASES_PER_STATEMENT]
-            session.execute(
-                update(SliceRow).where(SliceRow.id.in_(chunk)).values(lease_expires_at=expires_at),
-                execution_options={FOLLOWED_OPTION: True},
-            )
+        self._writes_seen += 1  # a rollback drops what is kept (see _follow_statement)
+        session.connection().execute(
+            _RENEW_LEASE, [{"slice_id": i, "expires_at": expires_at} for i in wanted]
+        )
         renewed = {}
         for slice_id in wanted:
             entry = self._live[slice_id]
@@ -538,8 +537,6 @@ class Journal:
         if not (state.is_insert or state.is_update or state.is_delete):
             return
         self._writes_seen += 1
-        if state.execution_options.get(FOLLOWED_OPTION, False):
-            return
         classes = {mapper.class_ for mapper in state.all_mappers}
         if classes.intersection(CATALOG_ROWS):
             self.catalog_changes()
