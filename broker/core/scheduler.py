@@ -436,6 +436,21 @@ class _Pass:
             self._holders[node] = found
         return found
 
+    def _blockers(self, promised: tuple[Placement, ...]) -> list[Slice]:
+        """The holders of any of the ``promised`` GPUs, each once: from the holders of
+        the promise's nodes, not a walk over every holding (thousands on a large
+        cluster, with a promise or two to keep)."""
+        found: dict[int, Slice] = {}
+        for placement in promised:
+            wanted = set(placement.gpu_indices)
+            for holder, _ in self._holders_on(placement.node):
+                if holder.id not in found and any(
+                    p.node == placement.node and not wanted.isdisjoint(p.gpu_indices)
+                    for p in holder.placements
+                ):
+                    found[holder.id] = holder
+        return list(found.values())
+
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
         """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""
         self.project_gpus[slice_.project] = self.project_gpus.get(slice_.project, 0) + (slice_.gpus)
@@ -461,19 +476,13 @@ class _Pass:
         promised = sorted(found, key=attrgetter("id"))
         if not promised:
             return
-        # (node, GPU) -> the slice holding it: a promise's blockers without a
-        # walk over every holding per promise (a busy cluster has hundreds of both).
-        holder_of = {
-            (p.node, i): s for s in self.holding for p in s.placements for i in p.gpu_indices
-        }
-        leaving = {s.id for s in self.holding if s.state is SliceState.PREEMPTING}
-        leaving |= self.leaving.keys()
+        leaving = self.leaving
         for slice_ in promised:
             nodes_ok = all(self._still_fits(slice_, p) for p in slice_.promised)
-            gpus = [(p.node, i) for p in slice_.promised for i in p.gpu_indices]
-            found = (holder_of[g] for g in gpus if g in holder_of)
-            blockers = list({s.id: s for s in found}.values())
-            if not nodes_ok or any(s.id not in leaving for s in blockers):
+            blockers = self._blockers(slice_.promised)
+            if not nodes_ok or any(
+                s.state is not SliceState.PREEMPTING and s.id not in leaving for s in blockers
+            ):
                 continue  # the promise no longer holds: queue as usual
             self.promised.add(slice_.id)
             self.free.take(slice_.promised)
