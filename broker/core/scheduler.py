@@ -132,6 +132,7 @@ class _Pass:
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
         self._node_summaries: dict[str, NodeHolders] = {}  # see _node_holders
+        self._moved_nodes: set[str] = set()  # nodes where this pass ended or preempted
         # node -> (known end, GPUs) of holders with a maximum runtime; see _released_by
         self._expiring: dict[str, list[tuple[float, int]]] | None = None
         # GPUs still held by slices preempted in this pass, lent to the queue:
@@ -244,6 +245,7 @@ class _Pass:
         if requeue and reason is EndReason.PREEMPTED:
             protect_next = self._protect_next(slice_)
         self.endings.append(Ending(slice_.id, reason, requeue, protect_next))
+        self._moved_nodes.update(p.node for p in slice_.placements)
         if requeue:
             # Back in the queue at once, so this very pass may grant it again.
             if self.live is self.kept.slices:
@@ -344,7 +346,9 @@ class _Pass:
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
         self.leaving[slice_.id] = deadline
         self._releases.clear()  # a leaving slice frees its GPUs sooner
-        self._node_summaries.clear()
+        for placement in slice_.placements:
+            self._moved_nodes.add(placement.node)
+            self._node_summaries.pop(placement.node, None)
         return deadline
 
     def _preempt_for(self, victim: Slice, reason: PreemptReason, requester: Slice) -> float:
@@ -940,9 +944,9 @@ class _Pass:
 
     def _node_holders(self, node: str) -> NodeHolders:
         """What the release estimates need of ``node``'s holders whoever asks: the
-        index's, kept between passes, until this pass ends, requeues or preempts a slice;
-        then the pass's own (until the next preemption)."""
-        if not self.endings and not self.leaving:
+        index's, kept between passes, where this pass has ended, requeued or preempted
+        no slice; the pass's own where it has (until it preempts another there)."""
+        if node not in self._moved_nodes:
             return self.kept.node_holders(node)
         found = self._node_summaries.get(node)
         if found is None:
