@@ -105,7 +105,8 @@ def apply(
     a promise); without them every live slice is asked."""
     live = dict(slices)
     result = Applied(live, dict(nodes))
-    node_types = {name: node.gpu_type for name, node in nodes.items()}
+    # What an ending's charge reads of the nodes; most passes end nothing.
+    node_types = {name: node.gpu_type for name, node in nodes.items()} if decisions.endings else {}
     changed = result.changed
     for ending in decisions.endings:
         changed.add(ending.slice_id)
