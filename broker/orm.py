@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -359,7 +361,8 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
     write transaction holds the write lock from its first statement — two
     processes can then never both read free GPUs and both grant them.
     Connections carrying :data:`READ_ONLY_OPTION` begin deferred instead.
-    PostgreSQL: psycopg 3, connections checked before use.
+    PostgreSQL: psycopg 3, connections checked before use once they sat idle in
+    the pool (:data:`PING_AFTER_IDLE_S`).
 
     ``timeout`` (seconds) bounds how long one statement may wait for the
     database: SQLite's busy timeout (default :data:`SQLITE_BUSY_TIMEOUT_S`);
@@ -378,7 +381,9 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
                 **kwargs.pop("connect_args", {}),
             }
             kwargs["connect_args"] = connect_args
-        return create_engine(url, pool_pre_ping=True, **kwargs)
+        engine = create_engine(url, **kwargs)
+        _ping_when_idle(engine)
+        return engine
 
     busy_timeout = SQLITE_BUSY_TIMEOUT_S if timeout is None else timeout
     connect_args = {"timeout": busy_timeout, **kwargs.pop("connect_args", {})}
@@ -410,6 +415,33 @@ def make_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> Eng
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+#: A pooled PostgreSQL connection idle longer than this (seconds) is checked before
+#: use. A busy broker's connection goes back to the pool for a moment between
+#: groups; a check each time was a round trip per group.
+PING_AFTER_IDLE_S = 1.0
+
+
+def _ping_when_idle(engine: Any) -> None:
+    """Check a connection that sat idle in the pool before handing it out (the
+    database may have restarted meanwhile): a dead one is replaced, as
+    ``pool_pre_ping`` would, without a round trip for one just given back. One
+    that breaks in use fails its transaction, and the pool drops its siblings."""
+
+    @event.listens_for(engine, "checkin")
+    def _given_back(_dbapi_connection: Any, record: Any) -> None:
+        record.info["given_back_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _handed_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        given_back = record.info.get("given_back_at")
+        if given_back is None or time.monotonic() - given_back <= PING_AFTER_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as err:
+            raise DisconnectionError("connection closed while idle") from err  # the pool retries
 
 
 def take_write_lock(connection: Any) -> None:

@@ -224,3 +224,33 @@ def test_the_lock_of_a_broker_of_another_database_on_the_server_is_not_this_ones
             other_broker.close()
         elsewhere.dispose()
         databases.close()  # drops the other database
+
+
+def test_a_pooled_connection_is_checked_only_after_sitting_idle_and_replaced_if_dead(
+    scratch_postgres, monkeypatch
+):
+    """A connection given back a moment ago is handed out again without a round trip
+    to check it (a busy broker gives its connection back between groups); one that sat
+    idle longer is checked first, and one whose server session ended meanwhile (a
+    restart) is replaced before anyone uses it."""
+    engine = make_engine(scratch_postgres)
+    pings: list[object] = []
+    ping = engine.dialect.do_ping
+    monkeypatch.setattr(engine.dialect, "do_ping", lambda c: pings.append(c) or ping(c))
+    try:
+        with engine.connect() as connection:
+            first = connection.scalar(select(func.pg_backend_pid()))
+        with engine.connect() as connection:
+            assert connection.scalar(select(func.pg_backend_pid())) == first
+        assert pings == []  # given back a moment ago: handed out unchecked
+
+        killer = make_engine(scratch_postgres, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        with killer.connect() as connection:
+            assert connection.scalar(select(func.pg_terminate_backend(first)))
+        killer.dispose()
+        monkeypatch.setattr("broker.orm.PING_AFTER_IDLE_S", 0.0)  # it has sat idle long enough
+        with engine.connect() as connection:
+            assert connection.scalar(select(func.pg_backend_pid())) not in (None, first)
+        assert len(pings) == 1
+    finally:
+        engine.dispose()
