@@ -1194,35 +1194,32 @@ class Broker:
         Returns the time it records as the last pass's.
         """
         known = self._alive_at  # a single writer's copy of the row, as last committed
-        if known is not None:
-            away, renew = now - known, False
-            alive_at = max(known, now)
-            session.execute(
-                update(BrokerAliveRow).where(BrokerAliveRow.id == 1).values(alive_at=alive_at)
-            )
-        else:
+        if known is None:
             alive = session.get(BrokerAliveRow, 1)
-            if alive is None:
-                session.add(BrokerAliveRow(id=1, alive_at=now))
-                away, renew = None, True
-            else:
-                away, renew = now - alive.alive_at, False
-                alive.alive_at = max(alive.alive_at, now)
-            alive_at = now if alive is None else alive.alive_at
-        if not renew and (away is None or away <= usual_gap):
-            return alive_at
+            known = None if alive is None else alive.alive_at
+        if known is None:  # no record of a last pass: every lease renewed in full
+            session.add(BrokerAliveRow(id=1, alive_at=now))
+            alive_at, away = now, None
+        else:
+            alive_at, away = max(known, now), now - known
+            if alive_at != known:
+                session.execute(
+                    update(BrokerAliveRow).where(BrokerAliveRow.id == 1).values(alive_at=alive_at)
+                )
+            if away <= usual_gap:
+                return alive_at
         leased = session.scalars(
             select(SliceRow).where(
                 SliceRow.state.in_(LIVE_STATES), SliceRow.lease_expires_at.is_not(None)
             )
         ).all()
         for row in leased:
-            if renew:
+            if away is None:
                 row.lease_expires_at = max(row.lease_expires_at, now + self.lease)
             else:
                 row.lease_expires_at += away
         if leased:
-            if renew:
+            if away is None:
                 log.info("gave %d live slices a full lease: no record of a last pass", len(leased))
             else:
                 log.warning(
