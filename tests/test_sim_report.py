@@ -199,6 +199,19 @@ def test_cli_hands_the_reservation_bound_to_the_policy(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_hands_the_debug_preemption_delay_to_the_policy(tmp_path, capsys):
+    def preemptions(*extra: str) -> dict:
+        out = tmp_path / "out.json"
+        argv = ["generate", "--days", "1", "--slices", "300", "--users", "8", "--no-failures"]
+        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]["preemptions"]
+
+    assert preemptions()["debug_lane"] > 0  # the policy's default: no delay
+    # Debug sessions that wait a day for releases before preempting never do here.
+    assert "debug_lane" not in preemptions("--debug-preemption-delay", "86400")
+    capsys.readouterr()
+
+
 def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, capsys):
     small = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--quiet"]
     out = tmp_path / "seeds.json"
@@ -243,6 +256,7 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
         (["generate", "--preemption-backoff", "0.5"], "--preemption-backoff takes a factor"),
         (["generate", "--max-reservations", "-1"], "--max-reservations takes a count"),
         (["generate", "--preemption-budget", "-2"], "--preemption-budget takes a count"),
+        (["generate", "--debug-preemption-delay", "-1"], "--debug-preemption-delay takes seconds"),
         (["generate", "--fair-share-margin", "2"], "--fair-share-margin takes shares"),
         (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
         (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),

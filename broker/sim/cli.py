@@ -151,6 +151,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(policy batch_preemption_delay; 900)",
     )
     sim.add_argument(
+        "--debug-preemption-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds a debug session waits for releases before it may preempt "
+        "(policy debug_preemption_delay; 0)",
+    )
+    sim.add_argument(
         "--preemption-budget",
         type=int,
         default=5,
@@ -309,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         ("--preemption-budget", args.preemption_budget, "a count"),
         ("--max-reservations", args.max_reservations, "a count"),
         ("--batch-preemption-delay", args.batch_preemption_delay, "seconds"),
+        ("--debug-preemption-delay", args.debug_preemption_delay, "seconds"),
         ("--debug-grace", args.debug_grace, "seconds"),
         ("--restart-cost", args.restart_cost, "seconds"),
         ("--checkpoint-interval", args.checkpoint_interval, "seconds"),
@@ -410,6 +419,7 @@ def _simulate_all(
         debug_first=args.debug_first,
         preemption_backoff=args.preemption_backoff,
         batch_preemption_delay=args.batch_preemption_delay,
+        debug_preemption_delay=args.debug_preemption_delay,
         preemption_budget=args.preemption_budget or None,
         fair_share_margin=args.fair_share_margin,
         max_reservations=args.max_reservations,
