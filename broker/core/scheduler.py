@@ -882,13 +882,16 @@ class _Pass:
         gang = requester.gpus > self.largest_node
         takes_batch = is_debug(requester, self.policy) and self.lane.admits(requester)
         answers: dict[tuple, bool] = {}  # see _release_at
+        # Per rival project, whether fair share could let it be taken at all: no
+        # grant or preemption comes between the nodes one plan asks about.
+        refused: dict[str, bool] = {}
 
         def releases(node: str) -> list[tuple[float, int]]:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
                 found = self._releases[key] = self._estimate(
-                    node, requester, takes_batch, gang, answers
+                    node, requester, takes_batch, gang, answers, refused
                 )
             return found
 
@@ -901,15 +904,15 @@ class _Pass:
         takes_batch: bool,
         gang: bool,
         answers: dict[tuple, bool],
+        refused: dict[str, bool],
     ) -> list[tuple[float, int]]:
         """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
-        the rule is asked only of holders it could let ``requester`` take, and once
-        per kind of rival (``answers``); the others leave at their known ends."""
+        the rule is asked only of holders it could let ``requester`` take, once per
+        kind of rival (``answers``) and per rival project (``refused``); the others
+        leave at their known ends."""
         holders = self._node_holders(node)
         if not requester.allocated:
             return holders.known  # free work preempts no one
-        # A project fair share refuses at its most lenient, it refuses whatever moves.
-        may_take_at_all = self.standings.may_take_at_all
         found: list[tuple[float, int]] = []
         if takes_batch and holders.batch:
             # The debug lane may take their batch work: every holder is asked.
@@ -920,17 +923,32 @@ class _Pass:
             found.sort()
             return found
         asked = False
-        for holder, gpus in holders.unallocated:
+        if holders.unallocated:
+            # The rule lets an allocated request take free work once its
+            # protection is over: each leaves then, or at its known end if sooner.
             asked = True
-            at = self._release_at(holder, requester)
-            if at is not None:
+            now, grace, leaving = self.now, self.policy.grace_period, self.leaving
+            for holder, gpus in holders.unallocated:
+                at = leaving.get(holder.id)
+                if at is None:
+                    protected_until = holder.protected_until
+                    at = (now if protected_until is None else max(now, protected_until)) + grace
+                    known = holder.ends_at()
+                    if known is not None and known < at:
+                        at = known
                 found.append((at, gpus))
         for project, rivals in holders.rivals.items():
-            if project != requester.project and not may_take_at_all(
-                requester.project, project, gang
-            ):
-                found += holders.rival_ends[project]
-                continue
+            if project != requester.project:
+                refuses = refused.get(project)
+                if refuses is None:
+                    # A project fair share refuses at its most lenient, it refuses
+                    # whatever moves.
+                    refuses = refused[project] = not self.standings.may_take_at_all(
+                        requester.project, project, gang
+                    )
+                if refuses:
+                    found += holders.rival_ends[project]
+                    continue
             asked = True
             for holder, gpus in rivals:
                 at = self._release_at(holder, requester, answers)
