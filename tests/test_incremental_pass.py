@@ -8,6 +8,8 @@ the walk or the index cannot hide behind the same mistake in its oracle."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
@@ -15,6 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from passchecks import check_pass
 
+from broker.core import backfill
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState, pending_shape
 from broker.core.model import (
@@ -100,6 +103,19 @@ def a_cluster(rng: random.Random):
             start += size
     slices += [a_pending(rng, NOW) for _ in range(rng.randint(0, 12))]
     return slices
+
+
+@contextmanager
+def every_node_asked() -> Iterator[None]:
+    """Reservation plans that ask every node, none skipped for its floor."""
+    plan = backfill.plan
+    backfill.plan = lambda requester, **asked: plan(
+        requester, **{**asked, "whole_node_floors": None}
+    )
+    try:
+        yield
+    finally:
+        backfill.plan = plan
 
 
 def change(rng: random.Random, kind: str, now: float, live: dict, nodes: dict, usage: dict):
@@ -308,6 +324,8 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             check_index(before, last_snap, rng)
         last_snap = snap
         assert decisions == schedule(snap, tree)
+        with every_node_asked():  # gangs asking only the nodes that could free up first
+            assert schedule(snap, tree) == decisions
         now_of = {s.id: s for s in snap.slices}
         told.expect(
             {

@@ -109,9 +109,24 @@ class NodeHolders:
     others that are allocated, per project, with ``rival_ends`` their known ends;
     ``unallocated``: the unallocated ones, which any allocated request may take.
     ``batch``: whether a rival is batch work (the debug lane's to take).
+
+    ``floor`` and ``latest_end`` bound, for any requester, when the node could be
+    wholly free (:func:`whole_node_floor`): each holder leaves at its known end,
+    or, if the rule may let someone take it, no sooner than a grace period after
+    its protection ends. ``held``: the GPUs they hold.
     """
 
-    __slots__ = ("batch", "fixed", "known", "rival_ends", "rivals", "unallocated")
+    __slots__ = (
+        "batch",
+        "fixed",
+        "floor",
+        "held",
+        "known",
+        "latest_end",
+        "rival_ends",
+        "rivals",
+        "unallocated",
+    )
 
     def __init__(
         self, holders: list[tuple[Slice, int]], leaving: Mapping[int, float], policy: Policy
@@ -122,7 +137,11 @@ class NodeHolders:
         self.rival_ends: dict[str, list[tuple[float, int]]] = {}
         self.unallocated: list[tuple[Slice, int]] = []
         self.batch = False
+        self.floor = self.latest_end = -math.inf
+        self.held = 0
+        grace = policy.grace_period
         for holder, gpus in holders:
+            self.held += gpus
             ends = leaving.get(holder.id)
             takeable = (
                 ends is None
@@ -133,6 +152,16 @@ class NodeHolders:
                 ends = holder.ends_at()
             if ends is not None:
                 self.known.append((ends, gpus))
+            end = math.inf if ends is None else ends
+            earliest = end
+            if takeable:
+                protected_until = holder.protected_until
+                if protected_until is None:
+                    earliest = -math.inf
+                elif protected_until + grace < end:
+                    earliest = protected_until + grace
+            self.floor = max(self.floor, earliest)
+            self.latest_end = max(self.latest_end, end)
             if not takeable:
                 if ends is not None:
                     self.fixed.append((ends, gpus))
@@ -146,6 +175,19 @@ class NodeHolders:
                     self.rival_ends[holder.project].append((ends, gpus))
                 self.batch = self.batch or holder.kind is SliceKind.BATCH
         self.known.sort()
+
+
+def whole_node_floor(holders: NodeHolders, now: float, grace: float, unfree: int) -> float:
+    """The earliest time at which a node could be wholly free, for any requester:
+    a taken holder leaves a grace period after ``now`` at the soonest, an untaken
+    one at its known end (a pass's release estimates are never sooner).
+
+    ``unfree``: the node's GPUs that are not free. Where its holders hold more (a
+    node made smaller under them), it is free before they have all left: ``now``.
+    """
+    if holders.held > unfree:
+        return now
+    return max(now, holders.floor, min(holders.latest_end, now + grace))
 
 
 class NodeView:

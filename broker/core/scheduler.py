@@ -19,7 +19,7 @@ from operator import attrgetter
 
 from . import backfill
 from .fairshare import ProjectTree
-from .incremental import NodeHolders, PassState, borrow_traits
+from .incremental import NodeHolders, PassState, borrow_traits, whole_node_floor
 from .model import (
     Decisions,
     Ending,
@@ -131,6 +131,12 @@ class _Pass:
         self._tried: dict[str, tuple] = {}
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
+        self._floors: dict[str, list[tuple[float, str]]] | None = None  # see _whole_node_floors
+        # Per requester class, its gangs planned this pass, whose nodes not yet asked
+        # are estimated as they would have been (see _releases_for); those still
+        # judged on fair share as it stands now.
+        self._deferred: dict[tuple, list[_Estimate]] = {}
+        self._judged_now: list[_Estimate] = []
         self._node_summaries: dict[str, NodeHolders] = {}  # see _node_holders
         self._moved_nodes: set[str] = set()  # nodes where this pass ended or preempted
         # node -> (known end, GPUs) of holders with a maximum runtime; see _released_by
@@ -346,6 +352,9 @@ class _Pass:
         self.preemptions.append(Preemption(slice_.id, reason, deadline, for_slice))
         self.leaving[slice_.id] = deadline
         self._releases.clear()  # a leaving slice frees its GPUs sooner
+        self._deferred.clear()
+        self._judged_now.clear()
+        self._floors = None
         for placement in slice_.placements:
             self._moved_nodes.add(placement.node)
             self._node_summaries.pop(placement.node, None)
@@ -457,6 +466,19 @@ class _Pass:
 
     def _count(self, slice_: Slice, placements: tuple[Placement, ...]) -> None:
         """Account for GPUs a slice holds (or will hold) in caps, fair share and the lane."""
+        if self._judged_now:
+            # Gangs planned before this grant are judged on fair share as it was.
+            judged = (
+                replace(
+                    self.standings,
+                    held=dict(self.standings.held),
+                    lenient=dict(self.standings.lenient),
+                ),
+                replace(self.lane, held_by_user=dict(self.lane.held_by_user)),
+            )
+            for estimate in self._judged_now:
+                estimate.judged = judged
+            self._judged_now.clear()
         self.project_gpus[slice_.project] = self.project_gpus.get(slice_.project, 0) + (slice_.gpus)
         if slice_.allocated:
             self.standings.record(slice_.project, self._weighted(placements))
@@ -699,6 +721,7 @@ class _Pass:
                     free=self.free.free,
                     releases=self._releases_for(slice_),
                     now=self.now,
+                    whole_node_floors=self._whole_node_floors(),
                 )
                 if reservation is not None and self._claim_due_gang(slice_, reservation, position):
                     continue
@@ -874,28 +897,56 @@ class _Pass:
         Keying the lists on the size too was measured and not kept
         (docs/simulator.md, "Speed").
 
+        A gang asks only the nodes that could free up first
+        (``backfill.plan``'s floors); a node of its GPU type it did not ask is
+        estimated later as it would have been then (:class:`_Estimate`).
+
         The rule is asked only of holders it could let ``requester`` take
         (:meth:`_estimate`); where it could take none, each holder leaves at its
         known end, and the node's list of those, kept by the index, serves.
         """
         requester_class = (requester.project, within_project_key(requester))
-        gang = requester.gpus > self.largest_node
-        takes_batch = is_debug(requester, self.policy) and self.lane.admits(requester)
-        answers: dict[tuple, bool] = {}  # see _release_at
-        # Per rival project, whether fair share could let it be taken at all: no
-        # grant or preemption comes between the nodes one plan asks about.
-        refused: dict[str, bool] = {}
+        estimate = _Estimate(self, requester)
+        deferred = self._deferred.setdefault(requester_class, [])
+        largest = self.free.largest
+        of_its_type = (
+            self.largest_node if requester.gpu_type is None else largest.get(requester.gpu_type, 0)
+        )
+        if of_its_type and backfill.takes_whole_nodes(requester, of_its_type):
+            deferred.append(estimate)
+            self._judged_now.append(estimate)
+        types = self.kept.nodes.types
 
         def releases(node: str) -> list[tuple[float, int]]:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
-                found = self._releases[key] = self._estimate(
-                    node, requester, takes_batch, gang, answers, refused
-                )
+                how = estimate
+                for earlier in deferred:
+                    if earlier.requester.gpu_type in (None, types[node]):
+                        how = earlier  # its plan would have asked then
+                        break
+                found = self._releases[key] = how(node)
             return found
 
         return releases
+
+    def _whole_node_floors(self) -> backfill.Floors:
+        """Per GPU type, the nodes in order of when each could be wholly free at the
+        soonest, whoever asks (:func:`~broker.core.incremental.whole_node_floor`);
+        kept until someone is preempted. Free GPUs only shrink as the queue is
+        walked, so a node's floor stays no later than its due meanwhile."""
+        if self._floors is None:
+            now, grace, free = self.now, self.policy.grace_period, self.free.free
+            floors: dict[str, list[tuple[float, str]]] = {}
+            for name, node in self.free.nodes.items():
+                unfree = node.gpu_count - len(free.get(name, ()))
+                floor = whole_node_floor(self._node_holders(name), now, grace, unfree)
+                floors.setdefault(node.gpu_type, []).append((floor, name))
+            for candidates in floors.values():
+                candidates.sort()
+            self._floors = floors
+        return self._floors
 
     def _estimate(
         self,
@@ -905,11 +956,13 @@ class _Pass:
         gang: bool,
         answers: dict[tuple, bool],
         refused: dict[str, bool],
+        judged: tuple[Standings, DebugLane] | None,
     ) -> list[tuple[float, int]]:
         """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
         the rule is asked only of holders it could let ``requester`` take, once per
-        kind of rival (``answers``) and per rival project (``refused``); the others
-        leave at their known ends."""
+        kind of rival (``answers``) and per rival project (``refused``), on the
+        fair share and debug lane of ``judged`` (None: as they stand now); the
+        others leave at their known ends."""
         holders = self._node_holders(node)
         if not requester.allocated:
             return holders.known  # free work preempts no one
@@ -917,7 +970,7 @@ class _Pass:
         if takes_batch and holders.batch:
             # The debug lane may take their batch work: every holder is asked.
             for holder, gpus in self._holders_on(node):
-                at = self._release_at(holder, requester)
+                at = self._release_at(holder, requester, judged)
                 if at is not None:
                     found.append((at, gpus))
             found.sort()
@@ -943,7 +996,8 @@ class _Pass:
                 if refuses is None:
                     # A project fair share refuses at its most lenient, it refuses
                     # whatever moves.
-                    refuses = refused[project] = not self.standings.may_take_at_all(
+                    standings = self.standings if judged is None else judged[0]
+                    refuses = refused[project] = not standings.may_take_at_all(
                         requester.project, project, gang
                     )
                 if refuses:
@@ -951,7 +1005,7 @@ class _Pass:
                     continue
             asked = True
             for holder, gpus in rivals:
-                at = self._release_at(holder, requester, answers)
+                at = self._release_at(holder, requester, judged, answers)
                 if at is not None:
                     found.append((at, gpus))
         if not asked:
@@ -974,11 +1028,16 @@ class _Pass:
         return found
 
     def _release_at(
-        self, holder: Slice, requester: Slice, answers: dict[tuple, bool] | None = None
+        self,
+        holder: Slice,
+        requester: Slice,
+        judged: tuple[Standings, DebugLane] | None,
+        answers: dict[tuple, bool] | None = None,
     ) -> float | None:
         """When ``holder`` is expected to give back its GPUs to ``requester``: its
         known end, or sooner if the preemption rule lets ``requester`` take them
-        once its protection is over (judged on the standings of now).
+        once its protection is over (judged on the fair share and lane of ``judged``,
+        None: as they stand now).
 
         ``answers``, for rivals only (granted, allocated, within their budget, not
         leaving: :class:`NodeHolders`), keeps the rule's answer per what it reads of
@@ -996,27 +1055,35 @@ class _Pass:
             return known  # gone before the rule could make it go, whatever it says
         weight = self.snap.weight(self.nodes[holder.placements[0].node].gpu_type)
         if answers is None:
-            could = self._could_preempt(requester, holder, unprotected, weight)
+            could = self._could_preempt(requester, holder, unprotected, weight, judged=judged)
         else:
             traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
             could = answers.get(traits)
             if could is None:
                 could = answers[traits] = self._could_preempt(
-                    requester, holder, unprotected, weight
+                    requester, holder, unprotected, weight, judged=judged
                 )
         return at if could else known
 
     def _could_preempt(
-        self, requester: Slice, holder: Slice, at: float, weight: float, lost_before: float = 0.0
+        self,
+        requester: Slice,
+        holder: Slice,
+        at: float,
+        weight: float,
+        lost_before: float = 0.0,
+        judged: tuple[Standings, DebugLane] | None = None,
     ) -> bool:
-        """:func:`~broker.core.preemption.preempt_reason` at time ``at`` (for estimates)."""
+        """:func:`~broker.core.preemption.preempt_reason` at time ``at`` (for estimates),
+        on the fair share and lane of ``judged`` (default: as they stand now)."""
+        standings, lane = judged or (self.standings, self.lane)
         reason = preempt_reason(
             requester,
             holder,
             now=at,
             policy=self.policy,
-            standings=self.standings,
-            lane=self.lane,
+            standings=standings,
+            lane=lane,
             weight=weight,
             lost_before=lost_before,
             gang=requester.gpus > self.largest_node,
@@ -1208,3 +1275,31 @@ class _Pass:
 
 
 _NEVER = 1 << 62
+
+
+class _Estimate:
+    """How one planned request is told of a node's releases (:meth:`_Pass._estimate`):
+    what it reads of the rule is kept per plan, and, for a gang whose plan skipped
+    nodes, fair share and the debug lane as they stood then (``judged``, set at the
+    next grant; None until then: as they stand)."""
+
+    __slots__ = ("answers", "gang", "judged", "pass_", "refused", "requester", "takes_batch")
+
+    def __init__(self, pass_: _Pass, requester: Slice):
+        self.pass_, self.requester = pass_, requester
+        self.gang = requester.gpus > pass_.largest_node
+        self.takes_batch = is_debug(requester, pass_.policy) and pass_.lane.admits(requester)
+        self.answers: dict[tuple, bool] = {}  # see _Pass._release_at
+        self.refused: dict[str, bool] = {}  # per rival project: fair share refuses it at all
+        self.judged: tuple[Standings, DebugLane] | None = None
+
+    def __call__(self, node: str) -> list[tuple[float, int]]:
+        return self.pass_._estimate(
+            node,
+            self.requester,
+            self.takes_batch,
+            self.gang,
+            self.answers,
+            self.refused,
+            self.judged,
+        )
