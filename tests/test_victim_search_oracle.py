@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from builders import NOW, nodes
+from builders import HOUR, MIN, NOW, nodes, pending, running
 from hypothesis import event, given, settings
 from test_scheduler import crowded_clusters
 
 from broker.core.fairshare import ProjectTree
-from broker.core.model import Policy, Slice
+from broker.core.model import Account, Policy, Slice, SliceKind
 from broker.core.ordering import victim_key
 from broker.core.preemption import DebugLane, Preemptor, preempt_reason
 from broker.core.standing import Standings
@@ -126,3 +126,34 @@ def test_the_victim_search_is_sound_sufficient_minimal_and_complete(cluster):
     assert set(found.placement.gpu_indices) <= usable
     for spare in victims:
         assert not fits(requester, node, node_free, [v for v in victims if v is not spare])
+
+
+def test_a_larger_victim_is_found_when_smaller_ones_of_its_project_spent_its_margin():
+    """d (8 GPUs, share 6.4) may lose its 2-GPU or its 5-GPU job on n0 to a's 6-GPU
+    request, not both. Taken in victim order (fewest GPUs first) the 2-GPU one leaves
+    d unable to lose the 5-GPU one, which with a's own free GPU alone makes it fit."""
+    accounts = [Account("a", 3.0), Account("b", 1.0), Account("c", 1.0), Account("d", 1.0)]
+    protected = {"granted_ago": MIN, "min_runtime": HOUR}
+    slices = [
+        running("d", "n0", (0, 1, 2, 3, 4), kind=SliceKind.INTERACTIVE, min_runtime=900.0),
+        running("a", "n0", (5,), min_runtime=0.0),
+        running("d", "n0", (6, 7), kind=SliceKind.INTERACTIVE, min_runtime=900.0),
+        running("d", "n1", (0,), **protected),
+        running("a", "n1", (1, 2), **protected),
+        running("b", "n2", tuple(range(8)), **protected),
+        running("b", "n3", (0, 1, 2, 3), **protected),
+    ]
+    requester = pending("a", 6, kind=SliceKind.INTERACTIVE, min_runtime=900.0)
+    tree = ProjectTree(accounts)
+    preemptor = Preemptor(
+        now=NOW,
+        policy=POLICY,
+        standings=fresh_standings(tree, slices, requester),
+        lane=DebugLane.for_cluster(32, POLICY),
+        nodes={n.name: n for n in CLUSTER},
+        weights={},
+        running=slices,
+    )
+    found = preemptor.find(requester, {})
+    assert found is not None and found.placement.node == "n0"
+    assert {victim.id for victim, _ in found.victims} == {slices[0].id, slices[1].id}

@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import combinations
 
 from .model import Node, Placement, Policy, PreemptReason, Slice, SliceKind, SliceState
 from .ordering import victim_key, within_project_key
@@ -384,6 +385,7 @@ class Preemptor:
             chosen: list[tuple[Slice, PreemptReason, int]] = []
             lost: dict[str, float] = {}  # weighted GPUs each project loses so far
             freed = 0
+            spent = False  # a candidate refused only for what earlier ones cost
             for slice_, gpus in entries:
                 before = lost.get(slice_.project, 0.0)
                 reason = self.reason(requester, slice_, weight, before)
@@ -394,8 +396,16 @@ class Preemptor:
                     freed += gpus
                     if freed >= need:
                         break
+                elif before and self.reason(requester, slice_, weight) is not None:
+                    spent = True
             else:
-                continue
+                # Smaller victims of a project, taken first, may have spent what it
+                # could lose that a larger one alone would have made do with.
+                found = self._fewest(requester, entries, need, weight) if spent else None
+                if found is None:
+                    continue
+                chosen = found
+                freed = sum(gpus for _, _, gpus in chosen)
             freed = _put_back(chosen, freed, need)
             score = (
                 sum(1 for s, _, _ in chosen if s.allocated),
@@ -406,6 +416,32 @@ class Preemptor:
             if best is None or score < best[0]:
                 best = (score, node_name, [(s, r) for s, r, _ in chosen])
         return best
+
+    def _fewest(
+        self, requester: Slice, entries: list, need: int, weight: float
+    ) -> list[tuple[Slice, PreemptReason, int]] | None:
+        """The fewest of ``entries``, first in victim order, that free ``need`` GPUs
+        and the rule allows in that order, each judged with what the earlier ones
+        cost its project; None if no set does. Asked only where taking them in
+        turn failed on a refusal the earlier victims caused (rare: at most a
+        node's slices, all subsets)."""
+        for size in range(1, len(entries) + 1):
+            for subset in combinations(entries, size):
+                if sum(gpus for _, gpus in subset) < need:
+                    continue
+                chosen: list[tuple[Slice, PreemptReason, int]] = []
+                lost: dict[str, float] = {}
+                for slice_, gpus in subset:
+                    before = lost.get(slice_.project, 0.0)
+                    reason = self.reason(requester, slice_, weight, before)
+                    if reason is None:
+                        break
+                    chosen.append((slice_, reason, gpus))
+                    if slice_.allocated:
+                        lost[slice_.project] = before + slice_.gpus * weight
+                else:
+                    return chosen
+        return None
 
 
 _Group = tuple[str, str]
