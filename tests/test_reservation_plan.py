@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from builders import HOUR as _HOUR
 from builders import MIN, NOW, flat_tree, pending, running, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -233,9 +232,9 @@ def crowded_large_clusters(draw):
                     draw(st.sampled_from(projects)),
                     node.name,
                     tuple(range(start, start + size)),
-                    granted_ago=draw(st.sampled_from([MIN, 2 * _HOUR, 5 * _HOUR])),
-                    min_runtime=draw(st.sampled_from([0.0, 15 * MIN, _HOUR, 4 * _HOUR])),
-                    max_runtime=draw(st.sampled_from([None, 3 * _HOUR, 6 * _HOUR])),
+                    granted_ago=draw(st.sampled_from([MIN, 2 * HOUR, 5 * HOUR])),
+                    min_runtime=draw(st.sampled_from([0.0, 15 * MIN, HOUR, 4 * HOUR])),
+                    max_runtime=draw(st.sampled_from([None, 3 * HOUR, 6 * HOUR])),
                     priority=draw(st.integers(0, 1)),
                 )
             )
@@ -247,7 +246,7 @@ def crowded_large_clusters(draw):
                 draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16, 24])),
                 priority=draw(st.integers(0, 1)),
                 gpu_type=draw(st.sampled_from([None, None, "h100", "b200"])),
-                submitted_at=NOW - draw(st.sampled_from([0.0, 2 * _HOUR])),
+                submitted_at=NOW - draw(st.sampled_from([0.0, 2 * HOUR])),
             )
         )
     shares = {p: draw(st.sampled_from([1.0, 2.0])) for p in projects}
@@ -284,15 +283,15 @@ def test_a_node_a_gang_skipped_is_estimated_for_its_class_as_the_gang_would_have
     # first request's standing for the pass: asked later by the 4-GPU request, n2 is
     # told as the gang would have been (heavy's 4 GPUs free in a minute).
     held = [
-        running("heavy", f"n{i}", tuple(range(8)), granted_ago=MIN, min_runtime=2 * _HOUR + MIN)
+        running("heavy", f"n{i}", tuple(range(8)), granted_ago=MIN, min_runtime=2 * HOUR + MIN)
         for i in (0, 1)
     ]
     held += [
-        running("heavy", "n2", (0, 1, 2, 3), granted_ago=3 * _HOUR),
-        running("heavy", "n2", (4, 5, 6, 7), granted_ago=MIN, min_runtime=5 * _HOUR + MIN),
+        running("heavy", "n2", (0, 1, 2, 3), granted_ago=3 * HOUR),
+        running("heavy", "n2", (4, 5, 6, 7), granted_ago=MIN, min_runtime=5 * HOUR + MIN),
     ]
     held += [
-        running("light", f"n{i}", tuple(range(8)), granted_ago=MIN, min_runtime=6 * _HOUR)
+        running("light", f"n{i}", tuple(range(8)), granted_ago=MIN, min_runtime=6 * HOUR)
         for i in (3, 4)
     ]
     gang = pending("light", 16, submitted_at=NOW - MIN)  # planned first, no preemption
@@ -303,6 +302,6 @@ def test_a_node_a_gang_skipped_is_estimated_for_its_class_as_the_gang_would_have
     assert decisions.preemptions == ()
     plans = {r.slice_id: r for r in decisions.reservations}
     assert [p.node for p in plans[gang.id].placements] == ["n0", "n1"]
-    assert plans[gang.id].due_at == NOW + 2 * _HOUR + 60
+    assert plans[gang.id].due_at == NOW + 2 * HOUR + 60
     assert [p.node for p in plans[small.id].placements] == ["n2"]
     assert plans[small.id].due_at == NOW + 60

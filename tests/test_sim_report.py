@@ -172,12 +172,17 @@ def test_cli_runs_a_comparison_and_writes_the_report(tmp_path, capsys):
     assert (tmp_path / "generated.md").is_file()
 
 
+def generated_summary(tmp_path, *extra: str, days: str = "0.5", slices: str = "60") -> dict:
+    """Our policy's summary of a small generated workload simulated with ``extra``."""
+    out = tmp_path / "out.json"
+    argv = ["generate", "--days", days, "--slices", slices, "--users", "8", "--no-failures"]
+    assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())["policies"]["fairshare"]["summary"]
+
+
 def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
     def wasted(*extra: str) -> dict:
-        out = tmp_path / "out.json"
-        argv = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--no-failures"]
-        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
-        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]["wasted_by_cause"]
+        return generated_summary(tmp_path, *extra)["wasted_by_cause"]
 
     charged = wasted()["preemption"]
     assert charged["restart"] > 0 and charged["since checkpoint"] > 0
@@ -188,10 +193,7 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
 
 def test_cli_hands_the_reservation_bound_to_the_policy(tmp_path, capsys):
     def summary(*extra: str) -> dict:
-        out = tmp_path / "out.json"
-        argv = ["generate", "--days", "0.5", "--slices", "60", "--users", "8", "--no-failures"]
-        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
-        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]
+        return generated_summary(tmp_path, *extra)
 
     assert summary("--max-reservations", "8") == summary()  # the policy's default
     # Without reservations the blocked requests that had them wait differently.
@@ -201,10 +203,7 @@ def test_cli_hands_the_reservation_bound_to_the_policy(tmp_path, capsys):
 
 def test_cli_hands_the_debug_preemption_delay_to_the_policy(tmp_path, capsys):
     def preemptions(*extra: str) -> dict:
-        out = tmp_path / "out.json"
-        argv = ["generate", "--days", "1", "--slices", "300", "--users", "8", "--no-failures"]
-        assert main([*argv, "--policies", "fairshare", "--quiet", "--json", str(out), *extra]) == 0
-        return json.loads(out.read_text())["policies"]["fairshare"]["summary"]["preemptions"]
+        return generated_summary(tmp_path, *extra, days="1", slices="300")["preemptions"]
 
     assert preemptions()["debug_lane"] > 0  # the policy's default: no delay
     # Debug sessions that wait a day for releases before preempting never do here.
