@@ -853,7 +853,17 @@ class _Pass:
             for holder, _ in self._holders_on(name):
                 if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
                     continue  # already leaving
-                reason = self.preemptor.reason(slice_, holder, weight, gang=True)
+                # The rule itself: the victim indexes are not needed to ask it.
+                reason = preempt_reason(
+                    slice_,
+                    holder,
+                    now=self.now,
+                    policy=self.policy,
+                    standings=self.standings,
+                    lane=self.lane,
+                    weight=weight,
+                    gang=True,
+                )
                 if reason is None:
                     return False
                 victims.append((holder, reason))
