@@ -5,11 +5,14 @@ pass cannot hide behind the same mistake in its oracle."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from hypothesis import currently_in_test_context
 from hypothesis import event as hypothesis_event
 
+from broker.core import backfill
 from broker.core.model import (
     Decisions,
     EndReason,
@@ -25,6 +28,20 @@ from broker.core.model import (
 )
 from broker.core.ordering import within_project_key
 from broker.core.preemption import grace_for, is_debug, past_budget, preemption_delay
+
+
+@contextmanager
+def every_node_asked() -> Iterator[None]:
+    """Reservation plans that ask every node, none skipped for its floor
+    (``backfill.plan`` as it was before gangs asked in order)."""
+    plan = backfill.plan
+    backfill.plan = lambda requester, **asked: plan(
+        requester, **{**asked, "whole_node_floors": None}
+    )
+    try:
+        yield
+    finally:
+        backfill.plan = plan
 
 
 def event(what: str) -> None:

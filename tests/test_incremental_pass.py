@@ -8,16 +8,13 @@ the walk or the index cannot hide behind the same mistake in its oracle."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from passchecks import check_pass
+from passchecks import check_pass, every_node_asked
 
-from broker.core import backfill
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState, pending_shape
 from broker.core.model import (
@@ -103,19 +100,6 @@ def a_cluster(rng: random.Random):
             start += size
     slices += [a_pending(rng, NOW) for _ in range(rng.randint(0, 12))]
     return slices
-
-
-@contextmanager
-def every_node_asked() -> Iterator[None]:
-    """Reservation plans that ask every node, none skipped for its floor."""
-    plan = backfill.plan
-    backfill.plan = lambda requester, **asked: plan(
-        requester, **{**asked, "whole_node_floors": None}
-    )
-    try:
-        yield
-    finally:
-        backfill.plan = plan
 
 
 def change(rng: random.Random, kind: str, now: float, live: dict, nodes: dict, usage: dict):

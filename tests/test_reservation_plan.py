@@ -11,6 +11,7 @@ from dataclasses import replace
 from builders import MIN, NOW, flat_tree, pending, running, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from passchecks import every_node_asked
 
 from broker.core import backfill
 from broker.core.incremental import NodeHolders, whole_node_floor
@@ -171,17 +172,14 @@ def test_gangs_planned_in_floor_order_make_the_same_run():
             plans["gang"] += 1
         return real_plan(requester, **kwargs)
 
-    def unordered(requester, **kwargs):
-        return real_plan(requester, **{**kwargs, "whole_node_floors": None})
-
     config = SimConfig(seed=2)
     try:
         backfill.plan = counted
         ordered = simulate(workload, FairShare(workload.accounts), config)
-        backfill.plan = unordered
-        everyone = simulate(workload, FairShare(workload.accounts), config)
     finally:
         backfill.plan = real_plan
+    with every_node_asked():
+        everyone = simulate(workload, FairShare(workload.accounts), config)
     assert plans["gang"] > 0  # gangs were planned
     assert ordered.summary == everyone.summary
 
@@ -264,15 +262,9 @@ def crowded_large_clusters(draw):
 @settings(max_examples=200, deadline=None)
 @given(crowded_large_clusters())
 def test_a_pass_decides_the_same_with_every_node_asked(snap):
-    plan = backfill.plan
     decisions = schedule(snap)
-    try:
-        backfill.plan = lambda requester, **asked: plan(
-            requester, **{**asked, "whole_node_floors": None}
-        )
+    with every_node_asked():
         assert schedule(snap) == decisions
-    finally:
-        backfill.plan = plan
 
 
 def test_a_node_a_gang_skipped_is_estimated_for_its_class_as_the_gang_would_have_been():

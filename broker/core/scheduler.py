@@ -854,16 +854,7 @@ class _Pass:
                 if holder.id in self.leaving or holder.state is SliceState.PREEMPTING:
                     continue  # already leaving
                 # The rule itself: the victim indexes are not needed to ask it.
-                reason = preempt_reason(
-                    slice_,
-                    holder,
-                    now=self.now,
-                    policy=self.policy,
-                    standings=self.standings,
-                    lane=self.lane,
-                    weight=weight,
-                    gang=True,
-                )
+                reason = self._reason(slice_, holder, self.now, weight, gang=True)
                 if reason is None:
                     return False
                 victims.append((holder, reason))
@@ -1084,10 +1075,25 @@ class _Pass:
         lost_before: float = 0.0,
         judged: tuple[Standings, DebugLane] | None = None,
     ) -> bool:
-        """:func:`~broker.core.preemption.preempt_reason` at time ``at`` (for estimates),
-        on the fair share and lane of ``judged`` (default: as they stand now)."""
+        """Whether the rule lets ``requester`` take ``holder`` at time ``at`` (for
+        estimates; see :meth:`_reason`)."""
+        return self._reason(requester, holder, at, weight, lost_before, judged) is not None
+
+    def _reason(
+        self,
+        requester: Slice,
+        holder: Slice,
+        at: float,
+        weight: float,
+        lost_before: float = 0.0,
+        judged: tuple[Standings, DebugLane] | None = None,
+        gang: bool | None = None,
+    ) -> PreemptReason | None:
+        """:func:`~broker.core.preemption.preempt_reason` at time ``at``, on the fair
+        share and lane of ``judged`` (default: as they stand now); ``gang``: whether
+        the request is judged as one (default: larger than any node)."""
         standings, lane = judged or (self.standings, self.lane)
-        reason = preempt_reason(
+        return preempt_reason(
             requester,
             holder,
             now=at,
@@ -1096,9 +1102,8 @@ class _Pass:
             lane=lane,
             weight=weight,
             lost_before=lost_before,
-            gang=requester.gpus > self.largest_node,
+            gang=requester.gpus > self.largest_node if gang is None else gang,
         )
-        return reason is not None
 
     def _may_use_reserved(self, slice_: Slice, reservation: Reservation, owner: Slice) -> bool:
         """Later work may use reserved GPUs only if it is gone before they are due:
