@@ -5,6 +5,7 @@ for it; one pass serves every submission of a group."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tomllib
 from collections.abc import AsyncIterator
 
@@ -239,3 +240,26 @@ async def test_low_on_what_if_credit_first_answers_come_before_refreshes(tmp_pat
         assert await runner.read_what_if(what_if("a", 0.0), "a", list) == ("a #2", False)
     finally:
         await runner.stop()
+
+
+async def test_stop_ends_the_loop_even_when_a_call_drops_the_cancellation(tmp_path, monkeypatch):
+    # Python 3.11's asyncio.wait_for returns its call's result and drops the
+    # cancellation when both come at once; the pass here does so every time.
+    broker = Broker(f"sqlite:///{tmp_path / 'b.sqlite'}", parse_config(tomllib.loads(TEST_CONFIG)))
+    runner = BrokerRunner(broker, pass_interval=600.0, grant_at_once=True)
+    in_pass = asyncio.Event()
+    finish = asyncio.get_running_loop().create_future()
+    the_pass = runner.run_pass
+
+    async def pass_dropping_the_cancellation():
+        in_pass.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await finish
+        return await the_pass()
+
+    monkeypatch.setattr(runner, "run_pass", pass_dropping_the_cancellation)
+    runner.start()
+    await in_pass.wait()
+    stopping = asyncio.create_task(runner.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=10)  # not the timed pass, 600 s away
+    assert stopping in done

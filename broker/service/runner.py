@@ -288,6 +288,7 @@ class BrokerRunner:
         self.passes = 0
         self._wanted = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._first_pass = asyncio.Event()
         # Reads shared until the next pass or change: fn -> its computation.
         self._between_passes: dict[Hashable, asyncio.Future] = {}
@@ -723,6 +724,10 @@ class BrokerRunner:
     async def stop(self) -> None:
         """Stop the loop, let the running database call finish, close the Broker."""
         if self._task is not None:
+            # The loop also checks a flag: Python 3.11's asyncio.wait_for returns its
+            # call's result, and drops the cancellation, when both come at once.
+            self._stopping = True
+            self._wanted.set()
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -743,7 +748,7 @@ class BrokerRunner:
     async def run_forever(self) -> None:
         loop = asyncio.get_running_loop()
         await self.know_projects()  # before the first pass, which may grant
-        while True:
+        while not self._stopping:
             self._wanted.clear()
             started = loop.time()
             await self.run_pass()
