@@ -62,6 +62,7 @@ from broker.service.runner import BrokerRunner
 from broker.store import Broker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STACK_DUMP_END = "tasks, where each waits:"  # logged after the threads' stacks
 
 #: Admin user named in :data:`TEST_CONFIG`; the fixtures' admin token is theirs.
 ADMIN_USER = "root"
@@ -199,8 +200,17 @@ class BrokerService:
         try:
             return process.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()  # where it waits, into the log the failing test prints
             process.kill()
             return process.wait()
+
+    def dump_stacks(self, timeout: float = 5.0) -> None:
+        """Have the service write every thread's stack to its log (SIGUSR1)."""
+        before = self.log_text().count(STACK_DUMP_END)
+        self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while self.log_text().count(STACK_DUMP_END) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL: the process dies at once, wherever it was."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -267,6 +268,11 @@ def _stop_and_restart(service) -> None:
     ).json()
     held = service.get(f"/slices/{made['id']}", token=alice, params={"wait": 5, "state": "pending"})
     assert held.json()["state"] == "granted"
+    service.dump_stacks()  # SIGUSR1: where each thread is, and the service serves on
+    log = service.log_text()
+    assert re.search(r"app.py\", line \d+ in start\n", log), log[-2000:]  # the threads'
+    assert re.search(r"app.py:\d+ in serve\n", log), log[-2000:]  # the tasks'
+    assert service.get(f"/slices/{made['id']}", token=alice).status_code == 200
     assert service.stop() == 0
     service.start()
     again = service.get(f"/slices/{made['id']}", token=alice).json()

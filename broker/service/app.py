@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -547,6 +547,11 @@ class BrokerApp(Application):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # `kill -USR1 PID` logs where each task waits and writes every thread's stack to
+        # standard error (the threads' even when the loop is stuck): where a broker that
+        # does not answer, or does not stop, is waiting (docs/troubleshooting.md).
+        loop.add_signal_handler(signal.SIGUSR1, log_tasks)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         # One broker per database leads; another waits here as a standby, serving
         # its role and 503s, until the leader's lock is released.
         leadership = Leadership(
@@ -650,8 +655,15 @@ class BrokerApp(Application):
         self.log.info("stopping")
         server.stop()
         runner.watchers.close()  # long polls answer now
-        with contextlib.suppress(TimeoutError):  # requests in flight finish
-            await asyncio.wait_for(app.settings["in_flight"].idle(), STOP_TIMEOUT_S)
+        in_flight = app.settings["in_flight"]
+        try:  # requests in flight finish
+            await asyncio.wait_for(in_flight.idle(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            self.log.warning(
+                "stopping: %d requests still unanswered after %.0f s; closing their connections",
+                in_flight.count,
+                STOP_TIMEOUT_S,
+            )
         await server.close_all_connections()
         await inventory.stop()
         await runner.stop()
@@ -676,6 +688,23 @@ class BrokerApp(Application):
             admins=admins,
             cache_max_age=self.token_cache_max_age,
         )
+
+
+def log_tasks() -> None:
+    """Log every asyncio task of the running loop with the chain of awaits it waits in."""
+    tasks = asyncio.all_tasks()
+    lines = [f"{len(tasks)} tasks, where each waits:"]
+    for task in tasks:
+        lines.append(f"task {task.get_name()}:")
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:  # a future or a finished coroutine: the chain's end
+                lines.append(f"  awaiting {awaited!r}"[:200])
+                break
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    logging.getLogger("slicebroker.service").warning("%s", "\n".join(lines))
 
 
 class OptionsFileError(Exception):
