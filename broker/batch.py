@@ -417,7 +417,8 @@ class _Runner:
         process = self.process
         assert process is not None
         try:
-            await asyncio.wait_for(process.wait(), max(deadline - time.time(), 0.0))
+            async with asyncio.timeout(max(deadline - time.time(), 0.0)):
+                await process.wait()
         except TimeoutError:
             self.say("the command is still running at its deadline: SIGKILL")
             self._signal_command(signal.SIGKILL)

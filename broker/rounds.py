@@ -68,4 +68,5 @@ class Rounds:
                 self._log.warning("%s (%s); retrying in %.1fs", self.failure, err, pause)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), pause)
+                async with asyncio.timeout(pause):
+                    await self._wake.wait()

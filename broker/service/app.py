@@ -657,7 +657,8 @@ class BrokerApp(Application):
         runner.watchers.close()  # long polls answer now
         in_flight = app.settings["in_flight"]
         try:  # requests in flight finish
-            await asyncio.wait_for(in_flight.idle(), STOP_TIMEOUT_S)
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await in_flight.idle()
         except TimeoutError:
             self.log.warning(
                 "stopping: %d requests still unanswered after %.0f s; closing their connections",

@@ -259,7 +259,8 @@ class Leadership:
         log.info("standby: waiting for the leader lock (%s)", self.lock.describe())
         while not await self._try():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.poll_interval)
+                async with asyncio.timeout(self.poll_interval):
+                    await stop.wait()
             if stop.is_set():
                 return False
         self.role = "leader"

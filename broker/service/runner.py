@@ -384,7 +384,8 @@ class BrokerRunner:
         if seconds is None:
             return await future
         try:
-            return await asyncio.wait_for(future, seconds)
+            async with asyncio.timeout(seconds):
+                return await future
         except TimeoutError:
             raise DatabaseTimeout(
                 f"the database did not answer within {seconds:g} s; try again shortly"
@@ -563,7 +564,8 @@ class BrokerRunner:
                 submit(self._queue(functools.partial(self._commit_group, loop, durable))[1])
         bound = None if self.db_timeout is None else self.db_timeout + DB_TIMEOUT_SLACK_S
         try:
-            await asyncio.wait_for(asyncio.shield(write.future), bound)
+            async with asyncio.timeout(bound):
+                await asyncio.shield(write.future)
         except TimeoutError:
             write.abandoned = True
             raise DatabaseTimeout(
@@ -756,7 +758,8 @@ class BrokerRunner:
             delay = self._delay()
             self._wakes_at = time.time() + delay
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._wanted.wait()
             # Coalesce bursts: changes arriving within the gap share the next pass.
             await asyncio.sleep(max(0.0, started + self.pass_gap - loop.time()))
 

@@ -41,7 +41,8 @@ class SlurmCommands:
         except OSError as err:
             raise SlurmError(f"cannot run {argv[0]}: {err}") from None
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                out, err = await proc.communicate()
         except TimeoutError:
             proc.kill()
             await proc.wait()
