@@ -251,6 +251,8 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
         (["alibaba", "--trace", "no/such/pods.csv"], "Alibaba pod list not found"),
         (["generate", "--policies", "lottery"], "unknown policy lottery"),
         (["csv"], "csv needs --trace"),
+        (["helios"], "helios needs --trace"),
+        (["alibaba"], "alibaba needs --trace"),
         (["generate", "--debug-headroom", "-1"], "--debug-headroom takes a number of GPUs"),
         (["generate", "--preemption-backoff", "0.5"], "--preemption-backoff takes a factor"),
         (["generate", "--max-reservations", "-1"], "--max-reservations takes a count"),

@@ -24,8 +24,6 @@ from .policies import POLICIES
 from .report import comparison, goals_markdown, seeds_markdown, table, write_report
 from .workloads import (
     ALIBABA_DAYS,
-    DEFAULT_ALIBABA,
-    DEFAULT_HELIOS,
     DEFAULT_LOAD,
     GeneratorConfig,
     Workload,
@@ -40,12 +38,12 @@ USAGE_ERROR = 2
 
 EXAMPLES = """\
 examples:
-  slicebroker simulate helios --report docs/sim
+  slicebroker simulate helios --trace helios.csv --report docs/sim
   slicebroker simulate generate --slices 20000 --days 30 --report docs/sim
   slicebroker simulate csv --trace jobs.csv --tree tree.csv --nodes 40 --json out.json
-  slicebroker simulate alibaba --report docs/sim
-  python -m broker.sim helios --policies fairshare --limit 2000
-  python -m broker.sim helios --policies fairshare --limit 4000 --seeds 1,2,3
+  slicebroker simulate alibaba --trace openb_pod_list.csv --report docs/sim
+  python -m broker.sim helios --trace helios.csv --policies fairshare --limit 2000
+  python -m broker.sim helios --trace helios.csv --policies fairshare --limit 4000 --seeds 1,2,3
 """
 
 
@@ -75,8 +73,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         metavar="PATH",
-        help="the trace file (helios: the Helios trace as CSV; alibaba: the pod list, its "
-        "node list beside it; see docs/simulator.md; csv: required)",
+        help="the trace file, required but for generate (helios: the Helios trace as CSV; "
+        "alibaba: the pod list, its node list beside it; csv: jobs; see docs/simulator.md)",
     )
     parser.add_argument("--tree", metavar="PATH", help="csv: project tree (name,share,parent)")
     parser.add_argument(
@@ -247,9 +245,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace) -> Workload:
     common = {"nodes": args.nodes, "load": args.load, "gpus_per_node": args.gpus_per_node}
+    if args.workload != "generate" and not args.trace:
+        raise InvalidConfig(f"{args.workload} needs --trace PATH")
     if args.workload == "helios":
         return load_helios(
-            args.trace or DEFAULT_HELIOS,
+            args.trace,
             seed=args.seed,
             failures=not args.no_failures,
             limit=args.limit,
@@ -257,7 +257,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
         )
     if args.workload == "alibaba":
         return load_alibaba(
-            args.trace or DEFAULT_ALIBABA,
+            args.trace,
             days=args.days or ALIBABA_DAYS,
             seed=args.seed,
             failures=not args.no_failures,
@@ -265,8 +265,6 @@ def build_workload(args: argparse.Namespace) -> Workload:
             **common,
         )
     if args.workload == "csv":
-        if not args.trace:
-            raise InvalidConfig("csv needs --trace PATH")
         tree = load_tree_csv(args.tree) if args.tree else None
         return load_csv(
             args.trace, tree=tree, seed=args.seed, failures=not args.no_failures, **common

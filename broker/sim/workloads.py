@@ -31,7 +31,6 @@ from ..errors import InvalidConfig
 
 MIN = 60.0
 DAY = 24 * HOUR
-DEFAULT_HELIOS = "../shared/traces/helios_15k.csv"
 DEFAULT_LOAD = 2.5  # demand 2-3x capacity (design.md §1)
 
 # Protected periods users pick from (design.md §7: 15 min debug, 1 h, 2 h, 4 h, 8 h).
@@ -210,7 +209,7 @@ def failure_events(
 
 
 def load_helios(
-    path: str | Path = DEFAULT_HELIOS,
+    path: str | Path,
     *,
     nodes: int | None = None,
     load: float = DEFAULT_LOAD,
@@ -271,13 +270,12 @@ def load_helios(
 
 # ---- the Alibaba GPU trace (openb) -----------------------------------------------
 
-DEFAULT_ALIBABA = "../shared/traces/alibaba_openb_pods.csv"
 #: Days the Alibaba trace's 149 days of arrivals are pressed into (see load_alibaba).
 ALIBABA_DAYS = 14.0
 
 
 def load_alibaba(
-    path: str | Path = DEFAULT_ALIBABA,
+    path: str | Path,
     *,
     days: float = ALIBABA_DAYS,
     load: float = DEFAULT_LOAD,
