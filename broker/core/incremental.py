@@ -195,7 +195,7 @@ class NodeView:
     a service's catalog keeps the same list from pass to pass, and each of these
     walks of a large cluster's nodes was a few % of a busy service's CPU."""
 
-    __slots__ = ("_capacity", "by_name", "down", "draining", "listed", "ready", "types")
+    __slots__ = ("_capacity", "by_name", "down", "draining", "listed", "ready", "types", "unready")
 
     def __init__(self, nodes: tuple[Node, ...]):
         self.listed = nodes
@@ -204,6 +204,7 @@ class NodeView:
         self.ready = [node for node in nodes if node.state is NodeState.READY]
         self.draining = any(node.state is NodeState.DRAINING for node in nodes)
         self.down = [node.name for node in nodes if node.state is NodeState.DOWN]
+        self.unready = [node.name for node in nodes if node.state is not NodeState.READY]
         self._capacity: tuple[tuple, float] | None = None
 
     def capacity(self, weights: Mapping[str, float]) -> float:
@@ -462,13 +463,25 @@ class PassState:
             if at > now:
                 break
             ids.add(slice_id)
+        for name in itertools.chain(self.nodes.down, self._gone()):
+            ids.update(self.holders.get(name, ()))
+        return sorted(ids)
+
+    def held_where_unready(self) -> set[int]:
+        """Ids of the slices holding GPUs on a node that is not ready (draining, down)
+        or gone, of the last snapshot's nodes."""
+        ids: set[int] = set()
+        for name in itertools.chain(self.nodes.unready, self._gone()):
+            ids.update(self.holders.get(name, ()))
+        return ids
+
+    def _gone(self) -> list[str]:
+        """The nodes slices hold GPUs on that the last snapshot does not list."""
         gone = self._gone_nodes
         if gone is None or gone[0] is not self.nodes:
             by_name = self.nodes.by_name
             gone = self._gone_nodes = (self.nodes, [n for n in self.holders if n not in by_name])
-        for name in itertools.chain(self.nodes.down, gone[1]):
-            ids.update(self.holders.get(name, ()))
-        return sorted(ids)
+        return gone[1]
 
     def next_wake(self, now: float) -> float | None:
         """When a pass next has something to do for a live slice, after ``now``: the

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .backfill import outlasts
@@ -27,8 +26,6 @@ from .fairshare import ProjectTree
 from .incremental import PassState
 from .model import (
     Decisions,
-    Node,
-    NodeState,
     Policy,
     Queue,
     QueueEntry,
@@ -87,13 +84,7 @@ class Settled:
         return not outlasts(request.contract, self.now, policy.grace_period, self.latest_due)
 
 
-def quiet_until(
-    kept: PassState,
-    now: float,
-    policy: Policy,
-    nodes: Mapping[str, Node],
-    standings: Standings,
-) -> float:
+def quiet_until(kept: PassState, now: float, policy: Policy, standings: Standings) -> float:
     """Until when a pass over the slices of ``kept`` (those a quiet pass at ``now``
     left, with ``standings``) decides nothing either.
 
@@ -114,11 +105,13 @@ def quiet_until(
     if delay_ends is not None:
         until = min(until, delay_ends)
     waiting = set(kept.waiting())  # projects with allocated work waiting
+    unready = kept.held_where_unready()
+    taken_from: dict[str, bool] = {}  # project -> whether a waiting project may take its GPUs
     for at, slice_id in kept.protection_ends_after(now):
         if at >= until:
             break
         holder = kept.slices[slice_id]
-        if _may_become_victim(holder, policy, nodes, standings, waiting, debug_waits):
+        if _may_become_victim(holder, policy, unready, standings, waiting, debug_waits, taken_from):
             return at
     return until
 
@@ -126,18 +119,18 @@ def quiet_until(
 def _may_become_victim(
     holder: Slice,
     policy: Policy,
-    nodes: Mapping[str, Node],
+    unready: set[int],
     standings: Standings,
     waiting: set[str],
     debug_waits: bool,
+    taken_from: dict[str, bool],
 ) -> bool:
     """Whether ``holder``, once its protection ends, is one that a drain or a
     request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
-    at its most lenient); True where unsure."""
-    if holder.state is not SliceState.GRANTED or any(
-        (node := nodes.get(p.node)) is None or node.state is not NodeState.READY
-        for p in holder.placements
-    ):
+    at its most lenient); True where unsure. ``unready``: the ids of the slices
+    holding GPUs on nodes not ready or gone; ``taken_from``: the answers per holder
+    project so far, which depend on nothing else."""
+    if holder.state is not SliceState.GRANTED or holder.id in unready:
         return True
     if not waiting:
         return False
@@ -147,11 +140,14 @@ def _may_become_victim(
         return False
     if debug_waits and holder.kind is SliceKind.BATCH:
         return True
-    return any(
-        standings.may_take_at_all(project, holder.project, gang)
-        for project in waiting
-        for gang in (False, True)
-    )
+    taken = taken_from.get(holder.project)
+    if taken is None:
+        taken = taken_from[holder.project] = any(
+            standings.may_take_at_all(project, holder.project, gang)
+            for project in waiting
+            for gang in (False, True)
+        )
+    return taken
 
 
 def still_quiet(quiet: Quiet | None, snapshot: Snapshot, tree: ProjectTree) -> bool:
@@ -291,7 +287,7 @@ def _edited(
     )
     quiet = before.quiet
     assert quiet is not None  # resumed only from a quiet pass
-    until = quiet_until(kept, now, policy, {n.name: n for n in snapshot.nodes}, settled.standings)
+    until = quiet_until(kept, now, policy, settled.standings)
     return Decisions(
         reservations=reservations,
         queue=Queue(queue),

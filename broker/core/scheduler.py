@@ -217,7 +217,7 @@ class _Pass:
             self.live[i].promised != placements for i, placements in promised.items()
         ):
             return None  # applying this pass changes a promise: the next is not the same
-        until = quiet_until(self.kept, self.now, self.policy, self.nodes, self.standings)
+        until = quiet_until(self.kept, self.now, self.policy, self.standings)
         return Quiet(until, tuple(self.window_order))
 
     def _settled(self, decisions: Decisions) -> Settled | None:
