@@ -303,6 +303,7 @@ def gpu_session(tmp_path_factory) -> Iterator[tuple[JupyterServer, StandinGpus]]
 
 def test_a_busy_gpu_is_activity_and_an_open_tab_is_not(gpu_session):
     server, gpus = gpu_session
+    set_at = time.time()
     gpus.set(0, memory_used=40_000)  # a model loaded, nothing running
 
     def idle_while_a_tab_polls() -> dict | None:
@@ -310,7 +311,9 @@ def test_a_busy_gpu_is_activity_and_an_open_tab_is_not(gpu_session):
         requests.get(f"{server.url}/api/contents", params=server._auth, timeout=10)
         requests.get(f"{server.url}/api/kernels", params=server._auth, timeout=10)
         view = server.activity().json()
-        return view if view["idle_seconds"] >= 1.5 and view["gpu_sampled_at"] else None
+        # A reading begun after the load was set (one from before may still be fresh).
+        sampled_after = (view["gpu_sampled_at"] or 0.0) > set_at
+        return view if view["idle_seconds"] >= 1.5 and sampled_after else None
 
     idle = wait_until(idle_while_a_tab_polls, 30, "the session to idle under an open tab")
     assert idle["gpu_busy"] is False and idle["kernels_busy"] == 0
