@@ -949,26 +949,18 @@ class _Pass:
             self._floors = floors
         return self._floors
 
-    def _estimate(
-        self,
-        node: str,
-        requester: Slice,
-        takes_batch: bool,
-        gang: bool,
-        answers: dict[tuple, bool],
-        refused: dict[str, bool],
-        judged: tuple[Standings, DebugLane] | None,
-    ) -> list[tuple[float, int]]:
-        """``node``'s expected releases for ``requester`` (see :meth:`_releases_for`):
-        the rule is asked only of holders it could let ``requester`` take, once per
-        kind of rival (``answers``) and per rival project (``refused``), on the
-        fair share and debug lane of ``judged`` (None: as they stand now); the
-        others leave at their known ends."""
+    def _estimate(self, node: str, estimate: _Estimate) -> list[tuple[float, int]]:
+        """``node``'s expected releases for the request of ``estimate`` (see
+        :meth:`_releases_for`): the rule is asked only of holders it could let the
+        request take, once per kind of rival and per rival project (the estimate's
+        ``answers`` and ``refused``), on the fair share and debug lane it is
+        ``judged`` on; the others leave at their known ends."""
+        requester, judged, answers = estimate.requester, estimate.judged, estimate.answers
         holders = self._node_holders(node)
         if not requester.allocated:
             return holders.known  # free work preempts no one
         found: list[tuple[float, int]] = []
-        if takes_batch and holders.batch:
+        if estimate.takes_batch and holders.batch:
             # The debug lane may take their batch work: every holder is asked.
             for holder, gpus in self._holders_on(node):
                 at = self._release_at(holder, requester, judged)
@@ -993,13 +985,13 @@ class _Pass:
                 found.append((at, gpus))
         for project, rivals in holders.rivals.items():
             if project != requester.project:
-                refuses = refused.get(project)
+                refuses = estimate.refused.get(project)
                 if refuses is None:
                     # A project fair share refuses at its most lenient, it refuses
                     # whatever moves.
                     standings = self.standings if judged is None else judged[0]
-                    refuses = refused[project] = not standings.may_take_at_all(
-                        requester.project, project, gang
+                    refuses = estimate.refused[project] = not standings.may_take_at_all(
+                        requester.project, project, estimate.gang
                     )
                 if refuses:
                     found += holders.rival_ends[project]
@@ -1056,28 +1048,14 @@ class _Pass:
             return known  # gone before the rule could make it go, whatever it says
         weight = self.snap.weight(self.nodes[holder.placements[0].node].gpu_type)
         if answers is None:
-            could = self._could_preempt(requester, holder, unprotected, weight, judged=judged)
+            could = self._reason(requester, holder, unprotected, weight, judged=judged) is not None
         else:
             traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
             could = answers.get(traits)
             if could is None:
-                could = answers[traits] = self._could_preempt(
-                    requester, holder, unprotected, weight, judged=judged
-                )
+                reason = self._reason(requester, holder, unprotected, weight, judged=judged)
+                could = answers[traits] = reason is not None
         return at if could else known
-
-    def _could_preempt(
-        self,
-        requester: Slice,
-        holder: Slice,
-        at: float,
-        weight: float,
-        lost_before: float = 0.0,
-        judged: tuple[Standings, DebugLane] | None = None,
-    ) -> bool:
-        """Whether the rule lets ``requester`` take ``holder`` at time ``at`` (for
-        estimates; see :meth:`_reason`)."""
-        return self._reason(requester, holder, at, weight, lost_before, judged) is not None
 
     def _reason(
         self,
@@ -1128,9 +1106,8 @@ class _Pass:
         if as_granted is None:
             as_granted = self._as_granted[slice_.id] = granted(slice_, (), self.now)
         # Not yet counted in its project's holdings: what it would lose, it has not gained.
-        return self._could_preempt(
-            owner, as_granted, protected_end, weight, lost_before=-slice_.gpus * weight
-        )
+        lost_before = -slice_.gpus * weight
+        return self._reason(owner, as_granted, protected_end, weight, lost_before) is not None
 
     def _place(
         self, slice_: Slice, reserved: list[tuple[Reservation, Slice]]
@@ -1309,12 +1286,4 @@ class _Estimate:
         self.judged: tuple[Standings, DebugLane] | None = None
 
     def __call__(self, node: str) -> list[tuple[float, int]]:
-        return self.pass_._estimate(
-            node,
-            self.requester,
-            self.takes_batch,
-            self.gang,
-            self.answers,
-            self.refused,
-            self.judged,
-        )
+        return self.pass_._estimate(node, self)
