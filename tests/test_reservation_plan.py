@@ -168,8 +168,8 @@ def test_gangs_planned_in_floor_order_make_the_same_run():
     real_plan = backfill.plan
 
     def counted(requester, **kwargs):
-        if requester.gpus > max(node.gpu_count for node in kwargs["nodes"].values()):
-            plans["gang"] += 1
+        largest = max(node.gpu_count for node in kwargs["nodes"].values())
+        plans["gang"] += backfill.takes_whole_nodes(requester, largest)
         return real_plan(requester, **kwargs)
 
     config = SimConfig(seed=2)

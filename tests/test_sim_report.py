@@ -192,12 +192,10 @@ def test_cli_charges_restarts_unless_told_not_to(tmp_path, capsys):
 
 
 def test_cli_hands_the_reservation_bound_to_the_policy(tmp_path, capsys):
-    def summary(*extra: str) -> dict:
-        return generated_summary(tmp_path, *extra)
-
-    assert summary("--max-reservations", "8") == summary()  # the policy's default
+    default = generated_summary(tmp_path)
+    assert generated_summary(tmp_path, "--max-reservations", "8") == default  # the default
     # Without reservations the blocked requests that had them wait differently.
-    assert summary("--max-reservations", "0")["waits"] != summary()["waits"]
+    assert generated_summary(tmp_path, "--max-reservations", "0")["waits"] != default["waits"]
     capsys.readouterr()
 
 
