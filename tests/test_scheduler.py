@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import combinations
 
 import pytest
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
@@ -791,9 +792,26 @@ def test_a_reservation_counts_on_its_own_projects_lower_priority_holders_only():
 # ---- the victim indexes ----------------------------------------------------------
 
 
+def allowed_in_order(preemptor, requester, subset, weight):
+    """``subset``'s victims with their reasons, if the rule allows each in turn,
+    judged with what the earlier ones cost its project; else None."""
+    chosen, lost = [], {}
+    for victim, gpus in subset:
+        before = lost.get(victim.project, 0.0)
+        reason = preemptor.reason(requester, victim, weight, before)
+        if reason is None:
+            return None
+        chosen.append((victim, reason, gpus))
+        if victim.allocated:
+            lost[victim.project] = before + victim.gpus * weight
+    return chosen
+
+
 def scan_every_node(preemptor, requester, free):
     """The victim search without its indexes: every node, the rule asked of every
-    candidate in victim order (design.md §5.3), the best node by its score."""
+    candidate in victim order (design.md §5.3), or, where earlier victims spent
+    what a project could lose, the fewest candidates it allows in that order; the
+    best node by its score."""
     if not requester.allocated:
         return None
     best = None
@@ -819,7 +837,17 @@ def scan_every_node(preemptor, requester, free):
                 if freed >= need:
                     break
         else:
-            continue
+            subsets = (
+                subset
+                for size in range(1, len(entries) + 1)
+                for subset in combinations(entries, size)
+                if sum(gpus for _, gpus in subset) >= need
+            )
+            found = (allowed_in_order(preemptor, requester, sub, weight) for sub in subsets)
+            chosen = next((c for c in found if c is not None), None)
+            if chosen is None:
+                continue
+            freed = sum(gpus for _, _, gpus in chosen)
         for taken in reversed(chosen[:-1]):
             if freed - taken[2] >= need:
                 chosen.remove(taken)
