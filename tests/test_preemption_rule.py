@@ -66,6 +66,19 @@ def test_whether_a_project_may_take_at_all_is_asked_again_once_holdings_move():
     assert standings.may_take_at_all("b", "a") == standings.may_take("b", "a", 0.0, 0.0)
 
 
+def test_an_overshoot_must_narrow_the_gap():
+    # Shares of 12 each: a holds 10 (0.83), b 15 (1.25). An 8-GPU request of a that
+    # takes a 1-GPU job of b leaves a at 1.5 and b at 1.17: the gap narrows from
+    # 0.42 to 0.33. With b at 14 (1.17) the same move would widen it from 0.33 to
+    # 0.42, b still above its share after: refused.
+    standings = Standings.now(ProjectTree(flat_tree("a", "b")), 24.0, wanting={"a", "b"})
+    standings.record("a", 10.0)
+    standings.record("b", 15.0)
+    assert standings.may_take("a", "b", 8.0, 1.0)
+    standings.record("b", -1.0)
+    assert not standings.may_take("a", "b", 8.0, 1.0)
+
+
 def test_a_partial_preemption_leaves_no_gpu_idle_while_work_waits():
     """A 1-GPU request takes a 4-GPU slice: its 3 other GPUs are promised, in the
     same pass, to the next pending work that fits them."""
@@ -203,8 +216,9 @@ def test_fair_share_only_gets_harder_as_more_moves(
 @settings(max_examples=200, deadline=None)
 @given(clusters(), st.integers(0, 8), st.integers(0, 4), st.sampled_from([0.25, 0.5, 1.0]))
 def test_a_margin_only_holds_back_requests_smaller_than_it(cluster, gained, lost, margin):
-    """A request that moves its project by the margin or more is judged as without one;
-    a smaller one is judged as if it moved it by the margin, never more leniently."""
+    """A request that moves its project by the margin or more is judged as without one,
+    but for an overshoot, which must narrow the gap by more than the margin; a
+    smaller one is judged as if it moved it by the margin, never more leniently."""
     slices, requester = cluster
     plain = preemptor_for(slices, requester).standings
     held_back = preemptor_for(slices, requester, margin=margin).standings
@@ -214,7 +228,11 @@ def test_a_margin_only_holds_back_requests_smaller_than_it(cluster, gained, lost
         with_margin = held_back.may_take(mine, theirs, gained, lost)
         if step >= margin:
             event(f"a step of the margin or more, allowed={with_margin}")
-            assert with_margin == plain.may_take(mine, theirs, gained, lost)
+            overshoots = plain.standing(mine, gained) > plain.standing(theirs, -lost)
+            if not overshoots:
+                assert with_margin == plain.may_take(mine, theirs, gained, lost)
+            elif with_margin:
+                assert plain.may_take(mine, theirs, gained, lost)
         elif with_margin:
             gained_margin = margin * plain.fair[mine]
             assert plain.may_take(mine, theirs, max(gained, gained_margin), lost)

@@ -182,6 +182,53 @@ def test_a_project_at_its_own_share_takes_nothing_from_a_cousin_as_a_project():
     assert all(p.for_slice != b_request.id for p in d.preemptions)
 
 
+def lumpy_beside_hog(hog_gpus_on_n3: int):
+    """Four projects with fair shares of 12 on 48 GPUs: ``lumpy`` holds one 8-GPU
+    job (0.67 of its share), ``hog`` two 8-GPU jobs past protection and
+    ``hog_gpus_on_n3`` 1-GPU ones, ``c`` and ``d`` the rest, protected; ``lumpy``
+    asks for 8 more."""
+    lumpy = running("lumpy", "n0", tuple(range(8)), **PROTECTED)
+    hog = [running("hog", n, tuple(range(8)), min_runtime=HOUR) for n in ("n1", "n2")]
+    hog += [running("hog", "n3", (i,), **PROTECTED) for i in range(hog_gpus_on_n3)]
+    c = [running("c", "n3", tuple(range(4, 8)), **PROTECTED)]
+    c += [running("c", "n4", tuple(range(8)), **PROTECTED)]
+    d = running("d", "n5", tuple(range(8)), **PROTECTED)
+    return [lumpy, *hog, *c, d], pending("lumpy", 8)
+
+
+def test_work_in_steps_larger_than_the_gap_overshoots_a_project_that_keeps_its_share():
+    # hog holds 20 of its 12: lumpy's second 8-GPU job takes it to 16 (1.33) and
+    # leaves hog at 12 (1.0), its share. The move overshoots, but the gap narrows
+    # from 1.0 to 0.33 and hog keeps its share, so it is allowed.
+    accounts = flat_tree("lumpy", "hog", "c", "d")
+    slices, request = lumpy_beside_hog(hog_gpus_on_n3=4)
+    d = schedule(snapshot(nodes(6), accounts, [*slices, request]))
+    hog_8 = {s.id for s in slices if s.project == "hog" and s.gpus == 8}
+    assert len(d.preemptions) == 1 and d.preemptions[0].slice_id in hog_8
+    assert d.preemptions[0].reason is PreemptReason.FAIR_SHARE
+
+    # With 19, hog would end below its share (11 of 12): lumpy waits for a release.
+    slices, request = lumpy_beside_hog(hog_gpus_on_n3=3)
+    d = schedule(snapshot(nodes(6), accounts, [*slices, request]))
+    assert d.preemptions == ()
+
+
+def test_a_project_at_its_share_overshoots_no_one():
+    # lumpy holds 24 of 12 in 8-GPU jobs, hog its 12 and asks for 8 more: taking one
+    # of lumpy's would narrow the gap (2.0 - 1.0 to 1.67 - 1.33), but hog is not
+    # under its share, so only a move that keeps it at or below lumpy is allowed.
+    lumpy = [running("lumpy", f"n{i}", tuple(range(8)), min_runtime=HOUR) for i in range(3)]
+    hog = [running("hog", "n3", (i,), **PROTECTED) for i in range(8)]
+    hog += [running("hog", "n4", (i,), **PROTECTED) for i in range(4)]
+    c = [running("c", "n4", tuple(range(4, 8)), **PROTECTED)]
+    c += [running("c", "n5", tuple(range(8)), **PROTECTED)]
+    d_fresh = pending("d", 1, submitted_at=NOW)  # wants GPUs, within its delay
+    request = pending("hog", 8)
+    accounts = flat_tree("lumpy", "hog", "c", "d")
+    d = schedule(snapshot(nodes(6), accounts, [*lumpy, *hog, *c, d_fresh, request]))
+    assert d.preemptions == ()
+
+
 def test_a_shape_is_gathered_from_one_nodes_one_gpu_holders():
     # hog holds both nodes, twice its share; its 1-GPU jobs past protection sit six
     # on n0 and two on n1, beside protected ones: a 4-GPU request takes four of

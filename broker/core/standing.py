@@ -120,11 +120,19 @@ class Standings:
         keeps their order: the same GPUs never go back. Two projects at the same
         standing never take from each other.
 
+        One overshoot is allowed, for work whose jobs are larger than the gap: an
+        account under its share may end above ``theirs`` if ``theirs`` stays at or
+        above its own share and the gap between the two narrows (a share of 12
+        GPUs holding one 8-GPU job may take a second from an account that keeps
+        its share). Neither may then overshoot the other back: the one above its
+        share may not overshoot, and the other may only narrow the gap.
+
         Kueue's other strategy, LessThanInitialShare (``mine`` with the request
         below ``theirs`` before the move), is left out on purpose: with a victim
-        of many GPUs for a request of few it lets the move overshoot, and the two
-        then take the victims back and forth (measured on Helios: one 8-GPU job
-        preempted 96 times in 3,000 jobs).
+        of many GPUs for a request of few it lets the move overshoot however far,
+        taking ``theirs`` below its share, and the two then take the victims back
+        and forth (measured on Helios: one 8-GPU job preempted 96 times in 3,000
+        jobs).
 
         Siblings compare as siblings, cousins as their organisations, with one
         exception: a project under its own share now may also take from a cousin
@@ -142,7 +150,8 @@ class Standings:
         standing do not trade small jobs back and forth as their other work comes
         and goes. A request that alone moves ``mine`` by more is judged as without
         a margin: lumpy work (jobs near a project's share) cannot move in smaller
-        steps.
+        steps. An overshoot must narrow the gap by more than the margin, whatever
+        the request's size.
 
         A ``gang`` (a request larger than any node) is bigger than most projects'
         fair share, so that rule would never let it in. Once the nodes reserved
@@ -161,7 +170,18 @@ class Standings:
             return False
         if gang and self.standing(level.mine) < 1.0 < self.standing(level.theirs):
             return True
-        if self._after(level.mine, gained) <= self.standing(level.theirs, -lost):
+        mine_after = self._after(level.mine, gained)
+        theirs_after = self.standing(level.theirs, -lost)
+        if mine_after <= theirs_after:
+            return True
+        # Work in steps larger than the gap (8-GPU jobs on a share of 12): an account
+        # under its share may overshoot one that stays at or above its own, if the
+        # gap narrows (by more than the margin). Neither can then overshoot the other
+        # back: one is above its share, and the other only narrows the gap.
+        mine_now = self.standing(level.mine)
+        if mine_now < 1.0 <= theirs_after and (
+            mine_after - theirs_after < self.standing(level.theirs) - mine_now - self.margin
+        ):
             return True
         # Refused as organisations (mostly: siblings keep the requester's above its
         # share), a project under its own share may still take from a cousin,
