@@ -13,6 +13,7 @@ from hypothesis import currently_in_test_context
 from hypothesis import event as hypothesis_event
 
 from broker.core import backfill
+from broker.core.incremental import whole_node_floor
 from broker.core.model import (
     Decisions,
     EndReason,
@@ -28,6 +29,7 @@ from broker.core.model import (
 )
 from broker.core.ordering import within_project_key
 from broker.core.preemption import grace_for, is_debug, past_budget, preemption_delay
+from broker.core.scheduler import _Pass
 
 
 @contextmanager
@@ -42,6 +44,38 @@ def every_node_asked() -> Iterator[None]:
         yield
     finally:
         backfill.plan = plan
+
+
+@contextmanager
+def floors_checked() -> Iterator[None]:
+    """Each pass's whole-node floors (the order in which a gang's plan asks the
+    nodes), read from the index where it can, checked when worked out against
+    their definition: every ready node's :func:`whole_node_floor` as the pass sees
+    it then, sorted. (Kept until someone is preempted, they may then lag behind
+    it, never ahead.)"""
+    kept_floors = _Pass._whole_node_floors
+
+    def checked(self: _Pass) -> backfill.Floors:
+        worked_out = self._floors is None
+        floors = kept_floors(self)
+        if not worked_out:
+            return floors
+        grace, expected = self.policy.grace_period, {}
+        for name, node in self.free.nodes.items():
+            unfree = node.gpu_count - len(self.free.free.get(name, ()))
+            floor = whole_node_floor(self._node_holders(name), self.now, grace, unfree)
+            expected.setdefault(node.gpu_type, []).append((floor, name))
+        event("a gang's plan asked the whole-node floors")
+        assert {t: list(f) for t, f in floors.items()} == {
+            t: sorted(e) for t, e in expected.items()
+        }
+        return floors
+
+    _Pass._whole_node_floors = checked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _Pass._whole_node_floors = kept_floors  # type: ignore[method-assign]
 
 
 def event(what: str) -> None:

@@ -13,10 +13,10 @@ from dataclasses import replace
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from passchecks import check_pass, every_node_asked
+from passchecks import check_pass, every_node_asked, floors_checked
 
 from broker.core.fairshare import ProjectTree
-from broker.core.incremental import PassState, pending_shape
+from broker.core.incremental import NodeHolders, PassState, pending_shape
 from broker.core.model import (
     Account,
     Node,
@@ -182,6 +182,30 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     held = kept.holdings()
     assert (held.gpus, held.allocated, held.debug) == (gpus, allocated, debug)
     ready = [n for n in snap.nodes if n.state is NodeState.READY]
+    # The order in which a gang's plan asks the ready nodes, and the nodes whose
+    # holders hold more GPUs than the node has (made smaller under them).
+    order: dict[str, list[tuple[float, str]]] = {}
+    overheld = set()
+    for n in ready:
+        on_node = [
+            (s, len(p.gpu_indices))
+            for s in slices
+            if s.holds_gpus
+            for p in s.placements
+            if p.node == n.name
+        ]
+        order.setdefault(n.gpu_type, []).append((NodeHolders(on_node, {}, policy).floor, n.name))
+        in_range = {
+            g
+            for s, _ in on_node
+            for p in s.placements
+            if p.node == n.name
+            for g in p.gpu_indices
+            if g < n.gpu_count
+        }
+        if sum(gpus for _, gpus in on_node) > len(in_range):
+            overheld.add(n.name)
+    assert kept.floor_order() == ({t: sorted(entries) for t, entries in order.items()}, overheld)
     taken = [p for s in slices if s.holds_gpus for p in s.placements]
     weights = dict(snap.gpu_type_weights)
     fresh, kept_map = FreeGpus(ready, weights, taken), kept.free_map(ready, weights)
@@ -302,7 +326,8 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
             weights=weights,
         )
         before = kept.copy()
-        decisions = schedule(snap, index=kept)
+        with floors_checked():
+            decisions = schedule(snap, index=kept)
         check_index(kept, snap, rng)
         if last_snap is not None:  # a copy is left as it was by the index's update
             check_index(before, last_snap, rng)

@@ -8,7 +8,7 @@ will be gone before the reservation is due.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .model import Contract, Node, Placement, Reservation, Slice, SliceKind
 
@@ -16,7 +16,7 @@ from .model import Contract, Node, Placement, Reservation, Slice, SliceKind
 Releases = Callable[[str], Sequence[tuple[float, int]]]
 #: Per GPU type, each node with a time no sooner than which it could be wholly
 #: free, whoever asks: ``(floor, node)`` pairs in order.
-Floors = Mapping[str, Sequence[tuple[float, str]]]
+Floors = Mapping[str, Iterable[tuple[float, str]]]
 
 
 def plan(

@@ -8,14 +8,16 @@ same decisions.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
-from bisect import insort
+from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import cached_property
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from . import backfill
 from .fairshare import ProjectTree
@@ -87,6 +89,27 @@ def schedule(
     return _Pass(snapshot, tree, index).run()
 
 
+_FLOOR = itemgetter(0)
+
+
+class _Floors:
+    """A GPU type's nodes as :meth:`_Pass._whole_node_floors` orders them: those
+    worked out in the pass (``exact``, sorted) merged with the index's order from
+    ``late`` on, less the nodes ``apart`` (worked out among ``exact``)."""
+
+    __slots__ = ("apart", "entries", "exact", "late")
+
+    def __init__(self, exact: list, entries: list[tuple[float, str]], late: int, apart: set[str]):
+        self.exact, self.entries, self.late, self.apart = exact, entries, late, apart
+
+    def __iter__(self) -> Iterator[tuple[float, str]]:
+        apart = self.apart
+        rest = itertools.islice(self.entries, self.late, None)
+        if apart:
+            rest = (entry for entry in rest if entry[1] not in apart)
+        return heapq.merge(self.exact, rest)
+
+
 class _Pass:
     """The working state of one pass; :meth:`run` lists its phases in order.
 
@@ -131,7 +154,7 @@ class _Pass:
         self._tried: dict[str, tuple] = {}
         # (node, requester class) -> expected releases; see _releases_for
         self._releases: dict[tuple, list[tuple[float, int]]] = {}
-        self._floors: dict[str, list[tuple[float, str]]] | None = None  # see _whole_node_floors
+        self._floors: dict[str, _Floors] | None = None  # see _whole_node_floors
         # Per requester class, its gangs planned this pass, whose nodes not yet asked
         # are estimated as they would have been (see _releases_for); those still
         # judged on fair share as it stands now.
@@ -936,16 +959,29 @@ class _Pass:
         """Per GPU type, the nodes in order of when each could be wholly free at the
         soonest, whoever asks (:func:`~broker.core.incremental.whole_node_floor`);
         kept until someone is preempted. Free GPUs only shrink as the queue is
-        walked, so a node's floor stays no later than its due meanwhile."""
+        walked, so a node's floor stays no later than its due meanwhile.
+
+        Worked out here only for the nodes that could be free within a grace
+        period and those this pass moved or that are smaller than their holders:
+        the others' floors are their holders' own, in the index's order
+        (:meth:`PassState.floor_order`), read only as far as a plan asks."""
         if self._floors is None:
-            now, grace, free = self.now, self.policy.grace_period, self.free.free
-            floors: dict[str, list[tuple[float, str]]] = {}
-            for name, node in self.free.nodes.items():
-                unfree = node.gpu_count - len(free.get(name, ()))
-                floor = whole_node_floor(self._node_holders(name), now, grace, unfree)
-                floors.setdefault(node.gpu_type, []).append((floor, name))
-            for candidates in floors.values():
-                candidates.sort()
+            now, grace = self.now, self.policy.grace_period
+            free, nodes = self.free.free, self.free.nodes
+            order, overheld = self.kept.floor_order()
+            apart = {name for name in (*self._moved_nodes, *overheld) if name in nodes}
+            floors: dict[str, _Floors] = {}
+            for gpu_type, entries in order.items():
+                late = bisect_right(entries, now + grace, key=_FLOOR)
+                ahead = [name for _, name in entries[:late]]
+                ahead += (name for name in apart if nodes[name].gpu_type == gpu_type)
+                exact = []
+                for name in set(ahead):
+                    unfree = nodes[name].gpu_count - len(free.get(name, ()))
+                    floor = whole_node_floor(self._node_holders(name), now, grace, unfree)
+                    exact.append((floor, name))
+                exact.sort()
+                floors[gpu_type] = _Floors(exact, entries, late, apart)
             self._floors = floors
         return self._floors
 
