@@ -99,7 +99,13 @@ class _Floors:
 
     __slots__ = ("apart", "entries", "exact", "late")
 
-    def __init__(self, exact: list, entries: list[tuple[float, str]], late: int, apart: set[str]):
+    def __init__(
+        self,
+        exact: list[tuple[float, str]],
+        entries: list[tuple[float, str]],
+        late: int,
+        apart: set[str],
+    ):
         self.exact, self.entries, self.late, self.apart = exact, entries, late, apart
 
     def __iter__(self) -> Iterator[tuple[float, str]]:
@@ -975,7 +981,7 @@ class _Pass:
                 late = bisect_right(entries, now + grace, key=_FLOOR)
                 ahead = [name for _, name in entries[:late]]
                 ahead += (name for name in apart if nodes[name].gpu_type == gpu_type)
-                exact = []
+                exact: list[tuple[float, str]] = []
                 for name in set(ahead):
                     unfree = nodes[name].gpu_count - len(free.get(name, ()))
                     floor = whole_node_floor(self._node_holders(name), now, grace, unfree)
