@@ -7,6 +7,7 @@ the walk or the index cannot hide behind the same mistake in its oracle."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from passchecks import check_pass, every_node_asked, floors_checked
 
 from broker.core.fairshare import ProjectTree
-from broker.core.incremental import NodeHolders, PassState, pending_shape
+from broker.core.incremental import NodeHolders, PassState, holder_kind, pending_shape
 from broker.core.model import (
     Account,
     Node,
@@ -156,6 +157,11 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
         expected = min((end for end in ends if end > after), default=None)
         assert kept.waiting_delays(after) == (expected, debug)
     assert kept.shapes.keys() <= {s.id for s in waiting}
+    protected: dict[tuple, list[tuple[float, int]]] = {}
+    for s in slices:
+        if s.holds_gpus and s.protected_until is not None:
+            protected.setdefault(holder_kind(s, policy), []).append((s.protected_until, s.id))
+    assert kept.protection_ends_by_kind == {k: sorted(ends) for k, ends in protected.items()}
     assert all(
         kept.shapes[i] == kept.shape_number(s) for s in waiting if (i := s.id) in kept.shapes
     )
@@ -736,6 +742,26 @@ def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
     resumed = schedule(later, index=kept)
     assert resumed == schedule(later, tree) and resumed.phase_seconds.keys() == {RESUME_PHASE}
     assert resumed.quiet.until == NOW + 10 * MIN
+
+
+def test_a_quiet_pass_ends_where_a_drain_or_the_debug_lane_could_take_a_holder():
+    # a's 8-GPU batch job on n0 is protected for 30 more minutes, b's on n1 for
+    # nearly 8 hours; each holds its fair share, so fair share takes from neither.
+    a_job = running("a", "n0", tuple(range(8)), min_runtime=HOUR, granted_ago=30 * MIN)
+    b_job = running("b", "n1", tuple(range(8)), min_runtime=8 * HOUR, granted_ago=MIN)
+    accounts = flat_tree("a", "b")
+    # Nothing waits: the pass is quiet for as long as nothing is due.
+    snap = snapshot(nodes(2), accounts, [a_job, b_job])
+    assert schedule(snap).quiet.until == math.inf
+    # n0 drains: a's job leaves when its protection ends.
+    draining = (replace(snap.nodes[0], state=NodeState.DRAINING), snap.nodes[1])
+    quiet = schedule(replace(snap, nodes=draining)).quiet
+    assert quiet.until == a_job.protected_until
+    # b's debug session waits: the debug lane may take a's batch job once it is
+    # unprotected, before b's own job's protection ends.
+    session = pending("b", 1, kind=SliceKind.INTERACTIVE, min_runtime=15 * MIN)
+    quiet = schedule(replace(snap, slices=(a_job, b_job, session))).quiet
+    assert quiet.until == a_job.protected_until < b_job.protected_until
 
 
 def test_a_heartbeat_resumes_the_last_pass_and_a_lapsed_lease_walks_it():

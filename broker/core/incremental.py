@@ -262,8 +262,10 @@ class PassState:
         self._floor_stale: set[str] = set()
         self._overheld: set[str] = set()  # see floor_order
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
-        # (when a holder's protection ends, slice id), sorted: a pass may preempt then
+        # (when a holder's protection ends, slice id), sorted: a pass may preempt then;
+        # and the same per kind of holder (holder_kind), which quiet_until asks
         self.protection_ends: list[tuple[float, int]] = []
+        self.protection_ends_by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
         # The standings a pass started from, and fair share's answers to "may one
         # project take from another at all" for them (Standings.lenient): a pass
         # whose holdings did not move since starts from the same answers.
@@ -393,6 +395,9 @@ class PassState:
         other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
         other.protection_ends = self.protection_ends[:]
+        other.protection_ends_by_kind = {
+            kind: ends[:] for kind, ends in self.protection_ends_by_kind.items()
+        }
         other.delay_ends = None if self.delay_ends is None else self.delay_ends[:]
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
@@ -428,7 +433,7 @@ class PassState:
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self._floor_order = None
         self._shape_numbers = {}
-        self.protection_ends = []
+        self.protection_ends, self.protection_ends_by_kind = [], {}
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
         self.lenient = None
@@ -443,6 +448,7 @@ class PassState:
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines, protection_ends = [], []
+        by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
         self.delay_ends, self._delays_asked = None, False
         for slice_ in self.slices.values():
             if slice_.holds_gpus:
@@ -452,7 +458,9 @@ class PassState:
                 self.held.add(slice_, self.node_types, self.policy, 1)
                 self._hold(slice_.placements, 1)
                 deadlines += ((at, slice_.id) for at in _deadlines(slice_))
-                protection_ends += ((at, slice_.id) for at in _protection_end(slice_))
+                for at in _protection_end(slice_):
+                    protection_ends.append((at, slice_.id))
+                    by_kind.setdefault(holder_kind(slice_, self.policy), []).append((at, slice_.id))
             else:
                 where = (slice_.allocated, slice_.project)
                 pending.setdefault(where, []).append((within_queue_key(slice_), slice_))
@@ -465,6 +473,9 @@ class PassState:
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
         self.protection_ends = sorted(protection_ends)
+        for ends in by_kind.values():
+            ends.sort()
+        self.protection_ends_by_kind = by_kind
         for where, keyed in pending.items():
             keyed.sort(key=lambda pair: pair[0])
             self.queues[where] = ([key for key, _ in keyed], [s for _, s in keyed])
@@ -540,10 +551,14 @@ class PassState:
         found = bisect_left(self.deadlines, (at, -math.inf))
         return found < len(self.deadlines) and self.deadlines[found][0] == at
 
-    def protection_ends_after(self, after: float) -> Iterator[tuple[float, int]]:
-        """(when, slice id) of the protections ending after ``after``, earliest first."""
-        start = bisect_right(self.protection_ends, (after, math.inf))
-        return itertools.islice(self.protection_ends, start, None)
+    def first_protection_ends(self, after: float) -> Iterator[tuple[HolderKind, float]]:
+        """Per kind of holder (:func:`holder_kind`), the first end of a protection
+        after ``after``, if any."""
+        start = (after, math.inf)
+        for kind, ends in self.protection_ends_by_kind.items():
+            at = bisect_right(ends, start)
+            if at < len(ends):
+                yield kind, ends[at][0]
 
     def holding(self) -> Iterator[Slice]:
         """The slices that hold GPUs, in id order."""
@@ -722,6 +737,8 @@ class PassState:
             insort(self.deadlines, (at, slice_.id))
         for at in _protection_end(slice_):
             insort(self.protection_ends, (at, slice_.id))
+            kind = holder_kind(slice_, self.policy)
+            insort(self.protection_ends_by_kind.setdefault(kind, []), (at, slice_.id))
 
     def _refile(self, before: Slice, after: Slice) -> None:
         """File ``after`` in place of ``before``, the same slice changed. Where only its
@@ -773,6 +790,11 @@ class PassState:
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
         for at in _protection_end(slice_):
             del self.protection_ends[bisect_left(self.protection_ends, (at, slice_.id))]
+            kind = holder_kind(slice_, self.policy)
+            ends = self.protection_ends_by_kind[kind]
+            del ends[bisect_left(ends, (at, slice_.id))]
+            if not ends:
+                del self.protection_ends_by_kind[kind]
 
 
 def borrow_traits(slice_: Slice, policy: Policy) -> tuple:
@@ -816,6 +838,22 @@ def _delay_end(slice_: Slice, policy: Policy | None) -> float:
 def _debug_waiting(slice_: Slice, policy: Policy | None) -> int:
     """1 for an allocated debug session waiting, else 0."""
     return int(policy is not None and slice_.allocated and is_debug(slice_, policy))
+
+
+#: What quiet_until asks of a holder beside its node (resume.py): its project, whether
+#: it is allocated, batch work, past its preemption budget, and granted.
+HolderKind = tuple[str, bool, bool, bool, bool]
+
+
+def holder_kind(slice_: Slice, policy: Policy) -> HolderKind:
+    """``slice_``'s :data:`HolderKind` under ``policy``."""
+    return (
+        slice_.project,
+        slice_.allocated,
+        slice_.kind is SliceKind.BATCH,
+        past_budget(slice_, policy),
+        slice_.state is SliceState.GRANTED,
+    )
 
 
 def _protection_end(slice_: Slice) -> list[float]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from .backfill import outlasts
 from .fairshare import ProjectTree
-from .incremental import PassState
+from .incremental import HolderKind, PassState
 from .model import (
     Decisions,
     Policy,
@@ -39,7 +39,6 @@ from .model import (
 )
 from .ordering import walk_key
 from .placement import FreeGpus
-from .preemption import past_budget
 from .standing import Standings
 
 #: The one phase a resumed pass reports (``Decisions.phase_seconds``): how many passes
@@ -105,46 +104,46 @@ def quiet_until(kept: PassState, now: float, policy: Policy, standings: Standing
     if delay_ends is not None:
         until = min(until, delay_ends)
     waiting = set(kept.waiting())  # projects with allocated work waiting
-    unready = kept.held_where_unready()
     taken_from: dict[str, bool] = {}  # project -> whether a waiting project may take its GPUs
-    for at, slice_id in kept.protection_ends_after(now):
-        if at >= until:
-            break
-        holder = kept.slices[slice_id]
-        if _may_become_victim(holder, policy, unready, standings, waiting, debug_waits, taken_from):
-            return at
+    for kind, at in kept.first_protection_ends(now):
+        if at < until and _may_become_victim(kind, standings, waiting, debug_waits, taken_from):
+            until = at
+    # A holder on a node that is not ready may be drained, whatever its kind.
+    for slice_id in kept.held_where_unready():
+        protected_until = kept.slices[slice_id].protected_until
+        if protected_until is not None and now < protected_until < until:
+            until = protected_until
     return until
 
 
 def _may_become_victim(
-    holder: Slice,
-    policy: Policy,
-    unready: set[int],
+    kind: HolderKind,
     standings: Standings,
     waiting: set[str],
     debug_waits: bool,
     taken_from: dict[str, bool],
 ) -> bool:
-    """Whether ``holder``, once its protection ends, is one that a drain or a
-    request of the ``waiting`` projects could take (:func:`preempt_reason`, asked
-    at its most lenient); True where unsure. ``unready``: the ids of the slices
-    holding GPUs on nodes not ready or gone; ``taken_from``: the answers per holder
-    project so far, which depend on nothing else."""
-    if holder.state is not SliceState.GRANTED or holder.id in unready:
+    """Whether a holder of ``kind`` (:func:`holder_kind`) on a ready node, once its
+    protection ends, is one that a request of the ``waiting`` projects could take
+    (:func:`preempt_reason`, asked at its most lenient) or one already leaving;
+    True where unsure. ``taken_from``: the answers per holder project so far,
+    which depend on nothing else."""
+    project, allocated, batch, spent, granted = kind
+    if not granted:
         return True
     if not waiting:
         return False
-    if not holder.allocated or holder.project in waiting:
+    if not allocated or project in waiting:
         return True
-    if past_budget(holder, policy):
+    if spent:
         return False
-    if debug_waits and holder.kind is SliceKind.BATCH:
+    if debug_waits and batch:
         return True
-    taken = taken_from.get(holder.project)
+    taken = taken_from.get(project)
     if taken is None:
-        taken = taken_from[holder.project] = any(
-            standings.may_take_at_all(project, holder.project, gang)
-            for project in waiting
+        taken = taken_from[project] = any(
+            standings.may_take_at_all(mine, project, gang)
+            for mine in waiting
             for gang in (False, True)
         )
     return taken
