@@ -262,9 +262,8 @@ class PassState:
         self._floor_stale: set[str] = set()
         self._overheld: set[str] = set()  # see floor_order
         self.deadlines: list[tuple[float, int]] = []  # (when due to end, slice id), sorted
-        # (when a holder's protection ends, slice id), sorted: a pass may preempt then;
-        # and the same per kind of holder (holder_kind), which quiet_until asks
-        self.protection_ends: list[tuple[float, int]] = []
+        # Per kind of holder (holder_kind), (when a holder's protection ends, slice id),
+        # sorted: a pass may preempt then, and quiet_until asks it of each kind
         self.protection_ends_by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
         # The standings a pass started from, and fair share's answers to "may one
         # project take from another at all" for them (Standings.lenient): a pass
@@ -394,7 +393,6 @@ class PassState:
         other._shape_numbers = dict(self._shape_numbers)  # either may number anew
         other.promised_ids = set(self.promised_ids)
         other.deadlines = self.deadlines[:]
-        other.protection_ends = self.protection_ends[:]
         other.protection_ends_by_kind = {
             kind: ends[:] for kind, ends in self.protection_ends_by_kind.items()
         }
@@ -433,7 +431,7 @@ class PassState:
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
         self._floor_order = None
         self._shape_numbers = {}
-        self.protection_ends, self.protection_ends_by_kind = [], {}
+        self.protection_ends_by_kind = {}
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
         self.lenient = None
@@ -447,7 +445,7 @@ class PassState:
         self._gone_nodes = None
         holding = []
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
-        deadlines, protection_ends = [], []
+        deadlines = []
         by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
         self.delay_ends, self._delays_asked = None, False
         for slice_ in self.slices.values():
@@ -459,7 +457,6 @@ class PassState:
                 self._hold(slice_.placements, 1)
                 deadlines += ((at, slice_.id) for at in _deadlines(slice_))
                 for at in _protection_end(slice_):
-                    protection_ends.append((at, slice_.id))
                     by_kind.setdefault(holder_kind(slice_, self.policy), []).append((at, slice_.id))
             else:
                 where = (slice_.allocated, slice_.project)
@@ -472,7 +469,6 @@ class PassState:
                     deadlines += ((at, slice_.id) for at in _deadlines(slice_))
         self.holding_ids = sorted(holding)
         self.deadlines = sorted(deadlines)
-        self.protection_ends = sorted(protection_ends)
         for ends in by_kind.values():
             ends.sort()
         self.protection_ends_by_kind = by_kind
@@ -515,12 +511,10 @@ class PassState:
         """When a pass next has something to do for a live slice, after ``now``: the
         earliest end of a protection (its holder may then be preempted), a grace
         period, a maximum runtime or a lease, of the slices as last taken in."""
-        after = (now, math.inf)
-        times = [
-            ordered[at][0]
-            for ordered in (self.deadlines, self.protection_ends)
-            if (at := bisect_right(ordered, after)) < len(ordered)
-        ]
+        times = [at for _, at in self.first_protection_ends(now)]
+        deadline = self.next_deadline(now)
+        if deadline is not None:
+            times.append(deadline)
         return min(times, default=None)
 
     def next_deadline(self, after: float) -> float | None:
@@ -736,7 +730,6 @@ class PassState:
         for at in _deadlines(slice_):
             insort(self.deadlines, (at, slice_.id))
         for at in _protection_end(slice_):
-            insort(self.protection_ends, (at, slice_.id))
             kind = holder_kind(slice_, self.policy)
             insort(self.protection_ends_by_kind.setdefault(kind, []), (at, slice_.id))
 
@@ -789,7 +782,6 @@ class PassState:
         for at in _deadlines(slice_):
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
         for at in _protection_end(slice_):
-            del self.protection_ends[bisect_left(self.protection_ends, (at, slice_.id))]
             kind = holder_kind(slice_, self.policy)
             ends = self.protection_ends_by_kind[kind]
             del ends[bisect_left(ends, (at, slice_.id))]
