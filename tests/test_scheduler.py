@@ -815,7 +815,8 @@ def scan_every_node(preemptor, requester, free):
     if not requester.allocated:
         return None
     best = None
-    for name, entries in preemptor.candidates.items():
+    for name in preemptor.candidates:
+        entries = preemptor.on(name)
         node = preemptor.nodes.get(name)
         if node is None or node.gpu_count < requester.gpus:
             continue

@@ -168,10 +168,13 @@ class Preemptor:
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
-        # Slices that someone could preempt now, per node they hold GPUs on, in
-        # victim order by the standings at the start of the pass, with the GPUs
-        # each holds there.
+        # Slices that someone could preempt now, per node they hold GPUs on, with
+        # the GPUs each holds there; put in victim order by the standings at the
+        # start of the pass when a search first reads the node (:meth:`on`): most
+        # searches read a few of the nodes, and sorting every node's was most of
+        # building this at a two-thousand-node cluster's scale.
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
+        self._in_order: set[str] = set()
         for slice_ in running:
             if (
                 slice_.state is _GRANTED
@@ -192,26 +195,48 @@ class Preemptor:
         # ones, all unallocated ones, all allocated batch ones), the GPUs they
         # hold on each node. A search visits only the nodes of the groups the
         # rule could take from, instead of asking it about every candidate.
-        self.nodes_of: dict[_Group, Counter[str]] = {}
+        # Unallocated candidates, which every search looks at first, are indexed
+        # at once; the other groups when a search first needs them.
+        self.unallocated_on: Counter[str] = Counter()
+        self._nodes_of: dict[_Group, Counter[str]] | None = None
         if standing is None:
             standing = {p: standings.standing(p) for p in standings.tree.projects}
+        self._standing = standing
         for node_name, entries in self.candidates.items():
-            entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
             self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
             for slice_, gpus in entries:
-                self._tally(slice_, node_name, gpus, 1)
+                self._count(slice_, node_name, gpus, 1)
 
-    def _tally(self, slice_: Slice, node_name: str, gpus: int, step: int) -> None:
+    def on(self, node_name: str) -> list[tuple[Slice, int]]:
+        """The candidates on ``node_name`` in victim order (:func:`victim_key`), with
+        the GPUs each holds there."""
+        entries = self.candidates[node_name]
+        if node_name not in self._in_order:
+            standing = self._standing
+            entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
+            self._in_order.add(node_name)
+        return entries
+
+    @property
+    def nodes_of(self) -> dict[_Group, Counter[str]]:
+        """Per group of candidates, the GPUs they hold on each node."""
+        if self._nodes_of is None:
+            self._nodes_of = {}
+            for node_name, entries in self.candidates.items():
+                for slice_, gpus in entries:
+                    _index(self._nodes_of, slice_, node_name, gpus, 1)
+        return self._nodes_of
+
+    def _count(self, slice_: Slice, node_name: str, gpus: int, step: int) -> None:
         self.by_project[slice_.project] += step
-        self.unallocated += step * (not slice_.allocated)
         self.batch += step * (slice_.kind is _BATCH_KIND)
-        for group in _groups(slice_):
-            nodes = self.nodes_of.get(group)
-            if nodes is None:  # not setdefault: that would build a Counter every time
-                nodes = self.nodes_of[group] = Counter()
-            nodes[node_name] += step * gpus
-            if not nodes[node_name]:
-                del nodes[node_name]
+        if not slice_.allocated:
+            self.unallocated += step
+            self.unallocated_on[node_name] += step * gpus
+            if not self.unallocated_on[node_name]:
+                del self.unallocated_on[node_name]
+        if self._nodes_of is not None:
+            _index(self._nodes_of, slice_, node_name, gpus, step)
 
     def reason(
         self,
@@ -262,7 +287,7 @@ class Preemptor:
             entries[:] = [e for e in entries if e[0].id != slice_.id]
             gpus = len(placement.gpu_indices)
             self.candidate_gpus[placement.node] -= gpus
-            self._tally(slice_, placement.node, gpus, -1)
+            self._count(slice_, placement.node, gpus, -1)
 
     def _eligible(self, requester: Slice) -> tuple[list[_Group], set[_Group]]:
         """The groups of candidates the rule could let ``requester`` take from,
@@ -301,10 +326,9 @@ class Preemptor:
         """
         if self.hopeless(requester):
             return None
-        unallocated = self.nodes_of.get(_UNALLOCATED, {})
         free_only = [
             name
-            for name, gpus in unallocated.items()
+            for name, gpus in self.unallocated_on.items()
             if gpus + len(free.get(name, ())) >= requester.gpus
         ]
         best = self._search_unallocated(requester, free, free_only)
@@ -336,7 +360,7 @@ class Preemptor:
                 continue
             chosen: list[tuple[Slice, int]] = []
             freed = 0
-            for entry in self.candidates[node_name]:
+            for entry in self.on(node_name):
                 chosen.append(entry)
                 freed += entry[1]
                 if freed >= need:
@@ -376,9 +400,7 @@ class Preemptor:
                 continue
             # Only candidates of an eligible group could be taken (the rest the
             # rule refuses): too few of their GPUs, and the node cannot serve.
-            entries = [
-                e for e in self.candidates[node_name] if not eligible.isdisjoint(_groups(e[0]))
-            ]
+            entries = [e for e in self.on(node_name) if not eligible.isdisjoint(_groups(e[0]))]
             if sum(gpus for _, gpus in entries) < need:
                 continue
             weight = self.weights.get(self.nodes[node_name].gpu_type, 1.0)
@@ -457,6 +479,20 @@ def _groups(slice_: Slice) -> tuple[_Group, ...]:
     if slice_.kind is _BATCH_KIND:
         return ((_PROJECT, slice_.project), _BATCH)
     return ((_PROJECT, slice_.project),)
+
+
+def _index(
+    nodes_of: dict[_Group, Counter[str]], slice_: Slice, node_name: str, gpus: int, step: int
+) -> None:
+    """Count a candidate's GPUs on ``node_name`` in (``step`` 1) or out (-1) of the
+    victim indexes ``nodes_of``."""
+    for group in _groups(slice_):
+        nodes = nodes_of.get(group)
+        if nodes is None:  # not setdefault: that would build a Counter every time
+            nodes = nodes_of[group] = Counter()
+        nodes[node_name] += step * gpus
+        if not nodes[node_name]:
+            del nodes[node_name]
 
 
 def _put_back(chosen: list, freed: int, need: int) -> int:
