@@ -317,7 +317,8 @@ class PassState:
             node_types is not self.node_types and node_types != self.node_types
         ) or snapshot.policy != self.policy:
             self._clear()
-            self.node_types, self.policy = node_types, snapshot.policy
+        # Equal ones too: the next pass's same view is then recognised by identity.
+        self.node_types, self.policy = node_types, snapshot.policy
         expected, self._expected = self._expected, None
         self.changed = {}
         if not self.slices:
