@@ -393,6 +393,10 @@ class World:
         applied = apply(self.live, self.nodes, decisions, self.now, WEIGHTS)
         told = apply(self.live, self.nodes, decisions, self.now, WEIGHTS, self.promise_holders)
         assert told == applied, "the holders of promises an apply tells are all of them"
+        live, nodes = dict(self.live), dict(self.nodes)
+        changed = apply(live, nodes, decisions, self.now, WEIGHTS, in_place=True)
+        assert changed == applied, "an apply in place decides as one on copies"
+        assert changed.slices is live and changed.nodes is nodes
         self.promise_holders = applied.promise_holders
         self.ledger.extend(applied.charges)
         granted = {g.slice_id for g in decisions.grants}

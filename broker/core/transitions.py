@@ -97,14 +97,21 @@ def apply(
     now: float,
     weights: Mapping[str, float],
     promise_holders: Collection[int] | None = None,
+    in_place: bool = False,
 ) -> Applied:
-    """Apply ``decisions`` taken at ``now``; the inputs are left unchanged.
+    """Apply ``decisions`` taken at ``now``; the inputs are left unchanged, unless
+    ``in_place``: then ``slices`` and ``nodes``, where they are dicts, are changed
+    themselves and returned, for a caller that keeps no other view of them
+    (copying ten thousand live slices each pass was 4% of a large simulation).
 
     ``promise_holders``: the ids of the slices that hold a promise, where the caller
     keeps them (the last apply's :attr:`Applied.promise_holders`: only an apply gives
     a promise); without them every live slice is asked."""
-    live = dict(slices)
-    result = Applied(live, dict(nodes))
+    if in_place and isinstance(slices, dict) and isinstance(nodes, dict):
+        live, nodes_after = slices, nodes
+    else:
+        live, nodes_after = dict(slices), dict(nodes)
+    result = Applied(live, nodes_after)
     # What an ending's charge reads of the nodes; most passes end nothing.
     node_types = {name: node.gpu_type for name, node in nodes.items()} if decisions.endings else {}
     changed = result.changed

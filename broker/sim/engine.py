@@ -542,9 +542,18 @@ class Simulation:
 
     def _commit(self, now: float, decisions: Decisions) -> None:
         """Apply ``decisions`` at ``now`` and do the bookkeeping each change implies."""
-        before = self.slices
-        applied = apply(before, self.nodes, decisions, now, self.weights, self._promise_holders)
-        self.slices = applied.slices  # before the bookkeeping: users may submit again
+        requeued_from = {
+            e.slice_id: self.slices[e.slice_id] for e in decisions.endings if e.requeue
+        }
+        applied = apply(
+            self.slices,
+            self.nodes,
+            decisions,
+            now,
+            self.weights,
+            self._promise_holders,
+            in_place=True,
+        )
         self._promise_holders = applied.promise_holders
         for slice_id in applied.changed:
             self._changed[slice_id] = self.slices.get(slice_id)
@@ -554,7 +563,7 @@ class Simulation:
         for slice_, reason in applied.ended:
             self._ended(now, slice_, reason)
         for slice_ in applied.requeued:
-            self._requeued(now, before[slice_.id], reasons[slice_.id])
+            self._requeued(now, requeued_from[slice_.id], reasons[slice_.id])
         for slice_id in decisions.deferred:
             run = self.runs[slice_id]
             if run.deferred_at is None:
@@ -586,7 +595,6 @@ class Simulation:
         for grant in decisions.grants:
             self._granted(now, self.slices[grant.slice_id])
         if decisions.node_changes:
-            self.nodes = applied.nodes
             self._nodes_tuple = None
             for change in decisions.node_changes:
                 if change.state is NodeState.DRAINED:
