@@ -30,7 +30,7 @@ from broker.core.model import (
 )
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
-from broker.core.preemption import is_debug, preemption_delay
+from broker.core.preemption import is_debug, past_budget, preemption_delay
 from broker.core.resume import RESUME_PHASE, still_quiet
 from broker.core.scheduler import schedule
 from broker.core.transitions import apply, preempting
@@ -159,9 +159,21 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     assert kept.shapes.keys() <= {s.id for s in waiting}
     protected: dict[tuple, list[tuple[float, int]]] = {}
     for s in slices:
-        if s.holds_gpus and s.protected_until is not None:
-            protected.setdefault(holder_kind(s, policy), []).append((s.protected_until, s.id))
+        if s.holds_gpus:
+            until = -math.inf if s.protected_until is None else s.protected_until
+            protected.setdefault(holder_kind(s, policy), []).append((until, s.id))
     assert kept.protection_ends_by_kind == {k: sorted(ends) for k, ends in protected.items()}
+    # Who could be a victim, at now, at a protection's very end and just before it.
+    ends = [at for found in protected.values() for at, _ in found if at > -math.inf]
+    for at in (snap.now, *rng.sample(ends, min(3, len(ends)))):
+        for when in (at, math.nextafter(at, -math.inf)):
+            assert set(kept.unprotected(when)) == {
+                s.id
+                for s in slices
+                if s.state is SliceState.GRANTED
+                and not s.is_protected(when)
+                and not past_budget(s, policy)
+            }
     assert all(
         kept.shapes[i] == kept.shape_number(s) for s in waiting if (i := s.id) in kept.shapes
     )
@@ -854,3 +866,14 @@ def test_with_debug_sessions_first_the_queue_is_walked():
     joining = pending("b", 4, submitted_at=NOW)
     walked, fresh = _resume(snap, joining)
     assert walked == fresh and walked.queue[-1].slice_id == joining.id
+
+
+def test_a_holder_with_no_grant_time_is_unprotected_to_the_index_as_to_the_rule():
+    """A holder without a grant time has no protection (``Slice.is_protected``): the
+    index lists it among who could be a victim, as a pass over every holder did."""
+    timeless = replace(running("a", "n0", (0,)), granted_at=None)
+    timed = running("a", "n0", (1,), granted_ago=0.0)
+    kept = PassState()
+    kept.update(snapshot(nodes(1), flat_tree("a"), [timeless, timed]))
+    assert not timeless.is_protected(NOW) and timed.is_protected(NOW)
+    assert list(kept.unprotected(NOW)) == [timeless.id]

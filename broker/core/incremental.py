@@ -561,6 +561,14 @@ class PassState:
             if at < len(ends):
                 yield kind, ends[at][0]
 
+    def unprotected(self, now: float) -> Iterator[int]:
+        """Ids of the granted holders, not past their preemption budget, whose
+        protection has ended by ``now``: who could be anyone's victim then."""
+        last = (now, math.inf)
+        for (_, _, _, spent, granted), ends in self.protection_ends_by_kind.items():
+            if granted and not spent:
+                yield from (slice_id for _, slice_id in ends[: bisect_right(ends, last)])
+
     def holding(self) -> Iterator[Slice]:
         """The slices that hold GPUs, in id order."""
         return map(self.slices.__getitem__, self.holding_ids)
@@ -864,9 +872,11 @@ def holder_kind(slice_: Slice, policy: Policy) -> HolderKind:
 
 
 def _protection_end(slice_: Slice) -> list[float]:
-    """When a holder's protection ends (none: it holds nothing, or has none)."""
+    """When a holder's protection ends (-inf: it has none; nothing: it holds nothing)."""
+    if not slice_.holds_gpus:
+        return []
     until = slice_.protected_until
-    return [until] if slice_.holds_gpus and until is not None else []
+    return [-math.inf if until is None else until]
 
 
 def _deadlines(slice_: Slice) -> list[float]:

@@ -461,10 +461,21 @@ class _Pass:
                 lane=self.lane,
                 nodes=self.free.nodes,
                 weights=self.snap.gpu_type_weights,
-                running=[s for s in self.holding if s.id not in self._left_before],
+                running=self._candidates(),
                 standing=self._start_standing,
             )
         return self._preemptor
+
+    def _candidates(self) -> list[Slice]:
+        """The holders as phase 2 left them that could be victims now (see
+        :attr:`holding`), from the index's protection ends: not every holder."""
+        kept_slices, live, gone, left = self.kept.slices, self.live, self.ended, self._left_before
+        found = []
+        for slice_id in self.kept.unprotected(self.now):
+            slice_ = kept_slices[slice_id]
+            if slice_id not in gone and slice_id not in left and live[slice_id] is slice_:
+                found.append(slice_)
+        return found
 
     def _holders_on(self, node: str) -> list[tuple[Slice, int]]:
         """The slices holding GPUs on ``node`` at the start of phase 3, in id order,
