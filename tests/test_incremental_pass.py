@@ -525,6 +525,27 @@ def test_fair_shares_answers_are_kept_only_while_the_holdings_stay():
     assert [p.slice_id for p in decisions.preemptions] == [first[0].id]  # a's, one for two
 
 
+def test_fair_shares_are_kept_only_while_the_same_projects_want_gpus():
+    """The index keeps the fair shares from one pass to the next only while the
+    same projects want GPUs: here c joins a and b, so each one's share shrinks to a
+    third and c may take from a, as a fresh pass says."""
+    tree = flat_tree("a", "b", "c")
+    kept = PassState(ProjectTree(tree))
+    first = [
+        running("a", "n0", (0, 1, 2, 3)),
+        running("a", "n0", (4, 5, 6, 7)),
+        running("b", "n1", (0, 1, 2, 3)),
+        running("b", "n1", (4, 5, 6, 7)),
+        pending("a", 8),
+    ]
+    decisions = schedule(snapshot(nodes(2), tree, first), index=kept)
+    assert decisions.preemptions == ()  # a and b at their shares of two
+    after = snapshot(nodes(2), tree, [*first, pending("c", 2)], now=NOW + 60)
+    decisions = schedule(after, index=kept)
+    assert decisions == schedule(after, ProjectTree(tree))
+    assert len(decisions.preemptions) == 1
+
+
 def test_a_kept_shape_is_the_shape_of_the_slice_as_it_is_now():
     """The index keeps each blocked request's shape for the walk; a request that
     comes back changed (here: preempted once more, now past its preemption

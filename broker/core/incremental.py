@@ -20,8 +20,10 @@ otherwise find by walking or sorting every live slice:
   holders' floor (:meth:`PassState.floor_order`), which a gang's reservation
   plan reads instead of sorting every node;
 - fair share's answers to "may one project take from another at all" for the
-  standings the last pass started from (:attr:`PassState.lenient`), which serve
-  a pass that starts from the same standings;
+  standings the last pass started from (:attr:`PassState.lenient`), with the
+  projects over their share then, which serve a pass that starts from the same
+  standings; and the fair shares last worked out, which serve while the same
+  projects want GPUs of the same capacity;
 - each blocked request's shape as the walk works it out (what decides where
   it may be placed), so that a long blocked queue is not described anew each
   pass;
@@ -266,10 +268,14 @@ class PassState:
         # Per kind of holder (holder_kind), (when a holder's protection ends, slice id),
         # sorted: a pass may preempt then, and quiet_until asks it of each kind
         self.protection_ends_by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
-        # The standings a pass started from, and fair share's answers to "may one
-        # project take from another at all" for them (Standings.lenient): a pass
-        # whose holdings did not move since starts from the same answers.
-        self.lenient: tuple[tuple, dict[tuple[str, str, bool], bool]] | None = None
+        # The standings a pass started from, fair share's answers to "may one
+        # project take from another at all" for them (Standings.lenient), and the
+        # projects over their share (Standings.over_share): a pass whose holdings
+        # did not move since starts from the same answers.
+        self.lenient: tuple[tuple, dict[tuple[str, str, bool], bool], set[str]] | None = None
+        # (tree, capacity, wanting projects, margin) and the fair shares they give
+        # (Standings.now): most passes change none of them.
+        self.fair_shares: tuple[tuple, dict[str, float]] | None = None
         # Pending slice id -> its shape's number (shape_number) as the pass's walk works
         # it out (what decides where it may be placed), dropped when the slice is filed
         # or forgotten.
@@ -441,7 +447,7 @@ class PassState:
         self.protection_ends_by_kind = {}
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
-        self.lenient = None
+        self.lenient = self.fair_shares = None
 
     def _build(self, slices: tuple[Slice, ...]) -> None:
         """File ``slices`` into an empty index: each list sorted once, not kept

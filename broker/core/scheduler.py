@@ -425,9 +425,14 @@ class _Pass:
             requeued = self.live[ending.slice_id]
             if ending.requeue and requeued.allocated:
                 wanting.add(requeued.project)
-        self.standings = Standings.now(
-            self.tree, capacity, wanting, margin=self.policy.fair_share_margin
-        )
+        margin = self.policy.fair_share_margin
+        wanting_now = (self.tree, capacity, frozenset(wanting), margin)
+        fair_shares = self.kept.fair_shares
+        if fair_shares is not None and fair_shares[0] == wanting_now:
+            self.standings = Standings(self.tree, dict(fair_shares[1]), margin=margin)
+        else:
+            self.standings = Standings.now(self.tree, capacity, wanting, margin=margin)
+            self.kept.fair_shares = (wanting_now, dict(self.standings.fair))
         # In one fixed order, so that the same counts always give the same floats.
         for (project, gpu_type), gpus in sorted(held.allocated.items()):
             self.standings.record(project, gpus * self.snap.weight(gpu_type))
@@ -435,11 +440,12 @@ class _Pass:
         # its answers of may_take_at_all serve again.
         standing_now = (self.tree, self.standings.margin, self.standings.fair, self.standings.held)
         if self.kept.lenient is not None and self.kept.lenient[0] == standing_now:
-            self.standings.lenient = self.kept.lenient[1]
+            self.standings.lenient, over_share = self.kept.lenient[1:]
         else:
             # Copies: the pass moves the standings' holdings as it grants and preempts.
             standing_now = (*standing_now[:2], dict(self.standings.fair), dict(self.standings.held))
-            self.kept.lenient = (standing_now, self.standings.lenient)
+            over_share = self.standings.over_share()
+            self.kept.lenient = (standing_now, self.standings.lenient, over_share)
         self.lane = DebugLane.for_cluster(sum(self.free.total.values()), self.policy)
         self.lane.held, self.lane.held_by_user = sum(held.debug.values()), held.debug
         self.project_gpus: dict[str, int] = held.gpus
@@ -449,7 +455,7 @@ class _Pass:
         self._start_standing = {p: self.standings.standing(p) for p in self.tree.projects}
         self._left_before = set(self.leaving)  # drained in phase 2
         self.window_order = self.tree.project_order(self.snap.usage)
-        self.project_rank = project_rank(self.window_order, self.standings.over_share())
+        self.project_rank = project_rank(self.window_order, over_share)
 
     @property
     def preemptor(self) -> Preemptor:
