@@ -7,6 +7,7 @@ the walk or the index cannot hide behind the same mistake in its oracle."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import replace
@@ -166,11 +167,12 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
     # Who could be a victim, at now, at a protection's very end and just before it.
     ends = [at for found in protected.values() for at, _ in found if at > -math.inf]
     for at in (snap.now, *rng.sample(ends, min(3, len(ends)))):
-        for when in (at, math.nextafter(at, -math.inf)):
-            assert set(kept.unprotected(when)) == {
+        for when, allocated in itertools.product((at, math.nextafter(at, -math.inf)), (1, 0)):
+            assert set(kept.unprotected(when, bool(allocated))) == {
                 s.id
                 for s in slices
                 if s.state is SliceState.GRANTED
+                and s.allocated is bool(allocated)
                 and not s.is_protected(when)
                 and not past_budget(s, policy)
             }
@@ -897,4 +899,4 @@ def test_a_holder_with_no_grant_time_is_unprotected_to_the_index_as_to_the_rule(
     kept = PassState()
     kept.update(snapshot(nodes(1), flat_tree("a"), [timeless, timed]))
     assert not timeless.is_protected(NOW) and timed.is_protected(NOW)
-    assert list(kept.unprotected(NOW)) == [timeless.id]
+    assert list(kept.unprotected(NOW, timeless.allocated)) == [timeless.id]

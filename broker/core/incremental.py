@@ -567,12 +567,13 @@ class PassState:
             if at < len(ends):
                 yield kind, ends[at][0]
 
-    def unprotected(self, now: float) -> Iterator[int]:
-        """Ids of the granted holders, not past their preemption budget, whose
-        protection has ended by ``now``: who could be anyone's victim then."""
+    def unprotected(self, now: float, allocated: bool) -> Iterator[int]:
+        """Ids of the granted holders, allocated or not, not past their preemption
+        budget, whose protection has ended by ``now``: who could be anyone's victim
+        then."""
         last = (now, math.inf)
-        for (_, _, _, spent, granted), ends in self.protection_ends_by_kind.items():
-            if granted and not spent:
+        for (_, of_allocated, _, spent, granted), ends in self.protection_ends_by_kind.items():
+            if granted and not spent and of_allocated is allocated:
                 yield from (slice_id for _, slice_id in ends[: bisect_right(ends, last)])
 
     def holding(self) -> Iterator[Slice]:

@@ -159,8 +159,13 @@ class Preemptor:
         weights: Mapping[str, float],
         running: Iterable[Slice],
         standing: Mapping[str, float] | None = None,
+        allocated_later: Iterable[Slice] = (),
     ):
-        """``standing``: each project's standing to order victims by, if not the
+        """``running``: the slices that may be candidates; ``allocated_later``: more
+        of them, all allocated, read only when a search first needs allocated ones
+        (``running`` then holds every unallocated one): most searches are served
+        by unallocated victims alone, which come first in victim order.
+        ``standing``: each project's standing to order victims by, if not the
         ``standings``' of now."""
         self.now = now
         self.policy = policy
@@ -175,16 +180,6 @@ class Preemptor:
         # building this at a two-thousand-node cluster's scale.
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         self._in_order: set[str] = set()
-        for slice_ in running:
-            if (
-                slice_.state is _GRANTED
-                and not slice_.is_protected(now)
-                and not past_budget(slice_, policy)
-            ):
-                for placement in slice_.placements:
-                    self.candidates.setdefault(placement.node, []).append(
-                        (slice_, len(placement.gpu_indices))
-                    )
         self.candidate_gpus: dict[str, int] = {}
         # Which projects have candidates, and how many of them are unallocated or
         # batch: enough to tell cheaply when a request can preempt nothing at all.
@@ -202,10 +197,30 @@ class Preemptor:
         if standing is None:
             standing = {p: standings.standing(p) for p in standings.tree.projects}
         self._standing = standing
-        for node_name, entries in self.candidates.items():
-            self.candidate_gpus[node_name] = sum(gpus for _, gpus in entries)
-            for slice_, gpus in entries:
-                self._count(slice_, node_name, gpus, 1)
+        self._file(running)
+        self._allocated_later: Iterable[Slice] | None = allocated_later
+
+    def _file(self, running: Iterable[Slice]) -> None:
+        """Take in those of ``running`` that someone could preempt now."""
+        now, policy = self.now, self.policy
+        for slice_ in running:
+            if (
+                slice_.state is _GRANTED
+                and not slice_.is_protected(now)
+                and not past_budget(slice_, policy)
+            ):
+                for placement in slice_.placements:
+                    node_name, gpus = placement.node, len(placement.gpu_indices)
+                    self.candidates.setdefault(node_name, []).append((slice_, gpus))
+                    self._in_order.discard(node_name)
+                    self.candidate_gpus[node_name] = self.candidate_gpus.get(node_name, 0) + gpus
+                    self._count(slice_, node_name, gpus, 1)
+
+    def _file_later(self) -> None:
+        """Take in the allocated candidates held back (see ``__init__``), once."""
+        if self._allocated_later is not None:
+            later, self._allocated_later = self._allocated_later, None
+            self._file(later)
 
     def on(self, node_name: str) -> list[tuple[Slice, int]]:
         """The candidates on ``node_name`` in victim order (:func:`victim_key`), with
@@ -220,6 +235,7 @@ class Preemptor:
     @property
     def nodes_of(self) -> dict[_Group, Counter[str]]:
         """Per group of candidates, the GPUs they hold on each node."""
+        self._file_later()
         if self._nodes_of is None:
             self._nodes_of = {}
             for node_name, entries in self.candidates.items():
@@ -271,6 +287,7 @@ class Preemptor:
             return True
         if self.unallocated > 0:
             return False
+        self._file_later()
         if self.by_project[requester.project] > 0:
             return False  # its own lower-ranked work; checked per slice
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
@@ -282,6 +299,8 @@ class Preemptor:
 
     def remove(self, slice_: Slice) -> None:
         """Forget a slice that is leaving (preempted in this pass)."""
+        if slice_.allocated:
+            self._file_later()  # else it would be filed later, as if still there
         for placement in slice_.placements:
             entries = self.candidates[placement.node]
             entries[:] = [e for e in entries if e[0].id != slice_.id]
@@ -333,6 +352,7 @@ class Preemptor:
         ]
         best = self._search_unallocated(requester, free, free_only)
         if best is None:
+            self._file_later()
             visit, eligible = self._eligible(requester)
             where: set[str] = set()
             for group in visit:
