@@ -12,6 +12,7 @@ import math
 import random
 from dataclasses import replace
 
+import pytest
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -33,7 +34,7 @@ from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug, past_budget, preemption_delay
 from broker.core.resume import RESUME_PHASE, still_quiet
-from broker.core.scheduler import schedule
+from broker.core.scheduler import _Pass, schedule
 from broker.core.transitions import apply, preempting
 from broker.core.whatif import alternatives
 
@@ -390,6 +391,24 @@ def test_a_pass_from_kept_state_decides_what_a_pass_from_scratch_decides(rng, st
         ):
             if count:
                 event(what)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.randoms(use_true_random=False), st.lists(st.integers(0, 11), max_size=4))
+def test_requests_alike_are_planned_for_as_each_would_be_alone(rng, twinned):
+    """A pass plans a reservation once for requests alike (project, class, shape)
+    while nothing it plans from changes: it decides what planning each anew does."""
+    cluster = a_cluster(rng)
+    waiting = [s for s in cluster if s.state is SliceState.PENDING]
+    for at, which in enumerate(twinned):
+        if waiting:
+            twin = waiting[which % len(waiting)]
+            cluster.append(replace(twin, id=10_000 + at, submitted_at=twin.submitted_at + at))
+    snap = snapshot(NODES, ACCOUNTS, cluster, policy=POLICY, weights=WEIGHTS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Pass, "_plan_key", lambda self, requester: (requester.id,))
+        alone = schedule(snap, ProjectTree(ACCOUNTS))
+    assert schedule(snap, ProjectTree(ACCOUNTS)) == alone
 
 
 def decisions_ids(decisions) -> list[int]:

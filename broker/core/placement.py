@@ -33,6 +33,9 @@ class FreeGpus:
             if free is not None:
                 free.difference_update(placement.gpu_indices)
         self.free_total = sum(map(len, self.free.values()))  # free GPUs of every node
+        # How many takes and gives moved a GPU so far: what a pass works out from this
+        # map (a reservation's plan) holds while the count stays.
+        self.changes = 0
         # Nodes whose set of free GPUs is this map's alone: a copy shares every set
         # until one side changes it (a pass copies the kept map and changes a few).
         self._own: set[str] = set(self.free)
@@ -60,6 +63,7 @@ class FreeGpus:
         other.free = dict(self.free)  # every set shared now: neither side owns one
         other._own, self._own = set(), set()
         other.free_total = self.free_total
+        other.changes = self.changes
         other.largest, other.total = dict(self.largest), dict(self.total)
         other._buckets = {t: [list(b) for b in buckets] for t, buckets in self._buckets.items()}
         other._cheapest_first = self._cheapest_first
@@ -104,6 +108,7 @@ class FreeGpus:
             before = len(free)
             how(free, placement.gpu_indices)
             if len(free) != before:
+                self.changes += 1
                 self.free_total += len(free) - before
                 self._move(placement.node, before)
 
