@@ -22,10 +22,12 @@ from broker.core.fairshare import ProjectTree
 from broker.core.incremental import NodeHolders, PassState, holder_kind, pending_shape
 from broker.core.model import (
     Account,
+    Contract,
     Node,
     NodeState,
     Placement,
     Policy,
+    QueueStretch,
     SliceKind,
     SliceState,
     Snapshot,
@@ -409,6 +411,23 @@ def test_requests_alike_are_planned_for_as_each_would_be_alone(rng, twinned):
         patch.setattr(_Pass, "_plan_key", lambda self, requester: (requester.id,))
         alone = schedule(snap, ProjectTree(ACCOUNTS))
     assert schedule(snap, ProjectTree(ACCOUNTS)) == alone
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 16))
+def test_free_work_no_gpu_is_left_for_takes_its_places_as_each_would(rng, free_work):
+    """Once no GPU is left, free or to borrow, a pass queues the rest of the free
+    work in stretches: the queue and decisions of walking it slice by slice."""
+    cluster = a_cluster(rng)
+    cluster += [replace(a_pending(rng, NOW), contract=Contract(0.0)) for _ in range(free_work)]
+    snap = snapshot(NODES, ACCOUNTS, cluster, policy=POLICY, weights=WEIGHTS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Pass, "_nothing_fits", lambda self: False)
+        walked = schedule(snap, ProjectTree(ACCOUNTS))
+    decisions = schedule(snap, ProjectTree(ACCOUNTS))
+    event(f"stretches: {any(isinstance(part, QueueStretch) for part in decisions.queue._parts)}")
+    assert decisions == walked
+    assert list(decisions.queue) == list(walked.queue)
 
 
 def decisions_ids(decisions) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 import time
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator
@@ -1344,7 +1345,13 @@ class _Pass:
         # also depends on the lane: never kept.
         unplaced: set[tuple] = set()
         headroom, policy = self.policy.debug_headroom, self.policy
-        for slice_ in self.unallocated_backlog:
+        backlog = self.unallocated_backlog
+        for at, slice_ in enumerate(backlog):
+            if self._nothing_fits():
+                # No GPU left, free or to borrow: the rest only take their places,
+                # in stretches (three in four rows of a month with a long queue).
+                self._stretch_rest(backlog, at, position)
+                return
             position += 1
             value = self.values[slice_.project]
             shape = (
@@ -1365,7 +1372,25 @@ class _Pass:
                     unplaced.add(shape)
                 self.queue.append((slice_.id, position, value, None))
 
+    def _nothing_fits(self) -> bool:
+        """Whether no GPU is left, free or to borrow from a reservation (then none is
+        until the pass ends: free GPUs only shrink from here)."""
+        return self.free.free_total + self._lendable_gpus == 0
 
+    def _stretch_rest(self, backlog: list[Slice], start: int, position: int) -> None:
+        """Queue ``backlog[start:]``, after ``position``, in stretches of one project
+        each (the backlog is in project rank first), with no estimated start."""
+        for project, run in itertools.groupby(backlog[start:], key=_PROJECT):
+            stop = start + len(list(run))
+            self.stretches.append(len(self.queue))
+            self.queue.append(
+                QueueStretch(backlog, start, stop, position + 1, self.values[project])
+            )
+            position += stop - start
+            start = stop
+
+
+_PROJECT = operator.attrgetter("project")
 _NEVER = 1 << 62
 
 
