@@ -173,11 +173,12 @@ class Preemptor:
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
-        # Slices that someone could preempt now, per node they hold GPUs on, with
-        # the GPUs each holds there; put in victim order by the standings at the
-        # start of the pass when a search first reads the node (:meth:`on`): most
-        # searches read a few of the nodes, and sorting every node's was most of
-        # building this at a two-thousand-node cluster's scale.
+        # Slices that someone could preempt now (the allocated ones once filed:
+        # _file_later), per node they hold GPUs on, with the GPUs each holds there;
+        # put in victim order by the standings at the start of the pass when a
+        # search first reads the node (:meth:`on`): most searches read a few of the
+        # nodes, and sorting every node's was most of building this at a
+        # two-thousand-node cluster's scale.
         self.candidates: dict[str, list[tuple[Slice, int]]] = {}
         self._in_order: set[str] = set()
         self.candidate_gpus: dict[str, int] = {}
