@@ -191,7 +191,13 @@ def whole_node_floor(holders: NodeHolders, now: float, grace: float, unfree: int
     """
     if holders.held > unfree:
         return now
-    return max(now, holders.floor, min(holders.latest_end, now + grace))
+    return holders_floor(holders, now, now + grace)
+
+
+def holders_floor(holders: NodeHolders, now: float, soonest: float) -> float:
+    """:func:`whole_node_floor` of a node whose holders hold no more than it has:
+    ``soonest`` is a grace period from ``now``, the soonest a taken holder leaves."""
+    return max(now, holders.floor, min(holders.latest_end, soonest))
 
 
 class NodeView:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
 import time
 from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from operator import attrgetter, itemgetter
 
 from . import backfill
 from .fairshare import ProjectTree
-from .incremental import NodeHolders, PassState, borrow_traits, whole_node_floor
+from .incremental import NodeHolders, PassState, borrow_traits, holders_floor, whole_node_floor
 from .model import (
     Decisions,
     Ending,
@@ -1035,11 +1034,9 @@ class _Pass:
                 exact: list[tuple[float, str]] = []
                 for _, name in entries[:late]:
                     if name not in apart:
-                        # whole_node_floor, inlined (a third of the nodes each time): a
-                        # node outside ``apart`` has no more held than unfree GPUs.
-                        holders = kept_holders(name)
-                        floor = max(now, holders.floor, min(holders.latest_end, soonest))
-                        exact.append((floor, name))
+                        # Outside ``apart`` a node's holders hold no more than it has: no
+                        # count of its free GPUs (a third of the nodes each time).
+                        exact.append((holders_floor(kept_holders(name), now, soonest), name))
                 for name in apart:
                     if nodes[name].gpu_type == gpu_type:
                         unfree = nodes[name].gpu_count - len(free.get(name, ()))
@@ -1390,7 +1387,7 @@ class _Pass:
             start = stop
 
 
-_PROJECT = operator.attrgetter("project")
+_PROJECT = attrgetter("project")
 _NEVER = 1 << 62
 
 
