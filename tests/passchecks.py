@@ -34,11 +34,12 @@ from broker.core.scheduler import _Pass
 
 @contextmanager
 def every_node_asked() -> Iterator[None]:
-    """Reservation plans that ask every node, none skipped for its floor
-    (``backfill.plan`` as it was before gangs asked in order)."""
+    """Reservation plans that ask every node, none skipped for its floor or for
+    holders that never give its GPUs back (``backfill.plan`` as it was before gangs
+    asked in order)."""
     plan = backfill.plan
     backfill.plan = lambda requester, **asked: plan(
-        requester, **{**asked, "whole_node_floors": None}
+        requester, **{**asked, "whole_node_floors": None, "most_freed": None}
     )
     try:
         yield

@@ -26,7 +26,7 @@ from broker.core.model import (
     SliceState,
 )
 from broker.core.preemption import past_budget
-from broker.core.scheduler import schedule
+from broker.core.scheduler import _Pass, schedule
 from broker.sim.engine import SimConfig, simulate
 from broker.sim.policies import FairShare
 from broker.sim.workloads import GeneratorConfig, generate
@@ -297,3 +297,41 @@ def test_a_node_a_gang_skipped_is_estimated_for_its_class_as_the_gang_would_have
     assert plans[gang.id].due_at == NOW + 2 * HOUR + 60
     assert [p.node for p in plans[small.id].placements] == ["n2"]
     assert plans[small.id].due_at == NOW + 60
+
+
+def test_a_gang_asks_no_releases_of_a_node_that_never_frees_for_it():
+    # heavy holds 22 of 24 GPUs (share 8), tiny 2 on n2 with no known end and under its
+    # share: fair share refuses light's gang every GPU of tiny's, so n2, though the
+    # first that could be free, never is for the gang. Its releases are not worked
+    # out; the gang reserves n0 and n1 as when every node is asked.
+    held = [
+        running("heavy", f"n{i}", tuple(range(8)), granted_ago=MIN, max_runtime=2 * HOUR)
+        for i in (0, 1)
+    ]
+    held += [
+        running("heavy", "n2", tuple(range(6)), granted_ago=MIN, max_runtime=30 * MIN),
+        running("tiny", "n2", (6, 7), granted_ago=3 * HOUR),
+    ]
+    gang = pending("light", 16, submitted_at=NOW)
+    tree = flat_tree("heavy", "light", "tiny")
+    snap = snapshot([Node(f"n{i}", "h100", 8) for i in range(3)], tree, [*held, gang])
+    estimated: list[str] = []
+    real_estimate = _Pass._estimate
+
+    def counted(self, node, estimate):
+        estimated.append(node)
+        return real_estimate(self, node, estimate)
+
+    try:
+        _Pass._estimate = counted  # type: ignore[method-assign]
+        with every_node_asked():
+            everyone = schedule(snap)
+        asked_of_every = list(estimated)
+        estimated.clear()
+        decisions = schedule(snap)
+    finally:
+        _Pass._estimate = real_estimate  # type: ignore[method-assign]
+    assert "n2" in asked_of_every and "n2" not in estimated
+    assert decisions == everyone
+    (plan,) = decisions.reservations
+    assert [p.node for p in plan.placements] == ["n0", "n1"]

@@ -27,6 +27,7 @@ def plan(
     releases: Releases,
     now: float,
     whole_node_floors: Floors | None = None,
+    most_freed: Callable[[str], int | None] | None = None,
 ) -> Reservation | None:
     """A reservation of the GPUs that free up soonest for ``requester``, or None
     when no release time is known.
@@ -38,7 +39,9 @@ def plan(
     give back how many GPUs to this requester; ``whole_node_floors``, if given,
     ``nodes`` by a time no sooner than which each could be wholly free, so that a
     gang asks a large cluster's nodes in that order and only until the earliest
-    are known.
+    are known. ``most_freed``, if given, bounds per node the GPUs that could ever be
+    free for ``requester``, free ones included (None: no bound), so that a gang
+    asks no releases of a node that can never be wholly free for it.
     """
     eligible = [
         n for n in nodes.values() if requester.gpu_type is None or n.gpu_type == requester.gpu_type
@@ -62,17 +65,22 @@ def plan(
         return Reservation(
             requester.id, (Placement(name, tuple(sorted(free.get(name, ())))),), False, due
         )
+
+    def due_of(name: str) -> float | None:
+        node = nodes[name]
+        if most_freed is not None:
+            bound = most_freed(name)
+            if bound is not None and bound < node.gpu_count:
+                return None
+        return _time_to_free(node, node.gpu_count, free, releases, now)
+
     by_type: dict[str, list[tuple[float, str]]] = {}
     if whole_node_floors is None:
         for node in eligible:
-            due = _time_to_free(node, node.gpu_count, free, releases, now)
+            due = due_of(node.name)
             if due is not None:
                 by_type.setdefault(node.gpu_type, []).append((due, node.name))
     else:
-
-        def due_of(name: str) -> float | None:
-            return _time_to_free(nodes[name], nodes[name].gpu_count, free, releases, now)
-
         for gpu_type, candidates in whole_node_floors.items():
             if requester.gpu_type is None or gpu_type == requester.gpu_type:
                 by_type[gpu_type] = _earliest_whole_nodes(candidates, requester.gpus, nodes, due_of)

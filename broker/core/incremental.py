@@ -113,6 +113,9 @@ class NodeHolders:
     others that are allocated, per project, with ``rival_ends`` their known ends;
     ``unallocated``: the unallocated ones, which any allocated request may take.
     ``batch``: whether a rival is batch work (the debug lane's to take).
+    ``open_ended``: per rival project, the GPUs of its holders with no known end;
+    ``open_ended_fixed``: the same of the holders no one may take. Unless the rule
+    lets a request take them, those GPUs never come back to it.
 
     ``floor`` and ``latest_end`` bound, for any requester, when the node could be
     wholly free (:func:`whole_node_floor`): each holder leaves at its known end,
@@ -127,6 +130,8 @@ class NodeHolders:
         "held",
         "known",
         "latest_end",
+        "open_ended",
+        "open_ended_fixed",
         "rival_ends",
         "rivals",
         "unallocated",
@@ -140,6 +145,8 @@ class NodeHolders:
         self.rivals: dict[str, list[tuple[Slice, int]]] = {}
         self.rival_ends: dict[str, list[tuple[float, int]]] = {}
         self.unallocated: list[tuple[Slice, int]] = []
+        self.open_ended: dict[str, int] = {}
+        self.open_ended_fixed = 0
         self.batch = False
         self.floor = self.latest_end = -math.inf
         self.held = 0
@@ -169,6 +176,8 @@ class NodeHolders:
             if not takeable:
                 if ends is not None:
                     self.fixed.append((ends, gpus))
+                else:
+                    self.open_ended_fixed += gpus
             elif not holder.allocated:
                 self.unallocated.append((holder, gpus))
             else:
@@ -177,6 +186,9 @@ class NodeHolders:
                 self.rivals[holder.project].append((holder, gpus))
                 if ends is not None:
                     self.rival_ends[holder.project].append((ends, gpus))
+                else:
+                    open_ended = self.open_ended
+                    open_ended[holder.project] = open_ended.get(holder.project, 0) + gpus
                 self.batch = self.batch or holder.kind is SliceKind.BATCH
         self.known.sort()
 

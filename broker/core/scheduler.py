@@ -794,13 +794,15 @@ class _Pass:
         if key in self._plans:
             planned = self._plans[key]
             return None if planned is None else replace(planned, slice_id=requester.id)
+        releases, most_freed = self._releases_for(requester)
         planned = self._plans[key] = backfill.plan(
             requester,
             nodes=self.free.nodes,
             free=self.free.free,
-            releases=self._releases_for(requester),
+            releases=releases,
             now=self.now,
             whole_node_floors=self._whole_node_floors(),
+            most_freed=most_freed,
         )
         return planned
 
@@ -964,8 +966,11 @@ class _Pass:
         self.queue.append((slice_.id, position, value, deadline))
         return True
 
-    def _releases_for(self, requester: Slice) -> backfill.Releases:
-        """Expected releases per node for ``requester``, earliest first.
+    def _releases_for(
+        self, requester: Slice
+    ) -> tuple[backfill.Releases, Callable[[str], int | None] | None]:
+        """``backfill.plan``'s ``releases`` for ``requester`` (expected releases per
+        node, earliest first) and, for a gang, its ``most_freed``.
 
         The lists are kept per node and requester class (project and
         :func:`within_project_key`) for the rest of the pass (until someone is
@@ -984,6 +989,13 @@ class _Pass:
         The rule is asked only of holders it could let ``requester`` take
         (:meth:`_estimate`); where it could take none, each holder leaves at its
         known end, and the node's list of those, kept by the index, serves.
+
+        A gang's ``most_freed`` spares it the lists of nodes that can never be
+        wholly free for it (nearly half the nodes its plans ask, in a month with a
+        long queue): those where holders with no known end are work no one may take
+        or belong to projects the rule refuses it at all (:meth:`_open_ended`). A
+        node it skips that way is estimated later as it would have been then, as
+        above.
         """
         requester_class = (requester.project, within_project_key(requester))
         estimate = _Estimate(self, requester)
@@ -992,24 +1004,66 @@ class _Pass:
         of_its_type = (
             self.largest_node if requester.gpu_type is None else largest.get(requester.gpu_type, 0)
         )
-        if of_its_type and backfill.takes_whole_nodes(requester, of_its_type):
+        gang = bool(of_its_type) and backfill.takes_whole_nodes(requester, of_its_type)
+        if gang:
             deferred.append(estimate)
             self._judged_now.append(estimate)
         types = self.kept.nodes.types
+
+        def how(node: str) -> _Estimate:
+            for earlier in deferred:
+                if earlier.requester.gpu_type in (None, types[node]):
+                    return earlier  # its plan would have asked then
+            return estimate
 
         def releases(node: str) -> list[tuple[float, int]]:
             key = (node, requester_class)
             found = self._releases.get(key)
             if found is None:
-                how = estimate
-                for earlier in deferred:
-                    if earlier.requester.gpu_type in (None, types[node]):
-                        how = earlier  # its plan would have asked then
-                        break
-                found = self._releases[key] = how(node)
+                found = self._releases[key] = how(node)(node)
             return found
 
-        return releases
+        if not gang:
+            return releases, None
+
+        free, known = self.free.free, self._releases
+
+        def most_freed(node: str) -> int | None:
+            if (node, requester_class) in known:
+                return None  # its list is there to read
+            holders = self._node_holders(node)
+            most = len(free.get(node, ())) + holders.held - holders.open_ended_fixed
+            if holders.open_ended:
+                most -= self._open_ended(holders, how(node))
+            return most
+
+        return releases, most_freed
+
+    def _open_ended(self, holders: NodeHolders, estimate: _Estimate) -> int:
+        """GPUs of rivals among ``holders`` that :meth:`_estimate` gives no release
+        for, at least: those held with no known end by projects the rule refuses
+        the request at all (none counted where it asks every holder)."""
+        requester = estimate.requester
+        if not requester.allocated or (estimate.takes_batch and holders.batch):
+            return 0
+        return sum(
+            gpus
+            for project, gpus in holders.open_ended.items()
+            if project != requester.project and self._refuses(estimate, project)
+        )
+
+    def _refuses(self, estimate: _Estimate, project: str) -> bool:
+        """Whether fair share refuses ``estimate``'s request every holder of
+        ``project``: it refuses at its most lenient, so whatever moves. Kept per
+        estimate, on the fair share it is judged on."""
+        refuses = estimate.refused.get(project)
+        if refuses is None:
+            judged = estimate.judged
+            standings = self.standings if judged is None else judged[0]
+            refuses = estimate.refused[project] = not standings.may_take_at_all(
+                estimate.requester.project, project, estimate.gang
+            )
+        return refuses
 
     def _whole_node_floors(self) -> backfill.Floors:
         """Per GPU type, the nodes in order of when each could be wholly free at the
@@ -1082,18 +1136,9 @@ class _Pass:
                         at = known
                 found.append((at, gpus))
         for project, rivals in holders.rivals.items():
-            if project != requester.project:
-                refuses = estimate.refused.get(project)
-                if refuses is None:
-                    # A project fair share refuses at its most lenient, it refuses
-                    # whatever moves.
-                    standings = self.standings if judged is None else judged[0]
-                    refuses = estimate.refused[project] = not standings.may_take_at_all(
-                        requester.project, project, estimate.gang
-                    )
-                if refuses:
-                    found += holders.rival_ends[project]
-                    continue
+            if project != requester.project and self._refuses(estimate, project):
+                found += holders.rival_ends[project]
+                continue
             asked = True
             for holder, gpus in rivals:
                 at = self._release_at(holder, requester, judged, answers)
