@@ -299,7 +299,7 @@ def test_a_node_a_gang_skipped_is_estimated_for_its_class_as_the_gang_would_have
     assert plans[small.id].due_at == NOW + 60
 
 
-def test_a_gang_asks_no_releases_of_a_node_that_never_frees_for_it():
+def test_a_gang_asks_no_releases_of_a_node_that_never_frees_for_it(monkeypatch):
     # heavy holds 22 of 24 GPUs (share 8), tiny 2 on n2 with no known end and under its
     # share: fair share refuses light's gang every GPU of tiny's, so n2, though the
     # first that could be free, never is for the gang. Its releases are not worked
@@ -322,15 +322,12 @@ def test_a_gang_asks_no_releases_of_a_node_that_never_frees_for_it():
         estimated.append(node)
         return real_estimate(self, node, estimate)
 
-    try:
-        _Pass._estimate = counted  # type: ignore[method-assign]
-        with every_node_asked():
-            everyone = schedule(snap)
-        asked_of_every = list(estimated)
-        estimated.clear()
-        decisions = schedule(snap)
-    finally:
-        _Pass._estimate = real_estimate  # type: ignore[method-assign]
+    monkeypatch.setattr(_Pass, "_estimate", counted)
+    with every_node_asked():
+        everyone = schedule(snap)
+    asked_of_every = list(estimated)
+    estimated.clear()
+    decisions = schedule(snap)
     assert "n2" in asked_of_every and "n2" not in estimated
     assert decisions == everyone
     (plan,) = decisions.reservations

@@ -187,8 +187,7 @@ class NodeHolders:
                 if ends is not None:
                     self.rival_ends[holder.project].append((ends, gpus))
                 else:
-                    open_ended = self.open_ended
-                    open_ended[holder.project] = open_ended.get(holder.project, 0) + gpus
+                    self.open_ended[holder.project] = self.open_ended.get(holder.project, 0) + gpus
                 self.batch = self.batch or holder.kind is SliceKind.BATCH
         self.known.sort()
 
