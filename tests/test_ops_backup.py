@@ -71,10 +71,11 @@ def state_of(service: BrokerService, until: float) -> dict:
             (n["name"], n["state"], n.get("state_reason"))
             for n in service.get("/nodes", token=token).json()["nodes"]
         ],
-        "projects": [
+        # By name: siblings are listed in fair-share order, which moves as charges accrue.
+        "projects": sorted(
             (p["name"], p["parent"], p["share"], p.get("users"), p.get("groups"))
             for p in service.get("/projects", token=token).json()["projects"]
-        ],
+        ),
         "usage": usage,
     }
 
