@@ -36,6 +36,7 @@ class FreeGpus:
         # How many takes and gives moved a GPU so far: what a pass works out from this
         # map (a reservation's plan) holds while the count stays.
         self.changes = 0
+        self._most_free = (-1, 0)  # (changes, most_free()) when last worked out
         # Nodes whose set of free GPUs is this map's alone: a copy shares every set
         # until one side changes it (a pass copies the kept map and changes a few).
         self._own: set[str] = set(self.free)
@@ -63,7 +64,7 @@ class FreeGpus:
         other.free = dict(self.free)  # every set shared now: neither side owns one
         other._own, self._own = set(), set()
         other.free_total = self.free_total
-        other.changes = self.changes
+        other.changes, other._most_free = self.changes, self._most_free
         other.largest, other.total = dict(self.largest), dict(self.total)
         other._buckets = {t: [list(b) for b in buckets] for t, buckets in self._buckets.items()}
         other._cheapest_first = self._cheapest_first
@@ -113,13 +114,18 @@ class FreeGpus:
                 self._move(placement.node, before)
 
     def most_free(self) -> int:
-        """The most free GPUs on any one node: more than that fit no single node."""
+        """The most free GPUs on any one node: more than that fit no single node.
+        Kept while no GPU moves: a pass asks it of every blocked stretch."""
+        changes, most = self._most_free
+        if changes == self.changes:
+            return most
         most = 0
         for buckets in self._buckets.values():
             for count in range(len(buckets) - 1, most, -1):
                 if buckets[count]:
                     most = count
                     break
+        self._most_free = (self.changes, most)
         return most
 
     def types(self, gpu_type: str | None) -> list[str]:
