@@ -18,6 +18,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from passchecks import check_pass, every_node_asked, floors_checked
 
+from broker.core.candidates import Candidates
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import NodeHolders, PassState, holder_kind, pending_shape
 from broker.core.model import (
@@ -179,6 +180,10 @@ def check_index(kept: PassState, snap: Snapshot, rng: random.Random) -> None:
                 and not s.is_protected(when)
                 and not past_budget(s, policy)
             }
+    # The victim index it keeps is who could be preempted, whenever asked: later
+    # (moved by the protections that ended since) or sooner (worked out anew).
+    for when in (snap.now, *sorted(rng.sample(ends, min(2, len(ends)))), snap.now):
+        assert_same_candidates(kept.victims_at(when), Candidates.of(slices, when, policy))
     assert all(
         kept.shapes[i] == kept.shape_number(s) for s in waiting if (i := s.id) in kept.shapes
     )
@@ -279,6 +284,19 @@ CHANGES = (
     *("apply", "apply", "apply", "submit", "release", "lease", "node", "usage", "clock"),
     *("retype", "policy", "weights"),
 )
+
+
+def assert_same_candidates(kept: Candidates, fresh: Candidates) -> None:
+    """Two victim indexes hold the same candidates, indexed alike."""
+    assert kept.slices == fresh.slices
+    assert kept.on == fresh.on
+    assert kept.gpus_on == fresh.gpus_on
+    assert {g: +nodes for g, nodes in kept.nodes_of.items() if +nodes} == {
+        g: +nodes for g, nodes in fresh.nodes_of.items() if +nodes
+    }
+    assert +kept.by_project == +fresh.by_project
+    assert (kept.batch, kept.unallocated) == (fresh.batch, fresh.unallocated)
+    assert +kept.unallocated_on == +fresh.unallocated_on
 
 
 def test_shape_numbers_start_again_once_the_shapes_numbered_are_mostly_gone():

@@ -180,9 +180,7 @@ def test_hopeless_only_when_the_rule_refuses_every_candidate(cluster):
     slices, requester = cluster
     preemptor = preemptor_for(slices, requester)
     reasons = {
-        s.id: rule_says(preemptor, requester, s)
-        for entries in preemptor.candidates.values()
-        for s, _ in entries
+        s.id: rule_says(preemptor, requester, s) for s in preemptor.candidates.slices.values()
     }
     hopeless = preemptor.hopeless(requester)
     event(f"hopeless={hopeless}")

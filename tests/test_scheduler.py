@@ -815,7 +815,7 @@ def scan_every_node(preemptor, requester, free):
     if not requester.allocated:
         return None
     best = None
-    for name in preemptor.candidates:
+    for name in preemptor.candidates.on:
         entries = preemptor.on(name)
         node = preemptor.nodes.get(name)
         if node is None or node.gpu_count < requester.gpus:

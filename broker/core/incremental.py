@@ -52,6 +52,7 @@ from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from .candidates import Candidates
 from .fairshare import ProjectTree
 from .model import (
     Node,
@@ -285,6 +286,9 @@ class PassState:
         # Per kind of holder (holder_kind), (when a holder's protection ends, slice id),
         # sorted: a pass may preempt then, and quiet_until asks it of each kind
         self.protection_ends_by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
+        # Who could be preempted, at the time a pass last asked (victims_at): moved by
+        # the holders filed and forgotten, and by protection ends as time passes.
+        self._victims = Candidates()
         # The standings a pass started from, fair share's answers to "may one
         # project take from another at all" for them (Standings.lenient), and the
         # projects over their share (Standings.over_share): a pass whose holdings
@@ -427,6 +431,7 @@ class PassState:
             kind: ends[:] for kind, ends in self.protection_ends_by_kind.items()
         }
         other.delay_ends = None if self.delay_ends is None else self.delay_ends[:]
+        other._victims = self._victims.copy()
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
 
@@ -462,6 +467,7 @@ class PassState:
         self._floor_order = None
         self._shape_numbers = {}
         self.protection_ends_by_kind = {}
+        self._victims = Candidates()
         self.held = Holdings()
         self._free, self._holding_gpu = None, {}
         self.lenient = self.fair_shares = None
@@ -583,6 +589,26 @@ class PassState:
             at = bisect_right(ends, start)
             if at < len(ends):
                 yield kind, ends[at][0]
+
+    def victims_at(self, now: float) -> Candidates:
+        """Who could be preempted at ``now`` (to read, not to change): the granted
+        holders past their protection and within their preemption budget."""
+        victims, slices = self._victims, self.slices
+        if victims.at is None or now < victims.at:
+            victims = self._victims = Candidates()
+            for allocated in (False, True):
+                for slice_id in self.unprotected(now, allocated):
+                    victims.add(slices[slice_id])
+        elif now > victims.at:
+            after = (victims.at, math.inf)
+            last = (now, math.inf)
+            for (_, _, _, spent, granted), ends in self.protection_ends_by_kind.items():
+                if granted and not spent:
+                    start = bisect_right(ends, after)
+                    for _, slice_id in ends[start : bisect_right(ends, last, start)]:
+                        victims.add(slices[slice_id])
+        victims.at = now
+        return victims
 
     def unprotected(self, now: float, allocated: bool) -> Iterator[int]:
         """Ids of the granted holders, allocated or not, not past their preemption
@@ -779,6 +805,10 @@ class PassState:
         for at in _protection_end(slice_):
             kind = holder_kind(slice_, self.policy)
             insort(self.protection_ends_by_kind.setdefault(kind, []), (at, slice_.id))
+            _, _, _, spent, granted = kind
+            victims_at = self._victims.at
+            if granted and not spent and victims_at is not None and at <= victims_at:
+                self._victims.add(slice_)  # already past its protection then
 
     def _refile(self, before: Slice, after: Slice) -> None:
         """File ``after`` in place of ``before``, the same slice changed. Where only its
@@ -798,6 +828,8 @@ class PassState:
         if after.holds_gpus:
             for placement in after.placements:  # their summaries hold the slice itself
                 self._holders_changed(placement.node)
+            if after.id in self._victims.slices:
+                self._victims.replace(after)
         else:
             keys, slices = self.queues[(after.allocated, after.project)]
             slices[bisect_left(keys, within_queue_key(after))] = after
@@ -834,6 +866,8 @@ class PassState:
             del ends[bisect_left(ends, (at, slice_.id))]
             if not ends:
                 del self.protection_ends_by_kind[kind]
+        if slice_.id in self._victims.slices:
+            self._victims.remove(slice_.id)
 
 
 def borrow_traits(slice_: Slice, policy: Policy) -> tuple:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import combinations
 
+from .candidates import BATCH, PROJECT, UNALLOCATED, Candidates, Group, groups, past_budget
 from .model import Node, Placement, Policy, PreemptReason, Slice, SliceKind, SliceState
 from .ordering import victim_key, within_project_key
 from .standing import Standings
@@ -31,13 +32,6 @@ def is_debug(slice_: Slice, policy: Policy) -> bool:
         and slice_.gpus <= policy.debug_max_gpus
         and slice_.contract.min_runtime <= policy.debug_max_min_runtime
     )
-
-
-def past_budget(slice_: Slice, policy: Policy) -> bool:
-    """Whether an allocated slice has been preempted as often as a job may be: it
-    is no longer anyone's victim, but a drain's or a node going down (design.md §5.7)."""
-    budget = policy.preemption_budget
-    return budget is not None and slice_.allocated and slice_.preemptions >= budget
 
 
 def preemption_delay(slice_: Slice, policy: Policy) -> float:
@@ -157,103 +151,66 @@ class Preemptor:
         lane: DebugLane,
         nodes: Mapping[str, Node],
         weights: Mapping[str, float],
-        running: Iterable[Slice],
+        running: Iterable[Slice] = (),
+        candidates: Candidates | None = None,
+        leaving_out: Iterable[int] = (),
         standing: Mapping[str, float] | None = None,
-        allocated_later: Iterable[Slice] = (),
     ):
-        """``running``: the slices that may be candidates; ``allocated_later``: more
-        of them, all allocated, read only when a search first needs allocated ones
-        (``running`` then holds every unallocated one): most searches are served
-        by unallocated victims alone, which come first in victim order.
-        ``standing``: each project's standing to order victims by, if not the
-        ``standings``' of now."""
+        """The candidates are ``candidates`` (an index brought to ``now``, left as
+        it is) less the slices ``leaving_out``, or else those of ``running`` someone
+        could preempt now. ``standing``: each project's standing to order victims
+        by, if not the ``standings``' of now."""
         self.now = now
         self.policy = policy
         self.standings = standings
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
-        # Slices that someone could preempt now (the allocated ones once filed:
-        # _file_later), per node they hold GPUs on, with the GPUs each holds there;
-        # put in victim order by the standings at the start of the pass when a
-        # search first reads the node (:meth:`on`): most searches read a few of the
-        # nodes, and sorting every node's was most of building this at a
-        # two-thousand-node cluster's scale.
-        self.candidates: dict[str, list[tuple[Slice, int]]] = {}
-        self._in_order: set[str] = set()
-        self.candidate_gpus: dict[str, int] = {}
-        # Which projects have candidates, and how many of them are unallocated or
-        # batch: enough to tell cheaply when a request can preempt nothing at all.
-        self.by_project: Counter[str] = Counter()
-        self.unallocated = 0
-        self.batch = 0
-        # The victim indexes: per group of candidates (a project's allocated
-        # ones, all unallocated ones, all allocated batch ones), the GPUs they
-        # hold on each node. A search visits only the nodes of the groups the
-        # rule could take from, instead of asking it about every candidate.
-        # Unallocated candidates, which every search looks at first, are indexed
-        # at once; the other groups when a search first needs them.
-        self.unallocated_on: Counter[str] = Counter()
-        self._nodes_of: dict[_Group, Counter[str]] | None = None
+        if candidates is None:
+            candidates = Candidates.of(running, now, policy)
+        self.candidates = candidates
+        # What this search's candidates are beside the index's: the slices it left
+        # out or took (by node, their GPUs), and its own counts, copied when first
+        # changed. The index's ``nodes_of`` serves unchanged: a node it names that
+        # only slices left out made worth a visit has too few GPUs to take.
+        self._removed: set[int] = set()
+        self._gpus_removed: Counter[str] = Counter()
+        self.by_project = candidates.by_project
+        self.batch, self.unallocated = candidates.batch, candidates.unallocated
+        self.unallocated_on = candidates.unallocated_on
+        self._own_counts = False
+        # Each node's candidates in victim order, by the standings at the start of
+        # the pass, sorted when a search first reads the node (most read a few).
+        self._in_order: dict[str, list[tuple[Slice, int]]] = {}
         if standing is None:
             standing = {p: standings.standing(p) for p in standings.tree.projects}
         self._standing = standing
-        self._file(running)
-        self._allocated_later: Iterable[Slice] | None = allocated_later
+        for slice_id in leaving_out:
+            slice_ = candidates.slices.get(slice_id)
+            if slice_ is not None:
+                self.remove(slice_)
 
-    def _file(self, running: Iterable[Slice]) -> None:
-        """Take in those of ``running`` that someone could preempt now."""
-        now, policy = self.now, self.policy
-        for slice_ in running:
-            if (
-                slice_.state is _GRANTED
-                and not slice_.is_protected(now)
-                and not past_budget(slice_, policy)
-            ):
-                for placement in slice_.placements:
-                    node_name, gpus = placement.node, len(placement.gpu_indices)
-                    self.candidates.setdefault(node_name, []).append((slice_, gpus))
-                    self._in_order.discard(node_name)
-                    self.candidate_gpus[node_name] = self.candidate_gpus.get(node_name, 0) + gpus
-                    self._count(slice_, node_name, gpus, 1)
-
-    def _file_later(self) -> None:
-        """Take in the allocated candidates held back (see ``__init__``), once."""
-        if self._allocated_later is not None:
-            later, self._allocated_later = self._allocated_later, None
-            self._file(later)
+    def candidate_gpus(self, node_name: str) -> int:
+        """The GPUs candidates hold on ``node_name``."""
+        return self.candidates.gpus_on.get(node_name, 0) - self._gpus_removed[node_name]
 
     def on(self, node_name: str) -> list[tuple[Slice, int]]:
         """The candidates on ``node_name`` in victim order (:func:`victim_key`), with
         the GPUs each holds there."""
-        entries = self.candidates[node_name]
-        if node_name not in self._in_order:
-            standing = self._standing
+        entries = self._in_order.get(node_name)
+        if entries is None:
+            held = self.candidates.on.get(node_name, {}).values()
+            removed, standing = self._removed, self._standing
+            entries = [e for e in held if e[0].id not in removed] if removed else list(held)
             entries.sort(key=lambda e: victim_key(e[0], standing[e[0].project]))
-            self._in_order.add(node_name)
+            self._in_order[node_name] = entries
         return entries
 
     @property
-    def nodes_of(self) -> dict[_Group, Counter[str]]:
-        """Per group of candidates, the GPUs they hold on each node."""
-        self._file_later()
-        if self._nodes_of is None:
-            self._nodes_of = {}
-            for node_name, entries in self.candidates.items():
-                for slice_, gpus in entries:
-                    _index(self._nodes_of, slice_, node_name, gpus, 1)
-        return self._nodes_of
-
-    def _count(self, slice_: Slice, node_name: str, gpus: int, step: int) -> None:
-        self.by_project[slice_.project] += step
-        self.batch += step * (slice_.kind is _BATCH_KIND)
-        if not slice_.allocated:
-            self.unallocated += step
-            self.unallocated_on[node_name] += step * gpus
-            if not self.unallocated_on[node_name]:
-                del self.unallocated_on[node_name]
-        if self._nodes_of is not None:
-            _index(self._nodes_of, slice_, node_name, gpus, step)
+    def nodes_of(self) -> dict[Group, Counter[str]]:
+        """Per group of candidates, the GPUs they hold on each node (the index's:
+        see ``__init__``)."""
+        return self.candidates.nodes_of
 
     def reason(
         self,
@@ -288,7 +245,6 @@ class Preemptor:
             return True
         if self.unallocated > 0:
             return False
-        self._file_later()
         if self.by_project[requester.project] > 0:
             return False  # its own lower-ranked work; checked per slice
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
@@ -299,17 +255,27 @@ class Preemptor:
         )
 
     def remove(self, slice_: Slice) -> None:
-        """Forget a slice that is leaving (preempted in this pass)."""
-        if slice_.allocated:
-            self._file_later()  # else it would be filed later, as if still there
+        """Forget a candidate that is leaving (preempted in this pass)."""
+        if not self._own_counts:
+            self.by_project = Counter(self.by_project)
+            self.unallocated_on = Counter(self.unallocated_on)
+            self._own_counts = True
+        self._removed.add(slice_.id)
+        self.by_project[slice_.project] -= 1
+        self.batch -= slice_.kind is _BATCH_KIND
+        self.unallocated -= not slice_.allocated
         for placement in slice_.placements:
-            entries = self.candidates[placement.node]
-            entries[:] = [e for e in entries if e[0].id != slice_.id]
-            gpus = len(placement.gpu_indices)
-            self.candidate_gpus[placement.node] -= gpus
-            self._count(slice_, placement.node, gpus, -1)
+            node, gpus = placement.node, len(placement.gpu_indices)
+            self._gpus_removed[node] += gpus
+            entries = self._in_order.get(node)
+            if entries is not None:
+                entries[:] = [e for e in entries if e[0].id != slice_.id]
+            if not slice_.allocated:
+                self.unallocated_on[node] -= gpus
+                if not self.unallocated_on[node]:
+                    del self.unallocated_on[node]
 
-    def _eligible(self, requester: Slice) -> tuple[list[_Group], set[_Group]]:
+    def _eligible(self, requester: Slice) -> tuple[list[Group], set[Group]]:
         """The groups of candidates the rule could let ``requester`` take from,
         each asked at its most lenient (as :meth:`hopeless` does): any other
         candidate is refused whatever the search has already taken.
@@ -318,16 +284,16 @@ class Preemptor:
         asking about (the latter also holds the requester's own project, since
         a project's own lower-ranked work may be taken whatever fair share says).
         """
-        visit: list[_Group] = [_UNALLOCATED, (_PROJECT, requester.project)]
+        visit: list[Group] = [UNALLOCATED, (PROJECT, requester.project)]
         visit += [
-            (_PROJECT, project)
+            (PROJECT, project)
             for project, count in self.by_project.items()
             if count
             and project != requester.project
             and self.standings.may_take_at_all(requester.project, project)
         ]
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
-            visit.append(_BATCH)
+            visit.append(BATCH)
         return visit, set(visit)
 
     def find(self, requester: Slice, free: Mapping[str, set[int]]) -> Victims | None:
@@ -353,7 +319,6 @@ class Preemptor:
         ]
         best = self._search_unallocated(requester, free, free_only)
         if best is None:
-            self._file_later()
             visit, eligible = self._eligible(requester)
             where: set[str] = set()
             for group in visit:
@@ -411,17 +376,17 @@ class Preemptor:
         requester: Slice,
         free: Mapping[str, set[int]],
         node_names: Iterable[str],
-        eligible: set[_Group],
+        eligible: set[Group],
     ) -> tuple | None:
         """The best (score, node, victims) among ``node_names``, or None (see :meth:`find`)."""
         best: tuple | None = None
         for node_name in node_names:
             need = self._shortfall(requester, free, node_name)
-            if need is None or self.candidate_gpus[node_name] < need:
+            if need is None or self.candidate_gpus(node_name) < need:
                 continue
             # Only candidates of an eligible group could be taken (the rest the
             # rule refuses): too few of their GPUs, and the node cannot serve.
-            entries = [e for e in self.on(node_name) if not eligible.isdisjoint(_groups(e[0]))]
+            entries = [e for e in self.on(node_name) if not eligible.isdisjoint(groups(e[0]))]
             if sum(gpus for _, gpus in entries) < need:
                 continue
             weight = self.weights.get(self.nodes[node_name].gpu_type, 1.0)
@@ -485,35 +450,6 @@ class Preemptor:
                 else:
                     return chosen
         return None
-
-
-_Group = tuple[str, str]
-_PROJECT = "project"
-_UNALLOCATED = ("unallocated", "")
-_BATCH = ("batch", "")
-
-
-def _groups(slice_: Slice) -> tuple[_Group, ...]:
-    """The victim-index groups a candidate belongs to (see :class:`Preemptor`)."""
-    if not slice_.allocated:
-        return (_UNALLOCATED,)
-    if slice_.kind is _BATCH_KIND:
-        return ((_PROJECT, slice_.project), _BATCH)
-    return ((_PROJECT, slice_.project),)
-
-
-def _index(
-    nodes_of: dict[_Group, Counter[str]], slice_: Slice, node_name: str, gpus: int, step: int
-) -> None:
-    """Count a candidate's GPUs on ``node_name`` in (``step`` 1) or out (-1) of the
-    victim indexes ``nodes_of``."""
-    for group in _groups(slice_):
-        nodes = nodes_of.get(group)
-        if nodes is None:  # not setdefault: that would build a Counter every time
-            nodes = nodes_of[group] = Counter()
-        nodes[node_name] += step * gpus
-        if not nodes[node_name]:
-            del nodes[node_name]
 
 
 def _put_back(chosen: list, freed: int, need: int) -> int:

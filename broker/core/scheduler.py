@@ -464,6 +464,8 @@ class _Pass:
     @property
     def preemptor(self) -> Preemptor:
         if self._preemptor is None:
+            # The index's candidates, less the holders this pass ended (phase 1) or
+            # drained (phase 2): the holders as phase 2 left them.
             self._preemptor = Preemptor(
                 now=self.now,
                 policy=self.policy,
@@ -471,25 +473,11 @@ class _Pass:
                 lane=self.lane,
                 nodes=self.free.nodes,
                 weights=self.snap.gpu_type_weights,
-                running=self._candidates(allocated=False),
-                allocated_later=self._candidates(allocated=True),
+                candidates=self.kept.victims_at(self.now),
+                leaving_out=itertools.chain(self.ended, self._left_before),
                 standing=self._start_standing,
             )
         return self._preemptor
-
-    def _candidates(self, allocated: bool) -> Iterator[Slice]:
-        """The holders as phase 2 left them, allocated or not, that could be victims
-        now (see :attr:`holding`), from the index's protection ends: not every holder.
-        Read as the victim search asks, but as of now."""
-        kept_slices, live, gone, left = self.kept.slices, self.live, self.ended, self._left_before
-        ids = self.kept.unprotected(self.now, allocated)
-        return (
-            slice_
-            for slice_id in ids
-            if slice_id not in gone
-            and slice_id not in left
-            and live[slice_id] is (slice_ := kept_slices[slice_id])
-        )
 
     def _holders_on(self, node: str) -> list[tuple[Slice, int]]:
         """The slices holding GPUs on ``node`` at the start of phase 3, in id order,
