@@ -192,7 +192,7 @@ class Preemptor:
 
     def candidate_gpus(self, node_name: str) -> int:
         """The GPUs candidates hold on ``node_name``."""
-        return self.candidates.gpus_on.get(node_name, 0) - self._gpus_removed[node_name]
+        return self.candidates.gpus_on.get(node_name, 0) - self._gpus_removed.get(node_name, 0)
 
     def on(self, node_name: str) -> list[tuple[Slice, int]]:
         """The candidates on ``node_name`` in victim order (:func:`victim_key`), with
