@@ -4,6 +4,7 @@ preemption."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapshot
@@ -64,6 +65,40 @@ def test_whether_a_project_may_take_at_all_is_asked_again_once_holdings_move():
     standings.record("a", 4.0)
     assert standings.may_take_at_all("b", "a")
     assert standings.may_take_at_all("b", "a") == standings.may_take("b", "a", 0.0, 0.0)
+
+
+ORGS_TREE = ProjectTree(
+    [
+        Account("org1", 1.0),
+        Account("org2", 2.0),
+        Account("a", 1.0, "org1"),
+        Account("b", 3.0, "org1"),
+        Account("c", 1.0, "org2"),
+        Account("d", 1.0, "org2"),
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    held=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 16), min_size=1),
+    margin=st.sampled_from([0.0, 0.25, 1.0]),
+    moved=st.tuples(st.sampled_from("abcd"), st.integers(-4, 4)),
+)
+def test_only_projects_above_their_share_may_ever_be_taken_from(held, margin, moved):
+    """The victim search asks fair share only of the projects above their share:
+    no other project may be taken from, however lenient the question, before and
+    after the holdings move."""
+    standings = Standings.now(ORGS_TREE, 32.0, wanting=set(held), margin=margin)
+    for project, gpus in sorted(held.items()):
+        standings.record(project, float(gpus))
+    for _ in range(2):
+        above = standings.above_share()
+        assert above == {p for p in "abcd" if standings.standing(p) > 1.0}
+        for mine, theirs, gang in itertools.product("abcd", "abcd", (False, True)):
+            if standings.may_take_at_all(mine, theirs, gang):
+                assert theirs in above
+        standings.record(*moved)
 
 
 def test_an_overshoot_must_narrow_the_gap():

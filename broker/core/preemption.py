@@ -249,9 +249,10 @@ class Preemptor:
             return False  # its own lower-ranked work; checked per slice
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
             return False
+        candidates, standings = self.by_project, self.standings
         return not any(
-            count and self.standings.may_take_at_all(requester.project, project)
-            for project, count in self.by_project.items()
+            candidates.get(project) and standings.may_take_at_all(requester.project, project)
+            for project in standings.above_share()
         )
 
     def remove(self, slice_: Slice) -> None:
@@ -285,12 +286,13 @@ class Preemptor:
         a project's own lower-ranked work may be taken whatever fair share says).
         """
         visit: list[Group] = [UNALLOCATED, (PROJECT, requester.project)]
+        candidates, standings = self.by_project, self.standings
         visit += [
             (PROJECT, project)
-            for project, count in self.by_project.items()
-            if count
+            for project in standings.above_share()
+            if candidates.get(project)
             and project != requester.project
-            and self.standings.may_take_at_all(requester.project, project)
+            and standings.may_take_at_all(requester.project, project)
         ]
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
             visit.append(BATCH)

@@ -37,6 +37,8 @@ class Standings:
     # may_take_at_all's answers for these holdings; a new dict whenever they move,
     # never changed in place, so that the index can keep it for the next pass.
     lenient: dict[tuple[str, str, bool], bool] = field(default_factory=dict, compare=False)
+    # above_share's answer for these holdings (None: not worked out since they moved).
+    _above: set[str] | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def now(
@@ -63,6 +65,7 @@ class Standings:
         for account in self.tree.paths[project]:
             self.held[account] = self.held.get(account, 0.0) + weighted_gpus
         self.lenient = {}
+        self._above = None
 
     def standing(self, account: str, change: float = 0.0) -> float:
         """Weighted GPUs held ÷ fair share now, after holding ``change`` more."""
@@ -80,6 +83,13 @@ class Standings:
             for project in self.tree.projects
             if any(self.standing(account) > 1.0 for account in self.tree.paths[project])
         }
+
+    def above_share(self) -> set[str]:
+        """Projects that hold more than their own fair share now: the only ones
+        :meth:`may_take` ever lets anyone take from."""
+        if self._above is None:
+            self._above = {p for p in self.tree.projects if self.standing(p) > 1.0}
+        return self._above
 
     def may_take_at_all(self, mine: str, theirs: str, gang: bool = False) -> bool:
         """:meth:`may_take` at its most lenient (nothing gained or lost): False means
