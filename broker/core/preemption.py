@@ -171,8 +171,9 @@ class Preemptor:
         self.candidates = candidates
         # What this search's candidates are beside the index's: the slices it left
         # out or took (by node, their GPUs), and its own counts, copied when first
-        # changed. The index's ``nodes_of`` serves unchanged: a node it names that
-        # only slices left out made worth a visit has too few GPUs to take.
+        # changed. The index's ``nodes_of`` serves unchanged: a node it names only
+        # for slices left out is visited for nothing, as its eligible candidates
+        # (each node's own, from :meth:`on`) cannot make the request fit.
         self._removed: set[int] = set()
         self._gpus_removed: Counter[str] = Counter()
         self.by_project = candidates.by_project
@@ -249,14 +250,15 @@ class Preemptor:
             return False  # its own lower-ranked work; checked per slice
         if self.batch > 0 and is_debug(requester, self.policy) and self.lane.admits(requester):
             return False
-        candidates, standings = self.by_project, self.standings
+        counts, standings = self.by_project, self.standings
         return not any(
-            candidates.get(project) and standings.may_take_at_all(requester.project, project)
+            counts.get(project) and standings.may_take_at_all(requester.project, project)
             for project in standings.above_share()
         )
 
     def remove(self, slice_: Slice) -> None:
-        """Forget a candidate that is leaving (preempted in this pass)."""
+        """Forget a candidate that is leaving (ended, drained or preempted in this
+        pass); the index stays as it is."""
         if not self._own_counts:
             self.by_project = Counter(self.by_project)
             self.unallocated_on = Counter(self.unallocated_on)
@@ -286,11 +288,11 @@ class Preemptor:
         a project's own lower-ranked work may be taken whatever fair share says).
         """
         visit: list[Group] = [UNALLOCATED, (PROJECT, requester.project)]
-        candidates, standings = self.by_project, self.standings
+        counts, standings = self.by_project, self.standings
         visit += [
             (PROJECT, project)
             for project in standings.above_share()
-            if candidates.get(project)
+            if counts.get(project)
             and project != requester.project
             and standings.may_take_at_all(requester.project, project)
         ]
