@@ -67,14 +67,17 @@ def test_whether_a_project_may_take_at_all_is_asked_again_once_holdings_move():
     assert standings.may_take_at_all("b", "a") == standings.may_take("b", "a", 0.0, 0.0)
 
 
+# Two organisations of unequal shares, with unequal siblings in one of them.
 ORGS_TREE = ProjectTree(
-    [
-        Account("org1", 1.0),
-        Account("org2", 2.0),
-        Account("a", 1.0, "org1"),
-        Account("b", 3.0, "org1"),
-        Account("c", 1.0, "org2"),
-        Account("d", 1.0, "org2"),
+    [Account(org, share) for org, share in (("org1", 1.0), ("org2", 2.0))]
+    + [
+        Account(project, share, org)
+        for project, share, org in (
+            ("a", 1.0, "org1"),
+            ("b", 3.0, "org1"),
+            ("c", 1.0, "org2"),
+            ("d", 1.0, "org2"),
+        )
     ]
 )
 
