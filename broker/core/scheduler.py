@@ -1034,11 +1034,16 @@ class _Pass:
         requester = estimate.requester
         if not requester.allocated or (estimate.takes_batch and holders.batch):
             return 0
-        return sum(
-            gpus
-            for project, gpus in holders.open_ended.items()
-            if project != requester.project and self._refuses(estimate, project)
-        )
+        # The estimate's answers read in place: asked per node of every gang's plan.
+        refused, never = estimate.refused, 0
+        for project, gpus in holders.open_ended.items():
+            if project != requester.project:
+                refuses = refused.get(project)
+                if refuses is None:
+                    refuses = self._refuses(estimate, project)
+                if refuses:
+                    never += gpus
+        return never
 
     def _refuses(self, estimate: _Estimate, project: str) -> bool:
         """Whether fair share refuses ``estimate``'s request every holder of
