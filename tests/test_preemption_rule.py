@@ -11,6 +11,7 @@ from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapsho
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from broker.core.candidates import Candidates
 from broker.core.fairshare import ProjectTree
 from broker.core.model import (
     Account,
@@ -195,7 +196,7 @@ def preemptor_for(
         lane=lane,
         nodes={n.name: n for n in nodes(2)},
         weights={},
-        running=slices,
+        candidates=Candidates.of(slices, NOW, policy),
     )
 
 

@@ -10,6 +10,7 @@ from builders import HOUR, MIN, NOW, flat_tree, nodes, pending, running, snapsho
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker.core.candidates import Candidates
 from broker.core.fairshare import ProjectTree
 from broker.core.incremental import PassState
 from broker.core.model import (
@@ -913,7 +914,7 @@ def test_the_indexed_victim_search_picks_what_a_scan_of_every_node_picks(cluster
         lane=lane,
         nodes={n.name: n for n in nodes(4)},
         weights={},
-        running=slices,
+        candidates=Candidates.of(slices, NOW, policy),
     )
     expected = scan_every_node(preemptor, requester, free)
     found = preemptor.find(requester, free)

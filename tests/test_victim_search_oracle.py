@@ -22,6 +22,7 @@ from builders import HOUR, MIN, NOW, nodes, pending, running
 from hypothesis import event, given, settings
 from test_scheduler import crowded_clusters
 
+from broker.core.candidates import Candidates
 from broker.core.fairshare import ProjectTree
 from broker.core.model import Account, Policy, Slice, SliceKind
 from broker.core.ordering import victim_key
@@ -106,7 +107,7 @@ def test_the_victim_search_is_sound_sufficient_minimal_and_complete(cluster):
         lane=lane,
         nodes={n.name: n for n in CLUSTER},
         weights={},
-        running=slices,
+        candidates=Candidates.of(slices, NOW, POLICY),
     )
     found = preemptor.find(requester, free)
     oracle = fresh_standings(tree, slices, requester)  # the search's own is not read
@@ -152,7 +153,7 @@ def test_a_larger_victim_is_found_when_smaller_ones_of_its_project_spent_its_mar
         lane=DebugLane.for_cluster(32, POLICY),
         nodes={n.name: n for n in CLUSTER},
         weights={},
-        running=slices,
+        candidates=Candidates.of(slices, NOW, POLICY),
     )
     found = preemptor.find(requester, {})
     assert found is not None and found.placement.node == "n0"

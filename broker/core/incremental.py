@@ -595,10 +595,8 @@ class PassState:
         holders past their protection and within their preemption budget."""
         victims, slices = self._victims, self.slices
         if victims.at is None or now < victims.at:
-            victims = self._victims = Candidates()
-            for allocated in (False, True):
-                for slice_id in self.unprotected(now, allocated):
-                    victims.add(slices[slice_id])
+            assert self.policy is not None  # set before any slice is filed
+            victims = self._victims = Candidates.of(self.holding(), now, self.policy)
         elif now > victims.at:
             after = (victims.at, math.inf)
             last = (now, math.inf)
@@ -609,15 +607,6 @@ class PassState:
                         victims.add(slices[slice_id])
         victims.at = now
         return victims
-
-    def unprotected(self, now: float, allocated: bool) -> Iterator[int]:
-        """Ids of the granted holders, allocated or not, not past their preemption
-        budget, whose protection has ended by ``now``: who could be anyone's victim
-        then."""
-        last = (now, math.inf)
-        for (_, of_allocated, _, spent, granted), ends in self.protection_ends_by_kind.items():
-            if granted and not spent and of_allocated is allocated:
-                yield from (slice_id for _, slice_id in ends[: bisect_right(ends, last)])
 
     def holding(self) -> Iterator[Slice]:
         """The slices that hold GPUs, in id order."""

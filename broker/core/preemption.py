@@ -151,23 +151,19 @@ class Preemptor:
         lane: DebugLane,
         nodes: Mapping[str, Node],
         weights: Mapping[str, float],
-        running: Iterable[Slice] = (),
-        candidates: Candidates | None = None,
+        candidates: Candidates,
         leaving_out: Iterable[int] = (),
         standing: Mapping[str, float] | None = None,
     ):
         """The candidates are ``candidates`` (an index brought to ``now``, left as
-        it is) less the slices ``leaving_out``, or else those of ``running`` someone
-        could preempt now. ``standing``: each project's standing to order victims
-        by, if not the ``standings``' of now."""
+        it is) less the slices ``leaving_out``. ``standing``: each project's
+        standing to order victims by, if not the ``standings``' of now."""
         self.now = now
         self.policy = policy
         self.standings = standings
         self.lane = lane
         self.nodes = nodes
         self.weights = weights
-        if candidates is None:
-            candidates = Candidates.of(running, now, policy)
         self.candidates = candidates
         # What this search's candidates are beside the index's: the slices it left
         # out or took (by node, their GPUs), and its own counts, copied when first
