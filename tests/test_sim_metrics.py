@@ -153,6 +153,27 @@ def test_churn_counts_the_jobs_that_spent_their_preemption_budget():
     assert summarise(rec, end=HOUR, entitlements={"a": 1.0})["jobs_at_budget"] is None
 
 
+def test_churn_counts_gpu_hours_held_past_the_budget_and_multi_node_preemptions():
+    rec = _recorder(jobs=3)
+    rec.preemption_budget = 2
+    spent, fresh = Job(1, 0, "u", "a", 2, 60, min_runtime=HOUR), Job(2, 0, "u", "a", 2, 60)
+    gang = Job(3, 0, "u", "a", 16, 60, min_runtime=HOUR)
+    for _ in range(2):
+        rec.preempted(0.0, spent, "fair_share")
+    rec.preempted(0.0, gang, "fair_share")
+    rec.hold(0.0, spent, 2)  # granted past its budget: counted for 30 min
+    rec.hold(0.0, fresh, 2)  # within it: not counted
+    rec.hold(0.0, gang, 16)  # its one preemption left it within its budget
+    rec.preempted(600.0, gang, "drain")  # now past it, while holding: still not counted
+    rec.hold(600.0, gang, -16)
+    rec.hold(1800.0, spent, -2)
+    s = summarise(rec, end=HOUR, entitlements={"a": 1.0})
+    held = 2 * 0.5 + 2 * 1.0 + 16 * (600 / HOUR)  # every job's GPU-hours in the hour
+    assert s["held_past_budget_gpu_hours"] == pytest.approx(1.0)
+    assert s["held_past_budget_share"] == pytest.approx(1.0 / held)
+    assert (s["multi_node_preemptions"], s["multi_node_preempted_gpus"]) == (2, 32)
+
+
 def test_occupancy_while_demand_exceeds_capacity_leaves_out_quiet_hours():
     rec = _recorder()
     big, small = Job(0, 0, "u", "a", 20, 3600), Job(1, 0, "u", "a", 5, 3600)

@@ -179,6 +179,13 @@ class Recorder:
     # contract (free work has no budget): job id -> times preempted
     preemption_budget: int | None = None
     budgeted_preemptions: Counter = field(default_factory=Counter)
+    # GPUs held by jobs granted past their budget (no one's victim but a drain's), and
+    # the jobs among the holders counted there
+    past_budget_held: Hourly = field(default_factory=Hourly)
+    past_budget_holders: set[int] = field(default_factory=set)
+    # Preemptions of jobs larger than a node (each ends the job on all its nodes)
+    multi_node_preemptions: int = 0
+    multi_node_preempted_gpus: int = 0
     preemptions_by_hour: dict[str, list[int]] = field(default_factory=dict)  # reason -> counts
     # Musical chairs: victims granted again within MUSICAL_CHAIRS of their
     # preemption, and the GPU-seconds those preemptions cost them
@@ -228,6 +235,18 @@ class Recorder:
     def hold(self, t: float, job: Job, gpus: int) -> None:
         self.held[job.project].add(t, gpus)
         (self.idle if job.idle else self.busy).add(t, gpus)
+        if gpus > 0 and self._past_budget(job):
+            self.past_budget_held.add(t, gpus)
+            self.past_budget_holders.add(job.id)
+        elif gpus < 0 and job.id in self.past_budget_holders:
+            self.past_budget_held.add(t, gpus)
+            self.past_budget_holders.discard(job.id)
+
+    def _past_budget(self, job: Job) -> bool:
+        """Whether ``job`` has been preempted as often as its budget allows (free work
+        has none)."""
+        budget = self.preemption_budget
+        return budget is not None and self.budgeted_preemptions[job.id] >= budget
 
     def set_capacity(self, t: float, gpus: int) -> None:
         self.capacity.add(t, gpus - self.capacity.value)
@@ -279,6 +298,9 @@ class Recorder:
         self.preemptions_by_job[job.id] += 1
         if job.min_runtime > 0:
             self.budgeted_preemptions[job.id] += 1
+        if job.gpus > self.node_gpus:
+            self.multi_node_preemptions += 1
+            self.multi_node_preempted_gpus += job.gpus
         _bump(self.preemptions_by_hour.setdefault(reason, []), int(t // HOUR), 1)
         return need
 
@@ -313,7 +335,7 @@ class Recorder:
     def flush(self, t: float) -> None:
         for series in (*self.wanted.values(), *self.held.values()):
             series.flush(t)
-        for series in (self.capacity, self.idle, self.busy, self.pending):
+        for series in (self.capacity, self.idle, self.busy, self.pending, self.past_budget_held):
             series.flush(t)
 
 
@@ -526,6 +548,7 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
     counts = list(per_job.values()) + [0] * max(0, recorder.jobs - len(per_job))
     held = sum(sum(recorder.held[p].series(hours)) for p in recorder.projects) / HOUR
     budget, budgeted = recorder.preemption_budget, recorder.budgeted_preemptions
+    past_budget = sum(recorder.past_budget_held.series(hours)) / HOUR
     return {
         "preempted_jobs": len(per_job),
         "preemptions_per_job_max": max(counts, default=0),
@@ -554,6 +577,10 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "jobs_at_budget": (
             None if budget is None else sum(1 for c in budgeted.values() if c >= budget)
         ),
+        "held_past_budget_gpu_hours": past_budget,
+        "held_past_budget_share": past_budget / held if held else None,
+        "multi_node_preemptions": recorder.multi_node_preemptions,
+        "multi_node_preempted_gpus": recorder.multi_node_preempted_gpus,
         "avoided_preemptions": recorder.avoided_preemptions,
         "avoided_wait_p50": percentile(recorder.avoided_wait_seconds, 50),
         "avoided_wait_p90": percentile(recorder.avoided_wait_seconds, 90),

@@ -159,6 +159,20 @@ def table(data: Mapping[str, Any]) -> str:
         ),
     )
     row(
+        "GPU-h held by jobs past their budget (of all held)",
+        lambda s, _: (
+            f"{_maybe(s, 'held_past_budget_gpu_hours', lambda v: f'{v:,.0f}')} "
+            f"({_maybe(s, 'held_past_budget_share', lambda v: f'{v:.1%}')})"
+        ),
+    )
+    row(
+        "preemptions of multi-node jobs (their GPUs)",
+        lambda s, _: (
+            f"{_maybe(s, 'multi_node_preemptions', lambda v: f'{v:,}')} "
+            f"({_maybe(s, 'multi_node_preempted_gpus', lambda v: f'{v:,}')})"
+        ),
+    )
+    row(
         "preemptions of one job p99 / max",
         lambda s, _: (
             f"{_maybe(s, 'preemptions_per_job_p99', lambda v: f'{v:g}')} / "
