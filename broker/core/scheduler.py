@@ -1170,7 +1170,8 @@ class _Pass:
 
         ``answers``, for rivals only (granted, allocated, within their budget, not
         leaving: :class:`NodeHolders`), keeps the rule's answer per what it reads of
-        them then: their project, GPUs, kind and priority, and the GPUs' weight.
+        them then: their project, GPUs, kind and priority, the GPUs' weight and
+        whether they span nodes.
         """
         known = holder.ends_at()
         if holder.id in self.leaving:
@@ -1186,7 +1187,8 @@ class _Pass:
         if answers is None:
             could = self._reason(requester, holder, unprotected, weight, judged=judged) is not None
         else:
-            traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
+            spans = len(holder.placements) > 1
+            traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight, spans)
             could = answers.get(traits)
             if could is None:
                 reason = self._reason(requester, holder, unprotected, weight, judged=judged)
