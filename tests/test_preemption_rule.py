@@ -17,7 +17,6 @@ from broker.core.model import (
     Account,
     EndReason,
     NodeState,
-    Placement,
     Policy,
     PreemptReason,
     SliceKind,
@@ -104,31 +103,6 @@ def test_only_projects_above_their_share_may_ever_be_taken_from(held, margin, mo
             if standings.may_take_at_all(mine, theirs, gang):
                 assert theirs in above
         standings.record(*moved)
-
-
-def test_a_gang_ends_another_gang_only_where_its_project_keeps_its_share():
-    # a (holding nothing) and b share 32 GPUs, 16 each. A gang of a may take from b
-    # while b is above its share, even below it (the gang's exception); but ending a
-    # gang of b, on two nodes, only if b keeps its share after the loss.
-    tree, policy, lane = ProjectTree(flat_tree("a", "b")), Policy(), DebugLane(2, 2)
-    gang_of_a = pending("a", 16)
-    gang_of_b = running("b", "n0", tuple(range(8)), min_runtime=HOUR)
-    gang_of_b = replace(
-        gang_of_b, gpus=16, placements=(*gang_of_b.placements, Placement("n1", tuple(range(8))))
-    )
-    one_node = running("b", "big", tuple(range(16)), min_runtime=HOUR)
-
-    def reason(victim, b_holds):
-        standings = Standings.now(tree, 32.0, wanting={"a", "b"})
-        standings.record("b", b_holds)
-        return preempt_reason(
-            gang_of_a, victim, now=NOW, policy=policy, standings=standings, lane=lane,
-            weight=1.0, gang=True,
-        )  # fmt: skip
-
-    assert reason(gang_of_b, 24.0) is None  # b would keep 8 of its 16
-    assert reason(gang_of_b, 32.0) is PreemptReason.FAIR_SHARE  # b keeps its 16
-    assert reason(one_node, 24.0) is PreemptReason.FAIR_SHARE  # one node: as before
 
 
 def test_an_overshoot_must_narrow_the_gap():

@@ -115,10 +115,7 @@ def preempt_reason(
        and the move brings the two closer where their paths part; the requester's
        project gains the request's GPUs, the victim's project loses all of the
        victim's (``weight`` per GPU), on top of ``lost_before`` it already loses
-       to this request (``gang``: the request is larger than any node); a gang
-       ends another gang (a victim on several nodes) only if the victim's project
-       keeps its own share after the loss, or the two would trade nodes back
-       and forth;
+       to this request (``gang``: the request is larger than any node);
     4. a batch slice, for a debug session the debug lane admits.
     """
     if not requester.allocated or victim.state is not _GRANTED:
@@ -133,8 +130,6 @@ def preempt_reason(
         return None
     gained = requester.gpus * weight
     lost = lost_before + victim.gpus * weight
-    if gang and len(victim.placements) > 1 and standings.standing(victim.project, -lost) < 1.0:
-        return None
     if standings.may_take(
         requester.project, victim.project, gained, lost, gang=gang, lost_before=lost_before
     ):

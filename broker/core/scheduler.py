@@ -1170,8 +1170,7 @@ class _Pass:
 
         ``answers``, for rivals only (granted, allocated, within their budget, not
         leaving: :class:`NodeHolders`), keeps the rule's answer per what it reads of
-        them then: their project, GPUs, kind and priority, the GPUs' weight and
-        whether they span nodes.
+        them then: their project, GPUs, kind and priority, and the GPUs' weight.
         """
         known = holder.ends_at()
         if holder.id in self.leaving:
@@ -1187,8 +1186,7 @@ class _Pass:
         if answers is None:
             could = self._reason(requester, holder, unprotected, weight, judged=judged) is not None
         else:
-            spans = len(holder.placements) > 1
-            traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight, spans)
+            traits = (holder.project, holder.gpus, holder.kind, holder.priority, weight)
             could = answers.get(traits)
             if could is None:
                 reason = self._reason(requester, holder, unprotected, weight, judged=judged)
