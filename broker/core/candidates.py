@@ -119,13 +119,17 @@ class Candidates:
             nodes = self.nodes_of.get(group)
             if nodes is None:  # not setdefault: that would build a Counter every time
                 nodes = self.nodes_of[group] = Counter()
-            nodes[node] += gpus
-            if not nodes[node]:
-                del nodes[node]
+            tally(nodes, node, gpus)
         if not slice_.allocated:
-            self.unallocated_on[node] += gpus
-            if not self.unallocated_on[node]:
-                del self.unallocated_on[node]
+            tally(self.unallocated_on, node, gpus)
+
+
+def tally(counts: Counter[str], key: str, change: int) -> None:
+    """Add ``change`` to ``counts[key]``, leaving out a key that comes to zero (the
+    searches read a node's presence as "has candidates there")."""
+    counts[key] += change
+    if not counts[key]:
+        del counts[key]
 
 
 def past_budget(slice_: Slice, policy: Policy) -> bool:

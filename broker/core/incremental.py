@@ -600,8 +600,8 @@ class PassState:
         elif now > victims.at:
             after = (victims.at, math.inf)
             last = (now, math.inf)
-            for (_, _, _, spent, granted), ends in self.protection_ends_by_kind.items():
-                if granted and not spent:
+            for kind, ends in self.protection_ends_by_kind.items():
+                if may_be_victim(kind):
                     start = bisect_right(ends, after)
                     for _, slice_id in ends[start : bisect_right(ends, last, start)]:
                         victims.add(slices[slice_id])
@@ -794,9 +794,8 @@ class PassState:
         for at in _protection_end(slice_):
             kind = holder_kind(slice_, self.policy)
             insort(self.protection_ends_by_kind.setdefault(kind, []), (at, slice_.id))
-            _, _, _, spent, granted = kind
             victims_at = self._victims.at
-            if granted and not spent and victims_at is not None and at <= victims_at:
+            if may_be_victim(kind) and victims_at is not None and at <= victims_at:
                 self._victims.add(slice_)  # already past its protection then
 
     def _refile(self, before: Slice, after: Slice) -> None:
@@ -916,6 +915,14 @@ def holder_kind(slice_: Slice, policy: Policy) -> HolderKind:
         past_budget(slice_, policy),
         slice_.state is SliceState.GRANTED,
     )
+
+
+def may_be_victim(kind: HolderKind) -> bool:
+    """Whether a holder of ``kind`` is a candidate once past its protection (as
+    :func:`~broker.core.candidates.is_candidate` says of a slice): granted and
+    within its preemption budget."""
+    _, _, _, spent, granted = kind
+    return granted and not spent
 
 
 def _protection_end(slice_: Slice) -> list[float]:

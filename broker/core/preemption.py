@@ -13,7 +13,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import combinations
 
-from .candidates import BATCH, PROJECT, UNALLOCATED, Candidates, Group, groups, past_budget
+from .candidates import (
+    BATCH,
+    PROJECT,
+    UNALLOCATED,
+    Candidates,
+    Group,
+    groups,
+    past_budget,
+    tally,
+)
 from .model import Node, Placement, Policy, PreemptReason, Slice, SliceKind, SliceState
 from .ordering import victim_key, within_project_key
 from .standing import Standings
@@ -270,9 +279,7 @@ class Preemptor:
             if entries is not None:
                 entries[:] = [e for e in entries if e[0].id != slice_.id]
             if not slice_.allocated:
-                self.unallocated_on[node] -= gpus
-                if not self.unallocated_on[node]:
-                    del self.unallocated_on[node]
+                tally(self.unallocated_on, node, -gpus)
 
     def _eligible(self, requester: Slice) -> tuple[list[Group], set[Group]]:
         """The groups of candidates the rule could let ``requester`` take from,
