@@ -99,10 +99,11 @@ def check_pass(snap: Snapshot, decisions: Decisions) -> None:
 
 def check_endings(snap: Snapshot, decisions: Decisions) -> None:
     """Every term that fell due by ``now`` (grace, ``max_runtime``) ends the slice; of
-    those whose lease is over, the lapse limit's allowance ends ``lost``, those whose
-    lease ended longest ago first, and the pass says it holds the rest (design.md §8)."""
+    those whose lease is over by more than the broker answered heartbeats late since
+    their last heartbeat, the lapse limit's allowance ends ``lost``, those whose lease
+    ended longest ago first, and the pass says it holds the rest (design.md §8)."""
     ended = {e.slice_id: e.reason for e in decisions.endings}
-    lapsed = []
+    lapsed, excused = [], set()
     for slice_ in snap.slices:
         ends = slice_.ends_at() if slice_.holds_gpus else None
         if ends is not None and ends <= snap.now:
@@ -113,7 +114,15 @@ def check_endings(snap: Snapshot, decisions: Decisions) -> None:
             and lease <= snap.now
             and ended.get(slice_.id, EndReason.LOST) is EndReason.LOST
         ):
-            lapsed.append(slice_)
+            late = sum(
+                max(0.0, min(until, snap.now) - max(since, lease - snap.lease))
+                for since, until in snap.answered_late
+            )
+            if snap.now - lease < late:
+                assert slice_.id not in ended, "no lease runs out over time answered late"
+                excused.add(slice_.id)
+            else:
+                lapsed.append(slice_)
     policy = snap.policy
     leased = sum(1 for s in snap.slices if s.lease_expires_at is not None)
     per_minute = max(policy.lease_lapse_floor, math.floor(policy.lease_lapse_fraction * leased))
@@ -121,9 +130,11 @@ def check_endings(snap: Snapshot, decisions: Decisions) -> None:
     lapsed.sort(key=lambda s: (s.lease_expires_at, s.id))
     lost = {s.id for s in lapsed if s.id in ended}
     assert lost == {s.id for s in lapsed[:allowed]}, "the lapse limit ends the longest lapsed"
-    assert set(decisions.lapses_held) == {s.id for s in lapsed[allowed:]}
-    if decisions.lapses_held:
+    assert set(decisions.lapses_held) == {s.id for s in lapsed[allowed:]} | excused
+    if lapsed[allowed:]:
         event("the lapse limit held leases back")
+    if excused:
+        event("leases kept over time answered late")
 
 
 def check_queue_complete(snap: Snapshot, decisions: Decisions) -> None:

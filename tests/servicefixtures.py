@@ -60,6 +60,7 @@ from broker.service.app import make_app
 from broker.service.auth import TokenAuthenticator, TokenStore, create_token
 from broker.service.runner import BrokerRunner
 from broker.store import Broker
+from broker.store.lapses import LATE_HEARTBEAT_S
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_DUMP_END = "tasks, where each waits:"  # logged after the threads' stacks
@@ -444,6 +445,7 @@ async def serving_in_process(
     shed_after: float = 0.0,
     single_writer: bool = False,
     token_cache_max_age: float = 0.0,
+    late_heartbeat: float = LATE_HEARTBEAT_S,
 ) -> AsyncIterator[InProcessBroker]:
     """The service's application for ``db_url`` on a free port, in this event loop.
 
@@ -456,7 +458,9 @@ async def serving_in_process(
 
     cluster = parse_config(tomllib.loads(config))
     broker = Broker(db_url, cluster, lease=lease, single_writer=single_writer)
-    runner = BrokerRunner(broker, pass_interval=pass_interval, shed_after=shed_after)
+    runner = BrokerRunner(
+        broker, pass_interval=pass_interval, shed_after=shed_after, late_heartbeat=late_heartbeat
+    )
     store = TokenStore(db_url)
     authenticator = TokenAuthenticator(
         store, runner.read_urgent, admins=cluster.admins, cache_max_age=token_cache_max_age

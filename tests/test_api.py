@@ -517,6 +517,44 @@ async def test_a_lapsed_lease_ends_the_slice_as_lost_on_time_without_any_request
     assert 0 <= slice_["ended_at"] - held["lease_expires_at"] < 2.0
 
 
+async def test_a_lease_does_not_run_out_while_the_broker_answers_heartbeats_late(tmp_path):
+    """A broker that answers heartbeats late may not have read others in time: a lease
+    counts only the time it answered on time, so a slice whose lease ran out while the
+    broker was behind is kept, and lapses once its holder stays silent for a lease of
+    the broker's answering on time (design.md §8)."""
+    lease = 1.5
+    url = f"sqlite:///{tmp_path / 'late.sqlite'}"
+    async with serving_in_process(url, lease=lease, pass_interval=2, late_heartbeat=0.5) as api:
+        alice = api.token("alice")
+        answering = await granted(api, alice, (await submit(api, alice))["id"])
+        silent = await granted(api, alice, (await submit(api, alice))["id"])
+        beat = ok(await api.call("POST", f"/slices/{silent['id']}/heartbeat", token=alice))
+        # The database thread held past the silent slice's lease: a heartbeat that
+        # comes meanwhile is answered late, and no pass runs.
+        release = threading.Event()
+        api.runner.executor.submit(release.wait)
+        late_beat = asyncio.ensure_future(
+            api.call("POST", f"/slices/{answering['id']}/heartbeat", token=alice, timeout=30)
+        )
+        await asyncio.sleep(lease + 0.5)  # the time the broker is held up: what is measured
+        passes = api.runner.passes
+        release.set()
+        # The first pass after the stall runs as the late answer is written, or before.
+        await until(lambda: api.runner.passes > passes)
+        kept = await api.runner.run(api.broker.get_slice, silent["id"])
+        assert kept["state"] == "granted" and kept["lease_expires_at"] < time.time()
+        ok(await late_beat)
+        registry = api.runner.metrics.registry
+        assert registry.get_sample_value("slicebroker_heartbeats_answered_late_total") == 1
+        ((since, until_),) = api.broker.late_answers.times(time.time())
+        assert until_ - since >= lease + 0.5
+        # Silent on: it lapses once the broker has answered on time for a lease since.
+        await until(lambda: api.runner.remembered(silent["id"]) is None, timeout=15.0)
+        lost = await api.runner.run(api.broker.get_slice, silent["id"])
+        assert lost["end_reason"] == "lost"
+        assert lost["ended_at"] >= beat["lease_expires_at"] + (until_ - since)
+
+
 @pytest.mark.parametrize("quick", [120], indirect=True)
 async def test_max_runtime_and_grace_periods_end_on_time(quick):
     alice, carol = quick.token("alice"), quick.token("carol")

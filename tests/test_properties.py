@@ -16,7 +16,8 @@ back. After every pass it checks:
   node; unallocated: a free slice; priority: the same project's lower-ranked
   work; debug lane: a batch slice, for a debug session); grace periods,
   ``max_runtime`` end no later than the first pass at or after them, and leases
-  too, as many a minute as the lease lapse limit allows, longest lapsed first;
+  too, as many a minute as the lease lapse limit allows, longest lapsed first,
+  none over time the broker answered heartbeats late (a ``behind`` step);
   work lent reserved GPUs is gone or preemptible by the reservation's due time;
 - **liveness**: the slice the pass ranks first (past any over its cap), if it
   fits the free GPUs, is granted in that pass (or promised GPUs);
@@ -117,13 +118,14 @@ PRIORITY = one_of_these(-100, -1, 0, 0, 0, 1, 100)
 STEP_ARGUMENTS = {
     "advance": one_of_these(1.0, 10.0, 60.0, 600.0, 3600.0),
     "to_deadline": one_of_these(60.0, 600.0),  # how far to go when nothing falls due
+    "behind": one_of_these(10.0, 60.0, 300.0),  # time passes, heartbeats answered late
 }
 # Submitting and moving time (often exactly to the next deadline) make contention.
 STEP = one_of_these(
     *["submit"] * 6,
     *["advance"] * 2,
     *["to_deadline"] * 3,
-    *["release", "heartbeat", "checkpoint", "drain", "down", "restore", "crash"],
+    *["release", "heartbeat", "checkpoint", "drain", "down", "restore", "crash", "behind"],
 )
 
 
@@ -281,6 +283,7 @@ class World:
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     promise_holders: set[int] = field(default_factory=set)  # as the last apply told
     lapses: list[tuple[float, int]] = field(default_factory=list)  # (when, how many) lost
+    late: list[tuple[float, float]] = field(default_factory=list)  # answered late, in order
 
     def __post_init__(self) -> None:
         self.nodes = {n.name: n for n in self.cluster.nodes}
@@ -319,6 +322,11 @@ class World:
                 )
                 self.held_seconds[s.id] = self.held_seconds.get(s.id, 0.0) + rate * seconds
         self.now += seconds
+
+    def behind(self, seconds: float) -> None:
+        """``seconds`` pass while the broker answers heartbeats late."""
+        self.late.append((self.now, self.now + seconds))
+        self.advance(seconds)
 
     def next_deadline(self) -> float | None:
         """The earliest future time at which a contract term falls due."""
@@ -382,6 +390,8 @@ class World:
             gpu_type_weights=WEIGHTS,
             policy=self.policy,
             lapsed_last_minute=sum(n for at, n in self.lapses if at > self.now - 60),
+            answered_late=tuple(self.late),
+            lease=self.lease or 0.0,
         )
 
     def run_pass(self) -> None:
@@ -430,6 +440,8 @@ def test_the_contract_holds_after_every_pass(scenario: Scenario, store: Store) -
             world.submit(arg)
         elif step == "advance":
             world.advance(arg)
+        elif step == "behind":
+            world.behind(arg)
         elif step == "to_deadline":
             due = world.next_deadline()
             world.advance(arg if due is None else due - world.now)

@@ -586,6 +586,38 @@ def test_the_lapse_limit_ends_the_longest_lapsed_first_and_holds_the_rest():
     assert lapses(Policy(), already=0, index=kept, now=NOW + 2)[0] == set(ids[:6])
 
 
+def test_a_lease_does_not_run_out_over_the_time_the_broker_answered_heartbeats_late():
+    """A lease counts only the time the broker answered heartbeats on time: one that
+    ran out by no more than the time it answered late since the holder's last
+    heartbeat is kept for a later pass (design.md §8)."""
+    lease = 120.0
+    # Leases over 10, 50 and 80 s ago: heartbeated last at NOW - 130, - 170, - 200.
+    a, b, c = (
+        replace(running("a", "n0", (gpu,)), lease_expires_at=NOW - over)
+        for gpu, over in ((0, 10), (1, 50), (2, 80))
+    )
+
+    def decided(*late: tuple[float, float]):
+        snap = replace(
+            snapshot(nodes(1), flat_tree("a"), [a, b, c]), answered_late=late, lease=lease
+        )
+        d = schedule(snap)
+        lost = {e.slice_id for e in d.endings if e.reason is EndReason.LOST}
+        return lost, set(d.lapses_held), d.quiet
+
+    everyone = {a.id, b.id, c.id}
+    assert decided() == (everyone, set(), None)
+    # 10 s late since a's last heartbeat: its lease ran out exactly 10 s ago, so it
+    # lapses; 11 s keep it, and the pass is not quiet: a later one looks again.
+    assert decided((NOW - 30, NOW - 20)) == (everyone, set(), None)
+    assert decided((NOW - 31, NOW - 20)) == ({b.id, c.id}, {a.id}, None)
+    # Late answers before a holder's last heartbeat count for nothing.
+    assert decided((NOW - 400, NOW - 131))[:2] == (everyone, set())
+    # Separate times add up (6 + 5 s for a), clipped to the holder's last lease and
+    # now (b, 50 s over, has 11 s of its own, not the 61 the times hold together).
+    assert decided((NOW - 130, NOW - 124), (NOW - 5, NOW + 50))[:2] == ({b.id, c.id}, {a.id})
+
+
 @pytest.mark.parametrize(
     ("kind", "resumable", "requeue"),
     [

@@ -44,6 +44,7 @@ from broker.orm import (
     upgrade_db,
 )
 from broker.store import Broker, Principal
+from broker.store.lapses import LateAnswers
 
 HOUR = 3600.0
 
@@ -308,6 +309,32 @@ def test_the_lapse_limit_ends_so_many_lost_a_minute_and_a_late_heartbeat_keeps_a
     broker.run_pass()
     assert ended() == [*made[:2], *made[3:]]
     assert broker.get_slice(made[2])["state"] == "granted"
+
+
+def test_a_lease_runs_out_only_over_the_time_the_broker_answered_heartbeats_on_time(
+    open_broker, clock
+):
+    """Heartbeats answered late, and one still being answered once it is late, are
+    time over which no lease runs out (design.md §8): the pass that follows a stall
+    may run before the answers it held up are written."""
+    broker = open_broker(cluster(), lease=120.0)
+    start = clock.now
+    made = ask(broker, kind="interactive")["id"]
+    broker.run_pass()
+    held_up = broker.late_answers.came(start + 100)  # another holder's heartbeat
+    clock.advance(130)  # the lease ran out 10 s ago; the heartbeat waits 30 s so far
+    assert broker.run_pass().lapses_held == (made,)
+    assert broker.late_answers.answered(held_up, clock.now)
+    clock.advance(19)  # over by 29 s, of which 30 s answered late
+    assert broker.run_pass().lapses_held == (made,)
+    clock.advance(1)
+    assert broker.run_pass().lapses_held == ()
+    assert broker.get_slice(made)["end_reason"] == "lost"
+    # Answered within late_after is on time; 0 counts nothing as late.
+    assert not broker.late_answers.answered(broker.late_answers.came(clock.now), clock.now + 1)
+    never = LateAnswers(late_after=0)
+    assert not never.answered(never.came(start), start + 3600)
+    assert never.times(start + 3600) == ()
 
 
 def test_bad_filters_are_refused(broker):

@@ -243,9 +243,18 @@ class Snapshot:
     gpu_type_weights: Mapping[str, float] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
     lapsed_last_minute: int = 0  # slices ended `lost` in the minute before ``now``
+    # When the broker answered heartbeats late, as (from, to) times in order and
+    # apart (design.md §8), and its lease in seconds: a lease does not run out
+    # over time the broker itself was behind.
+    answered_late: tuple[tuple[float, float], ...] = ()
+    lease: float = 0.0
 
     def weight(self, gpu_type: str) -> float:
         return self.gpu_type_weights.get(gpu_type, 1.0)
+
+    def late_between(self, start: float, end: float) -> float:
+        """Seconds of ``start`` to ``end`` during which the broker answered heartbeats late."""
+        return sum(max(0.0, min(to, end) - max(since, start)) for since, to in self.answered_late)
 
 
 # ---- decisions ------------------------------------------------------------
@@ -422,7 +431,8 @@ class Decisions:
     queue: Sequence[QueueEntry] = ()  # a Queue from a pass
     # Requests that could have preempted but wait for releases instead (design.md §5.7).
     deferred: tuple[int, ...] = ()
-    # Slices whose lease is over that the lapse limit keeps for a later pass.
+    # Slices whose lease is over that the pass keeps for a later one: the lapse limit
+    # holds them, or their lease ran out only over time the broker answered late.
     lapses_held: tuple[int, ...] = ()
     quiet: Quiet | None = None  # set only when nothing above but the queue was decided
     phase_seconds: Mapping[str, float] = field(default_factory=dict, compare=False)

@@ -340,7 +340,21 @@ class _Pass:
         more often the broker's own trouble (heartbeats it could not read in time)
         than many holders dying together, and ending them all would end live
         sessions. A heartbeat before a later pass keeps a slice held here.
+
+        A lease counts only the time the broker answered heartbeats on time
+        (``Snapshot.answered_late``): one that ran out by no more than the time it
+        answered late since the holder's last heartbeat is kept too, and counts
+        towards no limit.
         """
+        excused: list[int] = []
+        if self.snap.answered_late:
+            on_time = []
+            for slice_ in lapsed:
+                if self._ran_out_late(slice_):
+                    excused.append(slice_.id)
+                else:
+                    on_time.append(slice_)
+            lapsed = on_time
         policy, already = self.policy, self.snap.lapsed_last_minute
         limit = policy.lease_lapse_floor
         if len(lapsed) > limit - already:  # the fraction can only allow more
@@ -350,7 +364,13 @@ class _Pass:
         lapsed.sort(key=lapse_order)
         for slice_ in lapsed[:allowed]:
             self._end(slice_, EndReason.LOST)
-        self.lapses_held = tuple(sorted(s.id for s in lapsed[allowed:]))
+        self.lapses_held = tuple(sorted([s.id for s in lapsed[allowed:]] + excused))
+
+    def _ran_out_late(self, slice_: Slice) -> bool:
+        """Whether ``slice_``'s lease ran out only over time the broker answered late
+        since its last heartbeat (its lease before it ran out)."""
+        expires_at, now = slice_.lease_expires_at or 0.0, self.now
+        return now - expires_at < self.snap.late_between(expires_at - self.snap.lease, now)
 
     # -- phase 2 -----------------------------------------------------------
 

@@ -50,6 +50,7 @@ from ..kube.inventory import KubernetesInventory
 from ..orm import DatabaseSchemaError, normalize_url
 from ..slurm.inventory import SlurmInventory
 from ..store import Broker
+from ..store.lapses import LATE_HEARTBEAT_S
 from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
@@ -397,6 +398,18 @@ class BrokerApp(Application):
         """,
     ).tag(config=True)
 
+    late_heartbeat = Float(
+        LATE_HEARTBEAT_S,
+        help="""How long after it came, in seconds, a heartbeat may be answered before
+        the broker counts itself as behind (default 1; 0: never; a healthy broker
+        answers in milliseconds). A lease does not run out over the time the broker answers
+        heartbeats late: an overloaded broker would otherwise end live sessions whose
+        heartbeats it could not read in time. Lower counts milder overloads too, and
+        keeps a dead holder's GPUs that much longer; higher ends more sessions in an
+        overload.
+        """,
+    ).tag(config=True)
+
     db_timeout = Float(
         10.0,
         help="""How long one database statement may wait, in seconds (default 10): SQLite's
@@ -474,7 +487,7 @@ class BrokerApp(Application):
             raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
-    @validate("max_wait", "token_cache_max_age", "shed_after")
+    @validate("max_wait", "token_cache_max_age", "shed_after", "late_heartbeat")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
             raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
@@ -599,6 +612,7 @@ class BrokerApp(Application):
             grant_at_once=True,
             what_if_share=self.what_if_share,
             shed_after=self.shed_after,
+            late_heartbeat=self.late_heartbeat,
         )
         try:
             inventory = self.make_inventory()

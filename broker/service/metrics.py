@@ -102,6 +102,12 @@ class BrokerMetrics:
             ["reason"],
             registry=r,
         )
+        self.heartbeats_late = Counter(
+            "slicebroker_heartbeats_answered_late",
+            "Heartbeats the broker answered later than its late_heartbeat after they came "
+            "(a lease does not run out over that time).",
+            registry=r,
+        )
         self.endings = Counter(
             "slicebroker_slice_endings",
             "Slices ended (or requeued) by a scheduling pass, by reason.",
@@ -111,8 +117,9 @@ class BrokerMetrics:
         self.lapses_held = Gauge(
             "slicebroker_lease_lapses_held",
             "Slices whose lease is over that the last pass did not end, held back by the "
-            "lease lapse limit (policy lease_lapse_floor and lease_lapse_fraction): above "
-            "zero, heartbeats may be going unanswered.",
+            "lease lapse limit (policy lease_lapse_floor and lease_lapse_fraction) or "
+            "because the broker answered heartbeats late: above zero, heartbeats may be "
+            "going unanswered.",
             registry=r,
         )
         self.pass_duration = Histogram(

@@ -58,7 +58,7 @@ from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Principal, _check_member, _check_owner, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, LiveViews, _Catalog, _LiveSlice, ledger_since, not_durable
-from .lapses import RecentLapses
+from .lapses import LateAnswers, RecentLapses
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -153,6 +153,7 @@ class Broker:
         self.lease = lease
         self.usual_gap = usual_gap
         self.lapses = RecentLapses()  # for the pass's lease lapse limit
+        self.late_answers = LateAnswers()  # heartbeats answered late: leases wait
         # When the last committed pass ran, as its row says: kept by a single writer only.
         self._alive_at: float | None = None
         self.journal = Journal(url, db_timeout, single_writer=single_writer)
@@ -773,6 +774,8 @@ class Broker:
             gpu_type_weights=catalog.costs.weights,
             policy=self.config.policy,
             lapsed_last_minute=self.lapses.count(now),
+            answered_late=self.late_answers.times(now),
+            lease=self.lease,
         )
 
     # ---- the policy clients plan by ----------------------------------------------
@@ -1151,6 +1154,8 @@ class Broker:
             gpu_type_weights=costs.weights,
             policy=self.config.policy,
             lapsed_last_minute=self.lapses.count(now),
+            answered_late=self.late_answers.times(now),
+            lease=self.lease,
         )
         if self._kept_index is not None:
             self._kept_index.expect(changed)

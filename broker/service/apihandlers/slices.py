@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -315,7 +316,12 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
     }
 
     async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
+        runner = self.runner
+        ticket = runner.heartbeat_came(time.time() - self.request.request_time())
+        try:
+            slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
+        finally:
+            runner.heartbeat_answered(ticket)
         self.write_json(slice_)
 
 
