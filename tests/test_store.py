@@ -44,7 +44,7 @@ from broker.orm import (
     upgrade_db,
 )
 from broker.store import Broker, Principal
-from broker.store.lapses import LateAnswers
+from broker.store.lapses import ANSWERING_KEPT_S, LateAnswers
 
 HOUR = 3600.0
 
@@ -335,6 +335,12 @@ def test_a_lease_runs_out_only_over_the_time_the_broker_answered_heartbeats_on_t
     never = LateAnswers(late_after=0)
     assert not never.answered(never.came(start), start + 3600)
     assert never.times(start + 3600) == ()
+    # A ticket never answered (its request gone) stops counting after ANSWERING_KEPT_S.
+    left = LateAnswers()
+    ticket = left.came(start)
+    assert left.times(start + ANSWERING_KEPT_S) == ((start, start + ANSWERING_KEPT_S),)
+    assert left.times(start + ANSWERING_KEPT_S + 1) == ()
+    assert not left.answered(ticket, start + ANSWERING_KEPT_S + 2)
 
 
 def test_bad_filters_are_refused(broker):

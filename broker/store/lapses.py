@@ -31,6 +31,10 @@ LATE_HEARTBEAT_S = 1.0
 LATE_KEPT_S = 24 * 3600.0
 #: At most this many separate times of late answers are kept (the oldest go first).
 LATE_KEPT_COUNT = 4096
+#: A heartbeat still unanswered this many seconds after it came no longer counts as
+#: being answered: its request is gone (a database wait times out in seconds), and
+#: a ticket left behind must not keep every lease from running out.
+ANSWERING_KEPT_S = 600.0
 
 
 class RecentLapses:
@@ -94,8 +98,8 @@ class LateAnswers:
         """Note the heartbeat of ``ticket`` answered at ``at``; whether it was late. The
         log says so when a late one begins a new time of them (at most once a minute)."""
         with self._lock:
-            came = self._answering.pop(ticket)
-            if not 0 < self.late_after < at - came:
+            came = self._answering.pop(ticket, None)
+            if came is None or not 0 < self.late_after < at - came:
                 return False
             new = _merge_into(self._times, came, at)
             tell = new and at >= self._logged + LAPSE_PERIOD_S
@@ -116,7 +120,10 @@ class LateAnswers:
             while self._times and self._times[0][1] < now - LATE_KEPT_S:
                 self._times.popleft()
             times = deque(self._times)
-            first = next(iter(self._answering.values()), None)
+            answering = self._answering
+            while answering and next(iter(answering.values())) < now - ANSWERING_KEPT_S:
+                del answering[next(iter(answering))]
+            first = next(iter(answering.values()), None)
         if first is not None and 0 < self.late_after < now - first:
             _merge_into(times, first, now)
         return tuple(times)

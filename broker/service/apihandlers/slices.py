@@ -315,14 +315,30 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
         )
     }
 
+    _ticket: int | None = None  # while the broker answers it (BrokerRunner.heartbeat_came)
+
+    async def prepare(self) -> None:
+        # Counted from when it came, before its token is looked up: a heartbeat held up
+        # there by a busy broker is answered late too.
+        self._ticket = self.runner.heartbeat_came(time.time() - self.request.request_time())
+        await super().prepare()
+
     async def post(self, id: str) -> None:
-        runner = self.runner
-        ticket = runner.heartbeat_came(time.time() - self.request.request_time())
-        try:
-            slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
-        finally:
-            runner.heartbeat_answered(ticket)
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
         self.write_json(slice_)
+
+    def on_finish(self) -> None:
+        self._answered()
+        super().on_finish()
+
+    def on_connection_close(self) -> None:
+        self._answered()  # the caller gave up: as late as it was then
+        super().on_connection_close()
+
+    def _answered(self) -> None:
+        if self._ticket is not None:
+            self.runner.heartbeat_answered(self._ticket)
+            self._ticket = None
 
 
 class SliceProtectionHandler(_OwnedSliceHandler):
