@@ -235,18 +235,18 @@ class Recorder:
     def hold(self, t: float, job: Job, gpus: int) -> None:
         self.held[job.project].add(t, gpus)
         (self.idle if job.idle else self.busy).add(t, gpus)
-        if gpus > 0 and self._past_budget(job):
+        if gpus > 0 and self.past_budget(job.id):
             self.past_budget_held.add(t, gpus)
             self.past_budget_holders.add(job.id)
         elif gpus < 0 and job.id in self.past_budget_holders:
             self.past_budget_held.add(t, gpus)
             self.past_budget_holders.discard(job.id)
 
-    def _past_budget(self, job: Job) -> bool:
-        """Whether ``job`` has been preempted as often as its budget allows (free work
-        has none)."""
+    def past_budget(self, job_id: int) -> bool:
+        """Whether job ``job_id`` has been preempted as often as its budget allows (free
+        work has none)."""
         budget = self.preemption_budget
-        return budget is not None and self.budgeted_preemptions[job.id] >= budget
+        return budget is not None and self.budgeted_preemptions[job_id] >= budget
 
     def set_capacity(self, t: float, gpus: int) -> None:
         self.capacity.add(t, gpus - self.capacity.value)
@@ -547,7 +547,7 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
     # every job of the workload counts, those never preempted with 0
     counts = list(per_job.values()) + [0] * max(0, recorder.jobs - len(per_job))
     held = sum(sum(recorder.held[p].series(hours)) for p in recorder.projects) / HOUR
-    budget, budgeted = recorder.preemption_budget, recorder.budgeted_preemptions
+    budget = recorder.preemption_budget
     past_budget = sum(recorder.past_budget_held.series(hours)) / HOUR
     return {
         "preempted_jobs": len(per_job),
@@ -575,7 +575,9 @@ def _churn(recorder: Recorder, hours: int) -> dict[str, Any]:
         "fair_share_back_and_forth": _back_and_forth(recorder.fair_share_moves),
         "preemption_budget": budget,
         "jobs_at_budget": (
-            None if budget is None else sum(1 for c in budgeted.values() if c >= budget)
+            None
+            if budget is None
+            else sum(map(recorder.past_budget, recorder.budgeted_preemptions))
         ),
         "held_past_budget_gpu_hours": past_budget,
         "held_past_budget_share": past_budget / held if held else None,

@@ -14,6 +14,7 @@ import itertools
 import logging
 import threading
 from collections import deque
+from collections.abc import MutableSequence
 
 from ..core.model import Decisions, EndReason
 
@@ -119,7 +120,7 @@ class LateAnswers:
         with self._lock:
             while self._times and self._times[0][1] < now - LATE_KEPT_S:
                 self._times.popleft()
-            times = deque(self._times)
+            times = list(self._times)
             answering = self._answering
             while answering and next(iter(answering.values())) < now - ANSWERING_KEPT_S:
                 del answering[next(iter(answering))]
@@ -129,7 +130,7 @@ class LateAnswers:
         return tuple(times)
 
 
-def _merge_into(times: deque[tuple[float, float]], since: float, until: float) -> bool:
+def _merge_into(times: MutableSequence[tuple[float, float]], since: float, until: float) -> bool:
     """Add ``since`` to ``until`` to ``times`` (in order and apart), merged with those it
     overlaps; whether it overlapped none."""
     new = True
