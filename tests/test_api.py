@@ -530,9 +530,12 @@ async def test_a_lease_does_not_run_out_while_the_broker_answers_heartbeats_late
         silent = await granted(api, alice, (await submit(api, alice))["id"])
         beat = ok(await api.call("POST", f"/slices/{silent['id']}/heartbeat", token=alice))
         # The database thread held past the silent slice's lease: a heartbeat that
-        # comes meanwhile is answered late, and no pass runs.
-        release = threading.Event()
-        api.runner.executor.submit(release.wait)
+        # comes meanwhile is answered late, and no pass runs. Sent once the thread is
+        # held: queued behind a pass, the hold would let the heartbeat (urgent work)
+        # go first and answer it on time.
+        holding, release = threading.Event(), threading.Event()
+        api.runner.executor.submit(lambda: holding.set() or release.wait())
+        await until(holding.is_set)
         late_beat = asyncio.ensure_future(
             api.call("POST", f"/slices/{answering['id']}/heartbeat", token=alice, timeout=30)
         )
