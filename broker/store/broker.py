@@ -765,12 +765,21 @@ class Broker:
     def _live_snapshot(self, session: Session, catalog: _Catalog, now: float) -> Snapshot:
         """The live state as the next pass would see it, for questions asked of it."""
         live = tuple(self.journal.live_values(session))
+        return self._snapshot(
+            catalog, now, live, self._usage_now(session, now, catalog.costs, live)
+        )
+
+    def _snapshot(
+        self, catalog: _Catalog, now: float, slices: Sequence[Slice], usage: Mapping[str, float]
+    ) -> Snapshot:
+        """What a pass sees at ``now``: the catalog, ``slices`` and ``usage``, with the
+        policy and what the lease rules remember (``store/lapses.py``)."""
         return Snapshot(
             now=now,
             nodes=catalog.nodes,
             accounts=catalog.accounts,
-            slices=live,
-            usage=self._usage_now(session, now, catalog.costs, live),
+            slices=slices,
+            usage=usage,
             gpu_type_weights=catalog.costs.weights,
             policy=self.config.policy,
             lapsed_last_minute=self.lapses.count(now),
@@ -1145,17 +1154,8 @@ class Broker:
         # look at those slices alone (both check that the result adds up).
         ids, mark = self.journal.live_changes(self._live_mark)
         changed = None if ids is None else {i: live[i].slice if i in live else None for i in ids}
-        snapshot = Snapshot(
-            now=now,
-            nodes=catalog.nodes,
-            accounts=catalog.accounts,
-            slices=slices,
-            usage=self._usage(session, now, costs, slices, changed),
-            gpu_type_weights=costs.weights,
-            policy=self.config.policy,
-            lapsed_last_minute=self.lapses.count(now),
-            answered_late=self.late_answers.times(now),
-            lease=self.lease,
+        snapshot = self._snapshot(
+            catalog, now, slices, self._usage(session, now, costs, slices, changed)
         )
         if self._kept_index is not None:
             self._kept_index.expect(changed)
