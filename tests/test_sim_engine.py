@@ -8,9 +8,18 @@ from dataclasses import replace
 import pytest
 
 from broker.core.accounting import LedgerEntry, usage_by_project
-from broker.core.model import DAY, HOUR, Account, Node, NodeState, SliceKind, SliceState
+from broker.core.model import (
+    DAY,
+    HOUR,
+    Account,
+    EndReason,
+    Node,
+    NodeState,
+    SliceKind,
+    SliceState,
+)
 from broker.sim.engine import SimConfig, Simulation, checkpoint_phase, simulate
-from broker.sim.policies import POLICIES, FairShare
+from broker.sim.policies import POLICIES, FairShare, Fifo, StrictPriority
 from broker.sim.usage import UsageTracker
 from broker.sim.workloads import GeneratorConfig, Job, NodeEvent, Workload, generate
 
@@ -117,6 +126,39 @@ def test_passes_left_out_as_quiet_change_nothing_in_the_run(small):
     assert every.stats["resumed_passes"] > left_out.stats["resumed_passes"] > 0
     assert left_out.stats["passes"] + left_out.stats["quiet_passes"] == every.stats["passes"]
     assert left_out.summary == every.summary
+
+
+@pytest.mark.parametrize("baseline", [StrictPriority, Fifo])
+def test_a_time_blind_baselines_passes_left_out_as_quiet_change_nothing_in_the_run(small, baseline):
+    # Strict priority and FIFO decide the same whatever the time, but for the ends of
+    # maximum runtimes: at the service's 5 s tick, a pass that decided nothing says
+    # so until the first of them, and with check every pass left out is run all the
+    # same and found to decide nothing.
+    expired: list[int] = []
+
+    class Counted(baseline):
+        def __call__(self, snapshot, /):
+            decisions = super().__call__(snapshot)
+            expired.extend(e.slice_id for e in decisions.endings if e.reason is EndReason.EXPIRED)
+            return decisions
+
+    class NeverQuiet(baseline):
+        def __call__(self, snapshot, /):
+            return replace(super().__call__(snapshot), quiet=None)
+
+    # One job runs into its maximum runtime while the next waits for its GPUs.
+    overrun = Job(1, 0.0, "u1", "a", 8, duration=10 * HOUR, max_runtime=HOUR)
+    waits = Job(2, 60.0, "u1", "a", 8, duration=600.0)
+    config = SimConfig(check=True, tick=5, history=True)
+    for workload in (small, _one_node([overrun, waits])):
+        left_out = Simulation(workload, Counted(workload.accounts), config).run()
+        every = Simulation(workload, NeverQuiet(workload.accounts), config).run()
+        assert every.stats["quiet_passes"] == 0
+        assert left_out.stats["quiet_passes"] > 10 * left_out.stats["passes"]
+        assert left_out.stats["passes"] + left_out.stats["quiet_passes"] == every.stats["passes"]
+        assert left_out.summary == every.summary
+    assert expired  # by the pass at that end, which was made
+    assert _history(left_out, "granted")[2] == [HOUR]
 
 
 class _CheckedIndex(FairShare):

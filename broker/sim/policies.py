@@ -26,6 +26,7 @@ preemption — not in how a slice is packed onto a node:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -43,6 +44,7 @@ from ..core.model import (
     NodeState,
     Placement,
     Policy,
+    Quiet,
     Slice,
     SliceKind,
     SliceState,
@@ -94,6 +96,7 @@ class Settled:
     free: FreeGpus
     pending: list[Slice]
     held: dict[str, int] = field(default_factory=dict)  # GPUs held per project
+    next_end: float = math.inf  # the first end of a holder's maximum runtime or grace
 
 
 def settle(snapshot: Snapshot) -> Settled:
@@ -106,6 +109,7 @@ def settle(snapshot: Snapshot) -> Settled:
     endings: list[Ending] = []
     holding: list[Slice] = []
     pending: list[Slice] = []
+    next_end = math.inf
     for s in snapshot.slices:
         if s.state is SliceState.PENDING:
             pending.append(s)
@@ -124,6 +128,10 @@ def settle(snapshot: Snapshot) -> Settled:
             endings.append(Ending(s.id, EndReason.PREEMPTED, requeue))
         else:
             holding.append(s)
+            if s.contract.max_runtime is not None and s.granted_at is not None:
+                next_end = min(next_end, s.granted_at + s.contract.max_runtime)
+            if s.preempt_deadline is not None:
+                next_end = min(next_end, s.preempt_deadline)
     busy = {p.node for s in holding for p in s.placements}
     changes = [
         NodeChange(n.name, NodeState.DRAINED, "empty after drain")
@@ -137,14 +145,21 @@ def settle(snapshot: Snapshot) -> Settled:
     for s in holding:
         free.take(s.placements)
         held[s.project] = held.get(s.project, 0) + s.gpus
-    return Settled(endings, changes, free, pending, held)
+    return Settled(endings, changes, free, pending, held, next_end)
 
 
-def _decisions(settled: Settled, grants: list[Grant]) -> Decisions:
+def _decisions(settled: Settled, grants: list[Grant], *, time_blind: bool) -> Decisions:
+    """What a baseline decided. ``time_blind``: over the same slices and nodes it
+    decides the same whatever the time, but for the ends :func:`settle` finds; a
+    pass that decided nothing then says so until the first of them
+    (``Decisions.quiet``), and the engine leaves out the passes where only time
+    moved before it, as it does for ours."""
+    decided = grants or settled.endings or settled.node_changes
     return Decisions(
         grants=tuple(grants),
         endings=tuple(settled.endings),
         node_changes=tuple(settled.node_changes),
+        quiet=Quiet(settled.next_end, None) if time_blind and not decided else None,
     )
 
 
@@ -175,7 +190,7 @@ class Fifo:
                 break
             settled.free.take(placements)
             grants.append(Grant(s.id, placements))
-        return _decisions(settled, grants)
+        return _decisions(settled, grants, time_blind=True)
 
 
 class StrictPriority:
@@ -220,7 +235,7 @@ class StrictPriority:
             settled.free.take(placements)
             held[s.project] = holding + s.gpus
             grants.append(Grant(s.id, placements))
-        return _decisions(settled, grants)
+        return _decisions(settled, grants, time_blind=True)
 
 
 class MultifactorFairShare:
@@ -285,7 +300,9 @@ class MultifactorFairShare:
             elif not reserved:
                 reserved = True
                 settled.free.take(_reserve(settled.free, s))
-        return _decisions(settled, grants)
+        # Not time-blind: ages and decayed usage reorder the queue as time passes,
+        # and the first job that does not fit, which reserves GPUs, may change.
+        return _decisions(settled, grants, time_blind=False)
 
 
 def _reserve(free: FreeGpus, s: Slice) -> list[Placement]:
