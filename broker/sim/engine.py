@@ -55,7 +55,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.preemption import preemption_delay
-from ..core.resume import RESUME_PHASE, still_quiet
+from ..core.resume import RESUME_PHASE
 from ..core.transitions import apply, end_slice
 from .metrics import (
     FAILURE,
@@ -508,7 +508,7 @@ class Simulation:
             gpu_type_weights=self.weights,
             policy=self.scheduler.policy,
         )
-        if timed_only and still_quiet(self._quiet, snapshot, self.tree):
+        if timed_only and self.scheduler.still_quiet(self._quiet, snapshot):
             self.stats["quiet_passes"] += 1
             if self.config.check:
                 check_quiet(self._quiet_deferred, self.scheduler(snapshot))

@@ -51,6 +51,7 @@ from ..core.model import (
     Snapshot,
 )
 from ..core.placement import FreeGpus
+from ..core.resume import still_quiet
 from ..core.scheduler import schedule
 
 
@@ -61,6 +62,11 @@ class Scheduler(Protocol):
     policy: Policy
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions: ...
+
+    def still_quiet(self, quiet: Quiet | None, snapshot: Snapshot, /) -> bool:
+        """Whether a pass over the slices and nodes the last pass left, which said
+        ``quiet``, would decide nothing at ``snapshot.now``."""
+        ...
 
 
 class FairShare:
@@ -77,6 +83,9 @@ class FairShare:
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         return schedule(snapshot, index=self.kept)
+
+    def still_quiet(self, quiet: Quiet | None, snapshot: Snapshot, /) -> bool:
+        return still_quiet(quiet, snapshot, self.tree)
 
     def expect(self, changed: Mapping[int, Slice | None]) -> None:
         """The next snapshot differs from the last one only in these slices (id -> the
@@ -148,19 +157,24 @@ def settle(snapshot: Snapshot) -> Settled:
     return Settled(endings, changes, free, pending, held, next_end)
 
 
-def _decisions(settled: Settled, grants: list[Grant], *, time_blind: bool) -> Decisions:
-    """What a baseline decided. ``time_blind``: over the same slices and nodes it
-    decides the same whatever the time, but for the ends :func:`settle` finds; a
-    pass that decided nothing then says so until the first of them
-    (``Decisions.quiet``), and the engine leaves out the passes where only time
-    moved before it, as it does for ours."""
+def _decisions(settled: Settled, grants: list[Grant]) -> Decisions:
+    """What a baseline decided. A pass that decided nothing says so until the first
+    end :func:`settle` will find (``Decisions.quiet``; no window order: baselines do
+    not read it); its policy's ``still_quiet`` adds what else moves its order in
+    time, and the engine leaves out the passes where only time moved meanwhile."""
     decided = grants or settled.endings or settled.node_changes
     return Decisions(
         grants=tuple(grants),
         endings=tuple(settled.endings),
         node_changes=tuple(settled.node_changes),
-        quiet=Quiet(settled.next_end, None) if time_blind and not decided else None,
+        quiet=None if decided else Quiet(settled.next_end, None),
     )
+
+
+def _before_until(quiet: Quiet | None, snapshot: Snapshot) -> bool:
+    """``still_quiet`` of a policy that decides the same whatever the time, but for
+    the ends :func:`settle` finds: strict priority and FIFO."""
+    return quiet is not None and snapshot.now < quiet.until
 
 
 def _fit(free: FreeGpus, s: Slice) -> tuple[Placement, ...] | None:
@@ -177,6 +191,7 @@ class Fifo:
     """
 
     name = "fifo"
+    still_quiet = staticmethod(_before_until)
 
     def __init__(self, accounts: Sequence[Account] = (), policy: Policy | None = None):
         self.policy = policy or Policy()
@@ -190,7 +205,7 @@ class Fifo:
                 break
             settled.free.take(placements)
             grants.append(Grant(s.id, placements))
-        return _decisions(settled, grants, time_blind=True)
+        return _decisions(settled, grants)
 
 
 class StrictPriority:
@@ -205,6 +220,7 @@ class StrictPriority:
     """
 
     name = "priority"
+    still_quiet = staticmethod(_before_until)
 
     def __init__(
         self, accounts: Sequence[Account], policy: Policy | None = None, overcommit: float = 1.5
@@ -235,7 +251,7 @@ class StrictPriority:
             settled.free.take(placements)
             held[s.project] = holding + s.gpus
             grants.append(Grant(s.id, placements))
-        return _decisions(settled, grants, time_blind=True)
+        return _decisions(settled, grants)
 
 
 class MultifactorFairShare:
@@ -270,6 +286,10 @@ class MultifactorFairShare:
         self.fairshare_weight = fairshare_weight
         self.age_weight = age_weight
         self.max_age = max_age
+        # What the last quiet pass saw first in its queue: each project's oldest job
+        # (project, submit time, id), and the first of them.
+        self._heads: tuple[tuple[str, float, int], ...] = ()
+        self._first: int | None = None
 
     def factors(self, usage: dict[str, float] | Snapshot) -> dict[str, float]:
         """The fair-share factor ``2^(-U/S)`` of every project (1.0 when nothing is used)."""
@@ -280,19 +300,27 @@ class MultifactorFairShare:
             return dict.fromkeys(self.entitlements, 1.0)
         return {p: 2.0 ** (-(usage.get(p, 0.0) / total) / e) for p, e in self.entitlements.items()}
 
+    def order_key(
+        self, factors: Mapping[str, float], now: float, project: str, submitted_at: float, id: int
+    ) -> tuple[float, float, int]:
+        """A pending job's place in the queue at ``now``: priority (higher first), submit
+        time, slice id. Within a project the oldest job comes first, whatever the time:
+        the fair-share factor is the project's, and age only grows with it."""
+        age = min(1.0, max(0.0, now - submitted_at) / self.max_age)
+        value = self.fairshare_weight * factors[project] + self.age_weight * age
+        return (-value, submitted_at, id)
+
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         settled = settle(snapshot)
         factors = self.factors(dict(snapshot.usage))
         now = snapshot.now
-
-        def priority(s: Slice) -> tuple[float, float, int]:
-            age = min(1.0, max(0.0, now - s.submitted_at) / self.max_age)
-            value = self.fairshare_weight * factors[s.project] + self.age_weight * age
-            return (-value, s.submitted_at, s.id)
-
         grants = []
         reserved = False
-        for s in sorted(settled.pending, key=priority):
+        ordered = sorted(
+            settled.pending,
+            key=lambda s: self.order_key(factors, now, s.project, s.submitted_at, s.id),
+        )
+        for s in ordered:
             placements = _fit(settled.free, s)
             if placements is not None:
                 settled.free.take(placements)
@@ -300,9 +328,29 @@ class MultifactorFairShare:
             elif not reserved:
                 reserved = True
                 settled.free.take(_reserve(settled.free, s))
-        # Not time-blind: ages and decayed usage reorder the queue as time passes,
-        # and the first job that does not fit, which reserves GPUs, may change.
-        return _decisions(settled, grants, time_blind=False)
+        decisions = _decisions(settled, grants)
+        if decisions.quiet is not None:
+            # Nothing fitted, the first job not even with nothing reserved: over the same
+            # slices, a later pass decides nothing while that job still comes first (it
+            # reserves the same GPUs) — ages and decayed usage reorder the queue in time.
+            heads: dict[str, tuple[float, int]] = {}
+            for s in ordered:
+                heads.setdefault(s.project, (s.submitted_at, s.id))
+            self._heads = tuple((project, *head) for project, head in heads.items())
+            self._first = ordered[0].id if ordered else None
+        return decisions
+
+    def still_quiet(self, quiet: Quiet | None, snapshot: Snapshot, /) -> bool:
+        """Whether a pass over the slices and nodes the last pass left, at
+        ``snapshot.now``, would decide nothing: before ``quiet.until`` and with the
+        same job first in the queue (the first of the projects' oldest jobs)."""
+        if quiet is None or snapshot.now >= quiet.until:
+            return False
+        if not self._heads:
+            return True
+        factors, now = self.factors(dict(snapshot.usage)), snapshot.now
+        first = min(self._heads, key=lambda head: self.order_key(factors, now, *head))
+        return first[2] == self._first
 
 
 def _reserve(free: FreeGpus, s: Slice) -> list[Placement]:
