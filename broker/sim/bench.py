@@ -72,6 +72,7 @@ class _Timed:
         expect = getattr(inner, "expect", None)
         if expect is not None:
             self.expect = expect
+        self.still_quiet = inner.still_quiet
 
     def __call__(self, snapshot, /):
         started = time.perf_counter()
