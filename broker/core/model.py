@@ -18,6 +18,9 @@ from typing import NamedTuple, cast, overload
 
 HOUR = 3600.0
 DAY = 24 * HOUR
+#: Seconds: the longest time between two of the service's passes by default
+#: (``BrokerApp.pass_interval``), and so the simulator's default tick.
+PASS_INTERVAL = 5.0
 
 
 class NodeState(enum.StrEnum):

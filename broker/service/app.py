@@ -38,6 +38,7 @@ from traitlets.config import Application
 
 from .. import __version__
 from ..config import DEMO_CONFIG, load_config
+from ..core.model import PASS_INTERVAL
 from ..errors import InvalidConfig
 from ..inventory import (
     ENTRY_POINT_GROUP,
@@ -306,8 +307,9 @@ class BrokerApp(Application):
         return "/" + proposal.value.strip("/") + "/" if proposal.value.strip("/") else "/"
 
     pass_interval = Float(
-        5.0,
-        help="""Longest time between scheduling passes, in seconds (default 5).
+        PASS_INTERVAL,
+        help="""Longest time between scheduling passes, in seconds (default 5; the
+        simulator's default tick too, so that what admins simulate is what runs).
 
         Passes also run after every change (submit, release, node or project change)
         and at the next contract deadline (end of protection, grace period, max

@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import OperationalError
 
-from ..core.model import Decisions
+from ..core.model import PASS_INTERVAL, Decisions
 from ..errors import BrokerError
 from ..store import Broker
 from ..store.journal import is_durable
@@ -253,7 +253,7 @@ class BrokerRunner:
         self,
         broker: Broker,
         *,
-        pass_interval: float = 5.0,
+        pass_interval: float = PASS_INTERVAL,
         pass_gap: float = PASS_GAP_S,
         metrics: BrokerMetrics | None = None,
         db_timeout: float | None = None,

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from ..core.model import HOUR, Policy
+from ..core.model import HOUR, PASS_INTERVAL, Policy
 from ..errors import InvalidConfig
 from .engine import Result, SimConfig, Simulation
 from .policies import POLICIES
@@ -117,7 +117,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds of events handled together before one pass (default 1)",
     )
     sim.add_argument(
-        "--tick", type=float, default=300.0, help="a pass at least this often (s) while work waits"
+        "--tick",
+        type=float,
+        default=PASS_INTERVAL,
+        help="a pass at least this often (s) while work waits; by default the "
+        "service's own pass interval",
     )
     sim.add_argument("--grace", type=float, default=60.0, help="preemption grace period (s)")
     sim.add_argument(

@@ -41,6 +41,7 @@ from ..core.accounting import held_rate
 from ..core.fairshare import ProjectTree
 from ..core.model import (
     HOUR,
+    PASS_INTERVAL,
     Contract,
     Decisions,
     Ending,
@@ -89,8 +90,10 @@ class SimConfig:
     ``quantum``: the events of each quantum are handled together, then one
     pass runs at its end (0: a pass at every distinct event time).
     ``tick``: while work is pending, a pass at least this often (fair share
-    drifts as usage accrues); a request the pass let wait before preempting
-    gets a pass when that wait ends, as the service's frequent passes give it.
+    drifts as usage accrues): by default the service's own pass interval, so a
+    run passes when the service would (the passes where only time moved since a
+    quiet one are left out); a request the pass let wait before preempting also
+    gets a pass when that wait ends.
     ``drain_deadline``: after this, a drain that has not emptied needs an operator.
 
     What a preempted (or failed) resumable job pays: ``checkpoint_interval``
@@ -112,7 +115,7 @@ class SimConfig:
     """
 
     quantum: float = 1.0
-    tick: float = 300.0
+    tick: float = PASS_INTERVAL
     drain_deadline: float = 12 * HOUR
     checkpoint_interval: float = 0.0
     restart_cost: float = 0.0
