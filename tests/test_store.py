@@ -341,6 +341,16 @@ def test_a_lease_runs_out_only_over_the_time_the_broker_answered_heartbeats_on_t
     assert left.times(start + ANSWERING_KEPT_S) == ((start, start + ANSWERING_KEPT_S),)
     assert left.times(start + ANSWERING_KEPT_S + 1) == ()
     assert not left.answered(ticket, start + ANSWERING_KEPT_S + 2)
+    # Counted from the earliest request still being answered, whatever order their
+    # handlers took tickets in; one gone for good does not hide one still counting.
+    both = LateAnswers()
+    both.came(start + 10)
+    both.came(start + 5)  # came first, its handler started second
+    assert both.times(start + 20) == ((start + 5, start + 20),)
+    both = LateAnswers()
+    both.came(start + 10)
+    both.came(start)  # left behind
+    assert both.times(start + ANSWERING_KEPT_S + 5) == ((start + 10, start + ANSWERING_KEPT_S + 5),)
 
 
 def test_bad_filters_are_refused(broker):

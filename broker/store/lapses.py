@@ -83,7 +83,7 @@ class LateAnswers:
     def __init__(self, late_after: float = LATE_HEARTBEAT_S) -> None:
         self.late_after = late_after
         self._times: deque[tuple[float, float]] = deque(maxlen=LATE_KEPT_COUNT)
-        self._answering: dict[int, float] = {}  # ticket -> when it came, in arrival order
+        self._answering: dict[int, float] = {}  # ticket -> when its request came
         self._tickets = itertools.count()
         self._lock = threading.Lock()
         self._logged = float("-inf")  # when the log last told of late answers
@@ -122,9 +122,12 @@ class LateAnswers:
                 self._times.popleft()
             times = list(self._times)
             answering = self._answering
-            while answering and next(iter(answering.values())) < now - ANSWERING_KEPT_S:
-                del answering[next(iter(answering))]
-            first = next(iter(answering.values()), None)
+            # Tickets go in the order handlers start, not the order requests came:
+            # each is looked at (as many as the connections, a pass every few seconds).
+            gone = [t for t, came in answering.items() if came < now - ANSWERING_KEPT_S]
+            for ticket in gone:
+                del answering[ticket]
+            first = min(answering.values(), default=None)
         if first is not None and 0 < self.late_after < now - first:
             _merge_into(times, first, now)
         return tuple(times)
