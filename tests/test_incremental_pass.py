@@ -28,6 +28,7 @@ from broker.core.model import (
     Placement,
     Policy,
     QueueStretch,
+    Quiet,
     SliceKind,
     SliceState,
     Snapshot,
@@ -670,6 +671,24 @@ def test_a_pass_before_a_quiet_pass_s_until_decides_nothing_either(rng, later):
         assert not (again.grants or again.preemptions or again.endings or again.node_changes)
         assert set(again.deferred) <= set(decisions.deferred)
         assert again.quiet is not None
+
+
+def test_a_quiet_pass_holds_only_before_its_until_and_while_the_windows_order_stays():
+    """``still_quiet`` itself: the property above only reaches the passes it allows."""
+    tree = ProjectTree(ACCOUNTS)
+    usage = {"a": 10.0, "b": 60.0, "c": 40.0}  # a, then b (org1), then c
+    order = tuple(tree.project_order(usage))
+    quiet = Quiet(NOW + HOUR, order)
+    snap = Snapshot(now=NOW, nodes=tuple(NODES), accounts=tuple(ACCOUNTS), slices=(), usage=usage)
+    later = replace(snap, now=NOW + HOUR - 1, usage={p: 2 * u for p, u in usage.items()})
+    assert still_quiet(quiet, later, tree)  # all doubled: the same order
+    flipped = replace(later, usage={**later.usage, "a": 1000.0})  # b before a now
+    assert tuple(tree.project_order(flipped.usage)) != order
+    assert not still_quiet(quiet, flipped, tree)
+    assert not still_quiet(quiet, replace(later, now=NOW + HOUR), tree)  # at its until
+    assert not still_quiet(None, later, tree)
+    # A policy that does not read the window's order (the simulator's baselines).
+    assert still_quiet(Quiet(NOW + HOUR, None), flipped, tree)
 
 
 def _quiet_queue(max_reservations: int):
