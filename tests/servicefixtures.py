@@ -457,10 +457,10 @@ async def serving_in_process(
     import tomllib
 
     cluster = parse_config(tomllib.loads(config))
-    broker = Broker(db_url, cluster, lease=lease, single_writer=single_writer)
-    runner = BrokerRunner(
-        broker, pass_interval=pass_interval, shed_after=shed_after, late_heartbeat=late_heartbeat
+    broker = Broker(
+        db_url, cluster, lease=lease, late_heartbeat=late_heartbeat, single_writer=single_writer
     )
+    runner = BrokerRunner(broker, pass_interval=pass_interval, shed_after=shed_after)
     store = TokenStore(db_url)
     authenticator = TokenAuthenticator(
         store, runner.read_urgent, admins=cluster.admins, cache_max_age=token_cache_max_age

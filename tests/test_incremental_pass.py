@@ -687,8 +687,6 @@ def test_a_quiet_pass_holds_only_before_its_until_and_while_the_windows_order_st
     assert not still_quiet(quiet, flipped, tree)
     assert not still_quiet(quiet, replace(later, now=NOW + HOUR), tree)  # at its until
     assert not still_quiet(None, later, tree)
-    # A policy that does not read the window's order (the simulator's baselines).
-    assert still_quiet(Quiet(NOW + HOUR, None), flipped, tree)
 
 
 def _quiet_queue(max_reservations: int):

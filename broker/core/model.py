@@ -429,8 +429,9 @@ class Queue(Sequence[QueueEntry]):
 class Quiet:
     """What a pass that decided nothing knows of the next one: over the same slices
     and nodes, a pass before ``until`` (seconds) decides nothing either, as long as
-    the window's project order is still ``window_order`` (resume.still_quiet; None:
-    a policy that does not read it, as the simulator's strict priority and FIFO)."""
+    the window's project order is still ``window_order`` (resume.still_quiet). None:
+    a policy that reads no window order and tells itself whether its quiet still
+    holds (the simulator's baselines, ``Scheduler.still_quiet``)."""
 
     until: float
     window_order: tuple[str, ...] | None

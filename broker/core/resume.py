@@ -153,14 +153,11 @@ def still_quiet(quiet: Quiet | None, snapshot: Snapshot, tree: ProjectTree) -> b
     """Whether a pass over ``snapshot`` would decide nothing, told from the last
     pass's ``quiet`` alone: true only if the caller knows that the slices and
     nodes are those that pass left, and ``snapshot`` comes before ``quiet.until``
-    with the window's project order unchanged (where the policy reads it)."""
+    with the window's project order unchanged."""
     return (
         quiet is not None
         and snapshot.now < quiet.until
-        and (
-            quiet.window_order is None
-            or tuple(tree.project_order(snapshot.usage)) == quiet.window_order
-        )
+        and tuple(tree.project_order(snapshot.usage)) == quiet.window_order
     )
 
 

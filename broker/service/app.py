@@ -597,6 +597,7 @@ class BrokerApp(Application):
                 self.db_url,
                 config,
                 lease=self.lease,
+                late_heartbeat=self.late_heartbeat,
                 upgrade=self.upgrade_db,
                 db_timeout=self.db_timeout,
                 single_writer=True,  # it holds the leader lock (design.md §8)
@@ -614,7 +615,6 @@ class BrokerApp(Application):
             grant_at_once=True,
             what_if_share=self.what_if_share,
             shed_after=self.shed_after,
-            late_heartbeat=self.late_heartbeat,
         )
         try:
             inventory = self.make_inventory()

@@ -67,7 +67,6 @@ from ..core.model import PASS_INTERVAL, Decisions
 from ..errors import BrokerError
 from ..store import Broker
 from ..store.journal import is_durable
-from ..store.lapses import LATE_HEARTBEAT_S
 from .dbthread import DatabaseThread
 from .metrics import BrokerMetrics
 
@@ -242,9 +241,7 @@ class BrokerRunner:
     ``pass_interval`` (seconds) is the longest time between passes; ``pass_gap``
     (seconds) the shortest between the starts of two passes. ``db_timeout``
     (seconds, ``None``: unbounded) bounds how long a request waits for the
-    database thread (see the module's docstring). ``late_heartbeat`` (seconds): a
-    heartbeat answered later than this after it came marks the broker as behind
-    (:meth:`heartbeat_answered`; 0: never). ``grant_at_once``: a pass
+    database thread (see the module's docstring). ``grant_at_once``: a pass
     follows every group commit that holds a submission (:meth:`submit`); the
     service sets it, tests that drive passes by hand leave it off.
     """
@@ -260,7 +257,6 @@ class BrokerRunner:
         grant_at_once: bool = False,
         what_if_share: float = 0.1,
         shed_after: float = 0.0,
-        late_heartbeat: float = LATE_HEARTBEAT_S,
         clock: Callable[[], float] = time.monotonic,
         work_clock: Callable[[], float] = time.perf_counter,
     ):
@@ -269,7 +265,6 @@ class BrokerRunner:
         self.broker = broker
         self._work_clock = work_clock
         self.shed_after = shed_after
-        broker.late_answers.late_after = late_heartbeat
         # Work queued for the database thread and not started yet: ticket -> when it
         # was queued (monotonic), oldest first; the thread takes it out as it starts.
         self._queued: dict[int, float] = {}
@@ -361,8 +356,8 @@ class BrokerRunner:
         return self.broker.late_answers.came(at)
 
     def heartbeat_answered(self, ticket: int) -> None:
-        """The heartbeat of ``ticket`` is answered now: past ``late_heartbeat`` (0: never)
-        after it came, the time it took is one the broker answered late, over which no
+        """The heartbeat of ``ticket`` is answered now: past the Broker's ``late_heartbeat``
+        (0: never) after it came, the time it took is one the broker answered late, over which no
         lease runs out (design.md §8)."""
         if self.broker.late_answers.answered(ticket, time.time()):
             self.metrics.heartbeats_late.inc()

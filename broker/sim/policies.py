@@ -348,7 +348,7 @@ class MultifactorFairShare:
             return False
         if not self._heads:
             return True
-        factors, now = self.factors(dict(snapshot.usage)), snapshot.now
+        factors, now = self.factors(snapshot), snapshot.now
         first = min(self._heads, key=lambda head: self.order_key(factors, now, *head))
         return first[2] == self._first
 

@@ -58,7 +58,7 @@ from ..validation import REASON_MAX_LENGTH, check_text
 from .access import Principal, _check_member, _check_owner, _owned_row
 from .inventory import ADMIN_NODE_STATES, _set_node, _sync_nodes, _take_inventory
 from .journal import Journal, LiveViews, _Catalog, _LiveSlice, ledger_since, not_durable
-from .lapses import LateAnswers, RecentLapses
+from .lapses import LATE_HEARTBEAT_S, LateAnswers, RecentLapses
 from .projects import (
     CONTROL_CHARACTERS,
     _add_members,
@@ -110,7 +110,9 @@ class Broker:
     recorded in :meth:`project_events`. ``clock``
     is the one source of "now" (seconds since the epoch). ``schedule`` is the
     scheduling pass. ``lease`` is how long (seconds) a heartbeat keeps a slice
-    alive. ``upgrade`` lets an out-of-date database be migrated on open;
+    alive; a heartbeat answered ``late_heartbeat`` seconds or more after it came
+    marks the broker as behind, and no lease runs out over that time (0: never;
+    :class:`~.lapses.LateAnswers`). ``upgrade`` lets an out-of-date database be migrated on open;
     otherwise that raises :class:`~broker.orm.DatabaseOutOfDate` (a blank
     database is always initialised). ``usual_gap``: see :meth:`run_pass_and_live`.
     ``db_timeout``: how long (seconds) one statement may wait for the database (see
@@ -130,6 +132,7 @@ class Broker:
         *,
         schedule: Schedule = default_schedule,
         lease: float = DEFAULT_LEASE_S,
+        late_heartbeat: float = LATE_HEARTBEAT_S,
         upgrade: bool = False,
         usual_gap: float | None = None,
         db_timeout: float | None = None,
@@ -153,7 +156,7 @@ class Broker:
         self.lease = lease
         self.usual_gap = usual_gap
         self.lapses = RecentLapses()  # for the pass's lease lapse limit
-        self.late_answers = LateAnswers()  # heartbeats answered late: leases wait
+        self.late_answers = LateAnswers(late_heartbeat)  # answered late: leases wait
         # When the last committed pass ran, as its row says: kept by a single writer only.
         self._alive_at: float | None = None
         self.journal = Journal(url, db_timeout, single_writer=single_writer)
