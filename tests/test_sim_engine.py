@@ -6,8 +6,11 @@ import random
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.core.accounting import LedgerEntry, usage_by_project
+from broker.core.fairshare import ProjectTree
 from broker.core.model import (
     DAY,
     HOUR,
@@ -78,6 +81,53 @@ def test_incremental_usage_matches_the_ledger(seed, half_life):
         got = tracker.at(at)
         for project in "abc":
             assert got[project] == pytest.approx(expected.get(project, 0.0), rel=1e-9, abs=1e-6)
+
+
+_TREE = ProjectTree(
+    [
+        Account("lab", 2.0),
+        Account("dept", 1.0),
+        Account("a", 1.0, "lab"),
+        Account("b", 3.0, "lab"),
+        Account("c", 1.0, "dept"),
+        Account("d", 1.0, "dept"),
+        Account("e", 2.0),
+    ]
+)
+_CHANGES = st.lists(
+    st.tuples(
+        st.floats(0, 3 * DAY),  # when, after the change before it
+        st.sampled_from("abcde"),
+        st.sampled_from([1.0, 2.0, 8.0]),
+        st.floats(1, 3 * DAY),  # for how long
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(changes=_CHANGES, looks=st.lists(st.floats(0, 2 * DAY), min_size=1, max_size=8))
+def test_the_window_order_told_ahead_is_the_order_computed_again(changes, looks):
+    """UsageTracker.order_at answers from the order it kept until the time that
+    order can first change: at any time before the next grant or end, it must be
+    the order computed from the usage then. A 1-day window, so that charge leaves
+    it between changes."""
+    tracker = UsageTracker("abcde", window=DAY)
+    events: list[tuple[float, int, str, float]] = []
+    at = 0.0
+    for after, project, rate, length in changes:
+        at += after
+        events += [(at, 0, project, rate), (at + length, 1, project, rate)]
+    events.sort()
+    times = [e[0] for e in events] + [events[-1][0] + 3 * DAY if events else 3 * DAY]
+    for (when, kind, project, rate), following in zip(events, times[1:], strict=False):
+        if kind == 0:
+            tracker.open(project, rate, when)
+        else:
+            tracker.close(LedgerEntry(0, project, "u", when - 1, when, rate))
+        for look in sorted(when + offset for offset in looks if when + offset < following):
+            told = tracker.order_at(_TREE, look)
+            assert told == tuple(_TREE.project_order(tracker.at(look))), look
 
 
 # ---- whole runs ------------------------------------------------------------------------

@@ -500,23 +500,30 @@ class Simulation:
         left out (``quiet_passes``; checked against the policy with ``check``)."""
         if self._checkpoints and self._report_checkpoints(now):
             timed_only = False
-        if self._nodes_tuple is None:
-            self._nodes_tuple = tuple(self.nodes.values())
-        snapshot = Snapshot(
-            now=now,
-            nodes=self._nodes_tuple,
-            accounts=self.workload.accounts,
-            slices=tuple(self.slices.values()),
-            usage=self.usage.at(now),
-            gpu_type_weights=self.weights,
-            policy=self.scheduler.policy,
-        )
-        if timed_only and self.scheduler.still_quiet(self._quiet, snapshot):
+        snapshot = None
+        quiet = self._quiet
+        if not timed_only or quiet is None:
+            still_quiet = False
+        elif quiet.window_order is None:
+            snapshot = self._snapshot(now)
+            still_quiet = self.scheduler.still_quiet(quiet, snapshot)
+        else:
+            # Quiet's own terms, with the window's order told from the usage kept
+            # (UsageTracker.order_at), not computed again at every tick
+            still_quiet = (
+                now < quiet.until and self.usage.order_at(self.tree, now) == quiet.window_order
+            )
+        if still_quiet:
             self.stats["quiet_passes"] += 1
             if self.config.check:
+                if snapshot is None:
+                    snapshot = self._snapshot(now)
+                assert self.scheduler.still_quiet(quiet, snapshot), "the policy says it changed"
                 check_quiet(self._quiet_deferred, self.scheduler(snapshot))
             self._tick(now)
             return
+        if snapshot is None:
+            snapshot = self._snapshot(now)
         if self._expect is not None:
             self._expect(self._changed)
             self._changed = {}
@@ -536,6 +543,19 @@ class Simulation:
         self._commit(now, decisions)
         self._quiet, self._quiet_deferred = decisions.quiet, set(decisions.deferred)
         self._tick(now)
+
+    def _snapshot(self, now: float) -> Snapshot:
+        if self._nodes_tuple is None:
+            self._nodes_tuple = tuple(self.nodes.values())
+        return Snapshot(
+            now=now,
+            nodes=self._nodes_tuple,
+            accounts=self.workload.accounts,
+            slices=tuple(self.slices.values()),
+            usage=self.usage.at(now),
+            gpu_type_weights=self.weights,
+            policy=self.scheduler.policy,
+        )
 
     def _tick(self, now: float) -> None:
         """While work waits, a pass at least every ``tick`` seconds."""

@@ -65,7 +65,9 @@ class Scheduler(Protocol):
 
     def still_quiet(self, quiet: Quiet | None, snapshot: Snapshot, /) -> bool:
         """Whether a pass over the slices and nodes the last pass left, which said
-        ``quiet``, would decide nothing at ``snapshot.now``."""
+        ``quiet``, would decide nothing at ``snapshot.now``. The engine asks it of a
+        quiet that names no window order; one that does, it judges by ``Quiet``'s
+        own terms and asks the policy only to check itself (``SimConfig.check``)."""
         ...
 
 

@@ -7,6 +7,10 @@ is the cumulative charge, a piecewise-linear function kept as breakpoints;
 with a half-life it is one decayed number per project, advanced in closed
 form. Both agree with :func:`broker.core.accounting.usage_by_project` over the
 same ledger (tested).
+
+With a hard window the usages are linear between breakpoints, so the fair-share
+order of the projects can be told ahead: :meth:`UsageTracker.order_at` keeps the
+order with the time it can first change, and answers from it until then.
 """
 
 from __future__ import annotations
@@ -14,8 +18,14 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterable
+from itertools import pairwise
 
 from ..core.accounting import LedgerEntry
+from ..core.fairshare import ProjectTree
+
+#: How far apart, relative to the usage charged so far, two share values must stay
+#: for their order to be told ahead: a million times the rounding of computing them.
+_MARGIN = 1e-9
 
 
 class _Cumulative:
@@ -41,6 +51,14 @@ class _Cumulative:
         self.times.append(t)
         self.cum.append(cum)
         self.rate.append(max(0.0, self.rate[-1] + delta))
+
+    def slope(self, now: float, since: float) -> tuple[float, float, float]:
+        """How fast ``A(now) - A(since)`` grows, the rate at ``since``, and until when
+        it grows so (the next breakpoint after ``since``, moved by ``now - since``;
+        none come after ``now``)."""
+        i = bisect_right(self.times, since, self.head) - 1
+        linear_until = self.times[i + 1] + (now - since) if i + 1 < len(self.times) else math.inf
+        return self.rate[-1] - self.rate[i], self.rate[i], linear_until
 
     def forget_before(self, t: float) -> None:
         while self.head + 1 < len(self.times) and self.times[self.head + 1] <= t:
@@ -86,12 +104,16 @@ class UsageTracker:
         self._series: dict[str, _Cumulative | _Decayed] = {
             p: (_Decayed(half_life) if half_life is not None else _Cumulative()) for p in projects
         }
+        # order_at's last answer: the order and the time before which it holds
+        self._order: tuple[tuple[str, ...], float] | None = None
 
     def open(self, project: str, rate: float, at: float) -> None:
         self._series[project].change(at, rate)
+        self._order = None
 
     def close(self, entry: LedgerEntry) -> None:
         self._series[entry.project].change(entry.end, -entry.rate)
+        self._order = None
 
     def at(self, now: float) -> dict[str, float]:
         usage = {}
@@ -103,3 +125,57 @@ class UsageTracker:
                 amount = series.value(now)
             usage[project] = max(0.0, amount)
         return usage
+
+    def order_at(self, tree: ProjectTree, now: float) -> tuple[str, ...]:
+        """``tree.project_order(self.at(now))``, computed only when it may have changed
+        since the last call: after a grant or an end, or once the time it could
+        first change is reached (:meth:`_steady_until`; at once with a half-life)."""
+        kept = self._order
+        if kept is not None and now < kept[1]:
+            return kept[0]
+        usage = self.at(now)
+        order = tuple(tree.project_order(usage))
+        if self.half_life is None:
+            self._order = (order, self._steady_until(tree, usage, now))
+        return order
+
+    def _steady_until(self, tree: ProjectTree, usage: dict[str, float], now: float) -> float:
+        """A time before which the fair-share order stays what it is at ``now``, with
+        no grant or end in between: each account's share value moves linearly until
+        a breakpoint leaves the window, so siblings next to each other in the order
+        keep it until their values meet. Values closer than the rounding of
+        computing them could swap at any moment, unless neither changes at all:
+        then ``now``."""
+        until = math.inf
+        slopes: dict[str, float] = {}
+        moving: dict[str, float] = {}
+        charged: dict[str, float] = {}
+        for project, series in self._series.items():
+            assert isinstance(series, _Cumulative)  # no half-life: a hard window
+            slope, tail_rate, linear_until = series.slope(now, now - self.window)
+            until = min(until, linear_until)
+            slopes[project] = slope
+            # a project that neither charges nor has charge leaving the window keeps
+            # exactly the same computed usage, rounding and all
+            moving[project] = float(series.rate[-1] != 0 or tail_rate != 0)
+            charged[project] = series.value(now)
+        totals = tree.subtree_usage(usage)
+        rates = tree.subtree_usage(slopes)
+        moves = tree.subtree_usage(moving)
+        scale = tree.subtree_usage(charged)
+        entitled = tree.entitlements
+        for siblings in tree.children.values():
+            ranked = sorted(siblings, key=lambda n: (totals[n] / entitled[n], n))
+            for first, second in pairwise(ranked):
+                if not moves[first] and not moves[second]:
+                    continue
+                gap = totals[second] / entitled[second] - totals[first] / entitled[first]
+                margin = _MARGIN * (
+                    (scale[first] + 1) / entitled[first] + (scale[second] + 1) / entitled[second]
+                )
+                if gap <= margin:
+                    return now
+                closing = rates[first] / entitled[first] - rates[second] / entitled[second]
+                if closing > 0:
+                    until = min(until, now + (gap - margin) / closing)
+        return until
