@@ -824,6 +824,27 @@ def test_a_release_walks_the_queue():
     assert walked == fresh and walked.grants
 
 
+def test_a_resumed_pass_makes_its_queue_when_read_from_its_own_time():
+    # The queue of a resumed pass is worked out when first read (the simulator never
+    # reads it): after later passes have moved the index on, it is still its own.
+    snap = _quiet_queue(max_reservations=1)
+    joining = pending("a", 4, submitted_at=snap.now)
+    later = replace(snap, now=snap.now + 30.0, slices=(*snap.slices, joining))
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    resumed = schedule(later, index=kept)
+    assert resumed.phase_seconds.keys() == {RESUME_PHASE}
+    # the requests leave before anyone reads the queue (the index told, as the
+    # simulator tells it, so that it forgets them in place)
+    holders, requests = later.slices[:2], later.slices[2:]
+    kept.expect({s.id: None for s in requests})
+    schedule(replace(later, now=later.now + HOUR, slices=holders), index=kept)
+    fresh = schedule(later, tree).queue
+    assert [e.slice_id for e in fresh][-1] == joining.id
+    assert resumed.queue == fresh
+
+
 def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():
     # A request that has waited 10 of its 15 minutes joins: its delay now ends first.
     snap = _quiet_queue(max_reservations=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import operator
 from bisect import bisect_right
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, repeat
@@ -373,7 +373,7 @@ class Queue(Sequence[QueueEntry]):
     Equal to any sequence of the same entries (a tuple of them included).
     """
 
-    __slots__ = ("_made", "_parts", "_stretches")
+    __slots__ = ("_made", "_make", "_parts", "_stretches")
 
     def __init__(
         self, rows: Sequence[QueueRow | QueueStretch] = (), stretches: Sequence[int] = ()
@@ -382,10 +382,25 @@ class Queue(Sequence[QueueEntry]):
         :class:`QueueStretch` each instead."""
         self._parts, self._stretches = rows, stretches
         self._made = None if stretches else cast("Sequence[QueueRow]", rows)
+        self._make: Callable[[], Sequence[QueueRow]] | None = None
+
+    @classmethod
+    def later(cls, make: Callable[[], Sequence[QueueRow]]) -> Queue:
+        """A queue whose rows ``make`` works out when the queue is first read (from
+        data that no longer changes: it may be called long after)."""
+        queue = cls()
+        queue._made, queue._make = None, make
+        return queue
+
+    def rows(self) -> Sequence[QueueRow]:
+        """The queue's plain rows, in order (no entries made)."""
+        return self._rows
 
     @property
     def _rows(self) -> Sequence[QueueRow]:
-        if self._made is None:
+        if self._made is None and self._make is not None:
+            self._made, self._make = self._make(), None  # the data it read can go
+        elif self._made is None:
             made: list[QueueRow] = []
             start = 0
             for at in self._stretches:

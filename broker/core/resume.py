@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .backfill import outlasts
@@ -28,7 +29,6 @@ from .model import (
     Decisions,
     Policy,
     Queue,
-    QueueEntry,
     QueueRow,
     Quiet,
     Reservation,
@@ -260,24 +260,22 @@ def _edited(
     keys, ``leaving`` taken out, and what moves with time moved."""
     before, now, policy = settled.decisions, snapshot.now, snapshot.policy
     then, shift = settled.now, now - settled.now
-    values = tree.share_used(snapshot.usage)
-    live, rank = kept.slices, settled.project_rank
-    gone = {s.id for s in leaving}
-    entries = [e for e in before.queue if e.slice_id not in gone] if gone else list(before.queue)
-    # The walk's part of the queue: after the kept promises, before unallocated work.
-    start = sum(1 for r in before.reservations if r.promised)
-    end = len(entries) - sum(
-        len(queued) for (allocated, _), (_, queued) in kept.queues.items() if not allocated
+    edit = _QueueEdit(
+        before=before.queue,
+        gone=frozenset(s.id for s in leaving),
+        joining=tuple(joining),
+        slices=snapshot.slices,
+        rank=settled.project_rank,
+        values=tree.share_used(snapshot.usage),
+        # The walk's part of the queue: after the kept promises, before unallocated work.
+        promised=sum(1 for r in before.reservations if r.promised),
+        unallocated=sum(
+            len(queued) for (allocated, _), (_, queued) in kept.queues.items() if not allocated
+        ),
+        then=then,
+        shift=shift,
+        policy=policy,
     )
-    for key, slice_ in reversed(joining):
-        at = bisect_left(entries, key, start, end, key=lambda e: walk_key(live[e.slice_id], rank))
-        entries.insert(at, QueueEntry(slice_.id, 0, math.nan))  # made whole below
-        end += 1
-    queue: list[QueueRow] = []  # rows, as a walked pass's (model.Queue)
-    for position, (slice_id, _, _, estimated) in enumerate(entries, 1):
-        if estimated is not None and shift and shifts_with_now(estimated, then, policy):
-            estimated += shift
-        queue.append((slice_id, position, values[live[slice_id].project], estimated))
     reservations = tuple(
         Reservation(r.slice_id, r.placements, r.promised, r.due_at + shift)  # type: ignore[operator]
         if shift and shifts_with_now(r.due_at, then, policy)
@@ -289,7 +287,43 @@ def _edited(
     until = quiet_until(kept, now, policy, settled.standings)
     return Decisions(
         reservations=reservations,
-        queue=Queue(queue),
+        queue=Queue.later(edit.rows),
         deferred=before.deferred,
         quiet=Quiet(until, quiet.window_order),
     )
+
+
+@dataclass(frozen=True)
+class _QueueEdit:
+    """A resumed pass's queue, worked out only when read (the simulator never reads
+    it): the quiet pass's ``before`` less ``gone``, with ``joining`` placed by their
+    walk keys, values and moving estimates brought to now. Holds only data that no
+    longer changes (the snapshot's slices, not the index's)."""
+
+    before: Queue
+    gone: frozenset[int]
+    joining: tuple[tuple[tuple, Slice], ...]
+    slices: Sequence[Slice]
+    rank: Mapping[str, int]
+    values: Mapping[str, float]
+    promised: int
+    unallocated: int
+    then: float
+    shift: float
+    policy: Policy
+
+    def rows(self) -> list[QueueRow]:
+        live = {s.id: s for s in self.slices}
+        gone, rank, values, then, shift = self.gone, self.rank, self.values, self.then, self.shift
+        rows = [r for r in self.before.rows() if r[0] not in gone]
+        start, end = self.promised, len(rows) - self.unallocated
+        for key, slice_ in reversed(self.joining):
+            at = bisect_left(rows, key, start, end, key=lambda r: walk_key(live[r[0]], rank))
+            rows.insert(at, (slice_.id, 0, math.nan, None))  # made whole below
+            end += 1
+        made: list[QueueRow] = []
+        for position, (slice_id, _, _, estimated) in enumerate(rows, 1):
+            if estimated is not None and shift and shifts_with_now(estimated, then, self.policy):
+                estimated += shift
+            made.append((slice_id, position, values[live[slice_id].project], estimated))
+        return made
