@@ -37,7 +37,7 @@ from traitlets import Bool, Float, Integer, TraitError, Unicode, default, observ
 from traitlets.config import Application
 
 from .. import __version__
-from ..config import DEMO_CONFIG, load_config
+from ..config import DEMO_CONFIG, ClusterConfig, load_config
 from ..core.model import PASS_INTERVAL
 from ..errors import InvalidConfig
 from ..inventory import (
@@ -547,6 +547,30 @@ class BrokerApp(Application):
         except Exception as err:  # a syntax error or an exception raised in the file
             raise OptionsFileError(f"{path}: {type(err).__name__}: {err}") from None
 
+    def make_broker(self, config: ClusterConfig) -> Broker:
+        """The store, on this app's database and with its lease options; the single
+        writer, as the leader it is made for (design.md §8)."""
+        return Broker(
+            self.db_url,
+            config,
+            lease=self.lease,
+            late_heartbeat=self.late_heartbeat,
+            upgrade=self.upgrade_db,
+            db_timeout=self.db_timeout,
+            single_writer=True,  # it holds the leader lock (design.md §8)
+        )
+
+    def make_runner(self, broker: Broker) -> BrokerRunner:
+        """What drives ``broker`` with this app's pass, what-if and shedding options."""
+        return BrokerRunner(
+            broker,
+            pass_interval=self.pass_interval,
+            db_timeout=self.db_timeout,
+            grant_at_once=True,
+            what_if_share=self.what_if_share,
+            shed_after=self.shed_after,
+        )
+
     def start(self) -> int:
         return asyncio.run(self.serve())
 
@@ -593,29 +617,14 @@ class BrokerApp(Application):
                 await leadership.release()
                 return 0
         try:
-            broker = Broker(
-                self.db_url,
-                config,
-                lease=self.lease,
-                late_heartbeat=self.late_heartbeat,
-                upgrade=self.upgrade_db,
-                db_timeout=self.db_timeout,
-                single_writer=True,  # it holds the leader lock (design.md §8)
-            )
+            broker = self.make_broker(config)
         except DatabaseSchemaError as err:
             self.log.error("%s", err)
             return 2
         except SQLAlchemyError as err:
             self.log.error("cannot open the database %s: %s", database, str(err).splitlines()[0])
             return 1
-        runner = BrokerRunner(
-            broker,
-            pass_interval=self.pass_interval,
-            db_timeout=self.db_timeout,
-            grant_at_once=True,
-            what_if_share=self.what_if_share,
-            shed_after=self.shed_after,
-        )
+        runner = self.make_runner(broker)
         try:
             inventory = self.make_inventory()
             await inventory.setup(runner)
