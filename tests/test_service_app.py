@@ -14,7 +14,7 @@ import pytest
 from servicefixtures import TEST_CONFIG, make_service, service_env
 from traitlets import TraitError
 
-from broker.config import DEMO_CONFIG
+from broker.config import DEMO_CONFIG, load_config
 from broker.errors import Forbidden, InvalidRequest
 from broker.inventory import InventoryError, LocalInventory, StaticInventory
 from broker.kube.inventory import KubernetesInventory
@@ -83,6 +83,29 @@ def test_options_from_the_command_line_are_checked(clean_env):
         BrokerApp(pass_interval=0)
     with pytest.raises(Exception, match="port"):
         BrokerApp(port=70000)
+
+
+async def test_the_options_reach_the_store_and_its_runner(clean_env, tmp_path):
+    app = BrokerApp()
+    app.parse_command_line(
+        [
+            f"--BrokerApp.db_url=sqlite:///{tmp_path}/broker.sqlite",
+            "--lease=30",
+            "--BrokerApp.late_heartbeat=7",
+            "--BrokerApp.db_timeout=9",
+            "--BrokerApp.pass_interval=2",
+            "--BrokerApp.shed_after=3",
+            "--BrokerApp.what_if_share=0.25",
+        ]
+    )
+    broker = app.make_broker(load_config(app.cluster_file))
+    runner = app.make_runner(broker)
+    try:
+        assert (broker.lease, broker.late_answers.late_after) == (30.0, 7.0)
+        assert (runner.pass_interval, runner.db_timeout) == (2.0, 9.0)
+        assert (runner.shed_after, runner.what_if_share) == (3.0, 0.25)
+    finally:
+        await runner.stop()
 
 
 def test_the_inventory_is_chosen_by_entry_point_name_or_by_class(clean_env):
