@@ -36,7 +36,7 @@ from broker.core.model import (
 from broker.core.ordering import queue_order
 from broker.core.placement import FreeGpus
 from broker.core.preemption import is_debug, preemption_delay
-from broker.core.resume import RESUME_PHASE, still_quiet
+from broker.core.resume import MOST_UNMADE, RESUME_PHASE, still_quiet
 from broker.core.scheduler import _Pass, schedule
 from broker.core.transitions import apply, preempting
 from broker.core.whatif import alternatives
@@ -843,6 +843,25 @@ def test_a_resumed_pass_makes_its_queue_when_read_from_its_own_time():
     fresh = schedule(later, tree).queue
     assert [e.slice_id for e in fresh][-1] == joining.id
     assert resumed.queue == fresh
+
+
+def test_resumed_passes_in_a_row_leave_few_queues_unmade():
+    # Each unmade queue holds the one it edits: past MOST_UNMADE in a row the
+    # oldest is made, so a long run of resumed passes holds few, and reading the
+    # last one still gives the queue a walked pass gives.
+    snap = _quiet_queue(max_reservations=1)
+    tree = ProjectTree(snap.accounts)
+    kept = PassState(tree)
+    schedule(snap, index=kept)
+    later = snap
+    for step in range(1, 3 * MOST_UNMADE):
+        joining = pending("a", 4, submitted_at=snap.now + step)
+        later = replace(later, now=snap.now + step, slices=(*later.slices, joining))
+        resumed = schedule(later, index=kept)
+        assert resumed.phase_seconds.keys() == {RESUME_PHASE}
+        assert 1 <= resumed.queue.unmade() <= MOST_UNMADE
+    assert resumed.queue == schedule(later, tree).queue
+    assert [e.slice_id for e in resumed.queue][-1] == joining.id
 
 
 def test_a_resumed_pass_says_until_when_it_is_quiet_as_a_walked_one_does():

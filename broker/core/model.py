@@ -373,7 +373,7 @@ class Queue(Sequence[QueueEntry]):
     Equal to any sequence of the same entries (a tuple of them included).
     """
 
-    __slots__ = ("_made", "_make", "_parts", "_stretches")
+    __slots__ = ("_made", "_make", "_parts", "_stretches", "_unmade")
 
     def __init__(
         self, rows: Sequence[QueueRow | QueueStretch] = (), stretches: Sequence[int] = ()
@@ -383,14 +383,21 @@ class Queue(Sequence[QueueEntry]):
         self._parts, self._stretches = rows, stretches
         self._made = None if stretches else cast("Sequence[QueueRow]", rows)
         self._make: Callable[[], Sequence[QueueRow]] | None = None
+        self._unmade = 0
 
     @classmethod
-    def later(cls, make: Callable[[], Sequence[QueueRow]]) -> Queue:
+    def later(cls, make: Callable[[], Sequence[QueueRow]], unmade: int = 1) -> Queue:
         """A queue whose rows ``make`` works out when the queue is first read (from
-        data that no longer changes: it may be called long after)."""
+        data that no longer changes: it may be called long after); ``unmade``: how
+        many queues that will make, this one's and those it is made from."""
         queue = cls()
-        queue._made, queue._make = None, make
+        queue._made, queue._make, queue._unmade = None, make, unmade
         return queue
+
+    def unmade(self) -> int:
+        """How many queues reading this one would make first (0: its rows are known
+        without waiting on another queue's)."""
+        return self._unmade if self._make is not None else 0
 
     def rows(self) -> Sequence[QueueRow]:
         """The queue's plain rows, in order (no entries made)."""
