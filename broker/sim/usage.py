@@ -159,23 +159,21 @@ class UsageTracker:
             # exactly the same computed usage, rounding and all
             moving[project] = float(series.rate[-1] != 0 or tail_rate != 0)
             charged[project] = series.value(now)
-        totals = tree.subtree_usage(usage)
-        rates = tree.subtree_usage(slopes)
+        # ProjectTree.share_values: the values project_order ranks by, the same floats
+        values = tree.share_values(usage)
+        speeds = tree.share_values(slopes)
+        scales = tree.share_values(charged)
         moves = tree.subtree_usage(moving)
-        scale = tree.subtree_usage(charged)
-        entitled = tree.entitlements
         for siblings in tree.children.values():
-            ranked = sorted(siblings, key=lambda n: (totals[n] / entitled[n], n))
+            ranked = sorted(siblings, key=lambda n: (values[n], n))
             for first, second in pairwise(ranked):
                 if not moves[first] and not moves[second]:
                     continue
-                gap = totals[second] / entitled[second] - totals[first] / entitled[first]
-                margin = _MARGIN * (
-                    (scale[first] + 1) / entitled[first] + (scale[second] + 1) / entitled[second]
-                )
+                gap = values[second] - values[first]
+                margin = _MARGIN * (1 + scales[first] + scales[second])
                 if gap <= margin:
                     return now
-                closing = rates[first] / entitled[first] - rates[second] / entitled[second]
+                closing = speeds[first] - speeds[second]
                 if closing > 0:
                     until = min(until, now + (gap - margin) / closing)
         return until
