@@ -9,10 +9,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from broker.core.model import Account, Node, NodeState, Policy, SliceKind
+from broker.core.model import (
+    Account,
+    Contract,
+    Node,
+    NodeState,
+    Placement,
+    Policy,
+    Slice,
+    SliceKind,
+)
+from broker.core.placement import FreeGpus
 from broker.sim.engine import SimConfig, Simulation, simulate
-from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority
+from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority, _Fitter
 from broker.sim.workloads import Job, NodeEvent, Workload
 
 ACCOUNTS = (Account("a"), Account("b"))
@@ -274,3 +286,42 @@ def test_fairshare_counts_a_victim_granted_again_within_the_hour_as_musical_chai
     # a took from b, and b never from a: no fair-share move was taken back
     assert simulation.recorder.fair_share_moves == {("a", "b"): 1}
     assert s["fair_share_back_and_forth"] == 0
+
+
+# ---- the baselines' walk: a shape that found no place is not looked for again ----------
+
+_REQUESTS = st.lists(
+    st.tuples(
+        st.integers(1, 16),  # GPUs
+        st.sampled_from([None, "h100", "a100"]),  # GPU type
+        st.sampled_from([SliceKind.BATCH, SliceKind.INTERACTIVE]),
+        st.booleans(),  # on a misfit, take some free GPUs as a reservation would
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@example(  # a session that finds no node, then batch work of its size that spans two
+    sizes=[("h100", 8), ("h100", 8)],
+    requests=[(12, None, SliceKind.INTERACTIVE, False), (12, None, SliceKind.BATCH, False)],
+)
+@given(
+    sizes=st.lists(st.tuples(st.sampled_from(["h100", "a100"]), st.integers(1, 8)), max_size=5),
+    requests=_REQUESTS,
+)
+def test_a_baselines_pass_finds_the_places_a_walk_asking_every_job_would(sizes, requests):
+    """Within a baseline's pass free GPUs only shrink, so ``_Fitter`` answers each job as
+    asking the free map again would (``FreeGpus.fit``), shapes it remembers included."""
+    nodes = [Node(f"n{i}", gpu_type, count) for i, (gpu_type, count) in enumerate(sizes)]
+    free = FreeGpus(nodes, {"h100": 1.0, "a100": 0.5})
+    fit = _Fitter(free)
+    for i, (gpus, gpu_type, kind, reserve) in enumerate(requests):
+        s = Slice(i, "a", "u", gpus, kind, Contract(min_runtime=60.0), gpu_type=gpu_type)
+        asked = free.fit(gpus, gpu_type, kind is SliceKind.BATCH)
+        assert fit(s) == asked
+        if asked is not None:
+            free.take(asked)
+        elif reserve and free.free_total:
+            node = max(free.free, key=lambda name: (len(free.free[name]), name))
+            free.take([Placement(node, tuple(sorted(free.free[node])))])

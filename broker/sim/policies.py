@@ -180,7 +180,33 @@ def _before_until(quiet: Quiet | None, snapshot: Snapshot) -> bool:
 
 
 def _fit(free: FreeGpus, s: Slice) -> tuple[Placement, ...] | None:
-    return free.fit(s.gpus, s.gpu_type, s.kind is SliceKind.BATCH)
+    return free.fit(*_shape(s))
+
+
+def _shape(s: Slice) -> tuple[int, str | None, bool]:
+    """What :meth:`FreeGpus.fit` reads of a request: its GPUs, GPU type, and whether
+    it may span nodes (batch work)."""
+    return (s.gpus, s.gpu_type, s.kind is SliceKind.BATCH)
+
+
+class _Fitter:
+    """:func:`_fit` over the free GPUs of one baseline pass, which only shrink as it
+    goes (grants and the one reservation take them): a shape that found no place
+    finds none later in the pass, so it is not looked for again. The long tail of a
+    queue on a full cluster is walked cheaply."""
+
+    def __init__(self, free: FreeGpus):
+        self.free = free
+        self._misfits: set[tuple[int, str | None, bool]] = set()  # found no place
+
+    def __call__(self, s: Slice) -> tuple[Placement, ...] | None:
+        shape = _shape(s)
+        if shape in self._misfits:
+            return None
+        placements = self.free.fit(*shape)
+        if placements is None:
+            self._misfits.add(shape)
+        return placements
 
 
 # ---- the baselines -----------------------------------------------------------------
@@ -243,11 +269,12 @@ class StrictPriority:
         quotas = self.quotas(sum(n.gpu_count for n in snapshot.nodes))
         held = settled.held
         grants = []
+        fit = _Fitter(settled.free)
         for s in sorted(settled.pending, key=lambda s: (-s.priority, s.submitted_at, s.id)):
             holding = held.get(s.project, 0)
             if holding and holding + s.gpus > quotas[s.project]:
                 continue
-            placements = _fit(settled.free, s)
+            placements = fit(s)
             if placements is None:
                 continue
             settled.free.take(placements)
@@ -303,27 +330,31 @@ class MultifactorFairShare:
         return {p: 2.0 ** (-(usage.get(p, 0.0) / total) / e) for p, e in self.entitlements.items()}
 
     def order_key(
-        self, factors: Mapping[str, float], now: float, project: str, submitted_at: float, id: int
-    ) -> tuple[float, float, int]:
-        """A pending job's place in the queue at ``now``: priority (higher first), submit
-        time, slice id. Within a project the oldest job comes first, whatever the time:
-        the fair-share factor is the project's, and age only grows with it."""
-        age = min(1.0, max(0.0, now - submitted_at) / self.max_age)
-        value = self.fairshare_weight * factors[project] + self.age_weight * age
-        return (-value, submitted_at, id)
+        self, factors: Mapping[str, float], now: float
+    ) -> Callable[[str, float, int], tuple[float, float, int]]:
+        """A pending job's place in the queue at ``now``, from its project, submit time
+        and id: priority (higher first), submit time, slice id. Within a project the
+        oldest job comes first, whatever the time: the fair-share factor is the
+        project's, and age only grows with it. One function per pass: the queue's
+        every job is placed with it."""
+        fair_share = {p: self.fairshare_weight * f for p, f in factors.items()}
+        age_weight, max_age = self.age_weight, self.max_age
+
+        def key(project: str, submitted_at: float, id: int) -> tuple[float, float, int]:
+            age = min(1.0, max(0.0, now - submitted_at) / max_age)
+            return (-(fair_share[project] + age_weight * age), submitted_at, id)
+
+        return key
 
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         settled = settle(snapshot)
-        factors = self.factors(dict(snapshot.usage))
-        now = snapshot.now
+        key = self.order_key(self.factors(dict(snapshot.usage)), snapshot.now)
+        ordered = sorted(settled.pending, key=lambda s: key(s.project, s.submitted_at, s.id))
+        fit = _Fitter(settled.free)
         grants = []
         reserved = False
-        ordered = sorted(
-            settled.pending,
-            key=lambda s: self.order_key(factors, now, s.project, s.submitted_at, s.id),
-        )
         for s in ordered:
-            placements = _fit(settled.free, s)
+            placements = fit(s)
             if placements is not None:
                 settled.free.take(placements)
                 grants.append(Grant(s.id, placements))
@@ -351,7 +382,8 @@ class MultifactorFairShare:
         if not self._heads:
             return True
         factors, now = self.factors(snapshot), snapshot.now
-        first = min(self._heads, key=lambda head: self.order_key(factors, now, *head))
+        key = self.order_key(factors, now)
+        first = min(self._heads, key=lambda head: key(*head))
         return first[2] == self._first
 
 
