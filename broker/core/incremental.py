@@ -67,7 +67,7 @@ from .model import (
 )
 from .ordering import within_project_key, within_queue_key
 from .placement import FreeGpus
-from .preemption import is_debug, past_budget, preemption_delay
+from .preemption import is_debug, past_budget
 
 if TYPE_CHECKING:
     from .resume import Settled
@@ -303,12 +303,11 @@ class PassState:
         self.shapes: dict[int, int] = {}
         self._shape_numbers: dict[tuple, int] = {}  # pending_shape -> its number
         self.promised_ids: set[int] = set()  # pending slices that hold a promise
-        # (when a pending slice's preemption delay ends, slice id), sorted, and how many
-        # allocated debug sessions wait: what a quiet pass's until reads (resume.py).
-        # Built the second time it is asked (an index that lives on), then kept.
-        self.delay_ends: list[tuple[float, int]] | None = None
-        self.debug_waiting = 0
-        self._delays_asked = False
+        # How many allocated debug sessions wait: what a quiet pass's until reads
+        # (resume.py). Counted the second time it is asked (an index that lives on),
+        # then kept.
+        self.debug_waiting: int | None = None
+        self._debug_asked = False
         # Slices the next update is told changed (id -> the slice, None: gone), if any.
         self._expected: Mapping[int, Slice | None] | None = None
         # What the last update changed: id -> (the slice before or None, the slice now
@@ -430,7 +429,6 @@ class PassState:
         other.protection_ends_by_kind = {
             kind: ends[:] for kind, ends in self.protection_ends_by_kind.items()
         }
-        other.delay_ends = None if self.delay_ends is None else self.delay_ends[:]
         other._victims = self._victims.copy()
         other._expected = None  # said of the next snapshot of this index, not a copy's
         return other
@@ -460,7 +458,7 @@ class PassState:
     def _clear(self) -> None:
         self.slices = {}
         self.settled = None
-        self.delay_ends, self._delays_asked = None, False
+        self.debug_waiting, self._debug_asked = None, False
         self.queues, self.holding_ids, self.holders, self.deadlines = {}, [], {}, []
         self._gone_nodes = None
         self._node_holders, self.shapes, self.promised_ids = {}, {}, set()
@@ -483,7 +481,7 @@ class PassState:
         pending: dict[tuple[bool, str], list[tuple[tuple, Slice]]] = {}
         deadlines = []
         by_kind: dict[HolderKind, list[tuple[float, int]]] = {}
-        self.delay_ends, self._delays_asked = None, False
+        self.debug_waiting, self._debug_asked = None, False
         for slice_ in self.slices.values():
             if slice_.holds_gpus:
                 holding.append(slice_.id)
@@ -559,22 +557,16 @@ class PassState:
         at = bisect_right(self.deadlines, (after, math.inf))
         return self.deadlines[at][0] if at < len(self.deadlines) else None
 
-    def waiting_delays(self, after: float) -> tuple[float | None, bool]:
-        """The earliest end of a pending slice's preemption delay after ``after``, and
-        whether an allocated debug session waits. The first time, from a walk of the
-        backlog; from then on, from lists kept as slices are filed and forgotten."""
-        if self.delay_ends is None:
-            ends, debug = [], 0
-            for slice_ in self.pending():
-                ends.append((_delay_end(slice_, self.policy), slice_.id))
-                debug += _debug_waiting(slice_, self.policy)
-            if not self._delays_asked:
-                self._delays_asked = True
-                return min((end for end, _ in ends if end > after), default=None), debug > 0
-            self.delay_ends, self.debug_waiting = sorted(ends), debug
-        at = bisect_right(self.delay_ends, (after, math.inf))
-        soonest = self.delay_ends[at][0] if at < len(self.delay_ends) else None
-        return soonest, self.debug_waiting > 0
+    def debug_waits(self) -> bool:
+        """Whether an allocated debug session waits. The first time, from a walk of the
+        backlog; from then on, from a count kept as slices are filed and forgotten."""
+        if self.debug_waiting is None:
+            waiting = sum(_debug_waiting(slice_, self.policy) for slice_ in self.pending())
+            if not self._debug_asked:
+                self._debug_asked = True
+                return waiting > 0
+            self.debug_waiting = waiting
+        return self.debug_waiting > 0
 
     def deadline_at(self, at: float) -> bool:
         """Whether a grace period, a maximum runtime or a lease ends exactly at ``at``."""
@@ -786,8 +778,7 @@ class PassState:
             at = bisect_left(keys, key)
             keys.insert(at, key)
             slices.insert(at, slice_)
-            if self.delay_ends is not None:
-                insort(self.delay_ends, (_delay_end(slice_, self.policy), slice_.id))
+            if self.debug_waiting is not None:
                 self.debug_waiting += _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             insort(self.deadlines, (at, slice_.id))
@@ -842,9 +833,7 @@ class PassState:
             del keys[at], slices[at]
             if not keys:
                 del self.queues[where]
-            if self.delay_ends is not None:
-                ends = (_delay_end(slice_, self.policy), slice_.id)
-                del self.delay_ends[bisect_left(self.delay_ends, ends)]
+            if self.debug_waiting is not None:
                 self.debug_waiting -= _debug_waiting(slice_, self.policy)
         for at in _deadlines(slice_):
             del self.deadlines[bisect_left(self.deadlines, (at, slice_.id))]
@@ -889,11 +878,6 @@ def wake_times(slice_: Slice) -> list[float]:
     """When a pass may have something to do for ``slice_`` (:meth:`PassState.next_wake`,
     for a caller that keeps no index)."""
     return [*_deadlines(slice_), *_protection_end(slice_)]
-
-
-def _delay_end(slice_: Slice, policy: Policy | None) -> float:
-    """When a pending slice's preemption delay ends (design.md §5.7)."""
-    return slice_.waiting_since + (0.0 if policy is None else preemption_delay(slice_, policy))
 
 
 def _debug_waiting(slice_: Slice, policy: Policy | None) -> int:

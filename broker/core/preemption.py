@@ -53,6 +53,12 @@ def preemption_delay(slice_: Slice, policy: Policy) -> float:
     return policy.batch_preemption_delay
 
 
+def preemption_delay_ends(slice_: Slice, policy: Policy) -> float:
+    """When a pending slice's :func:`preemption_delay` ends: counted from when it last
+    entered the queue."""
+    return slice_.waiting_since + preemption_delay(slice_, policy)
+
+
 def grace_for(requester: Slice | None, victim: Slice, policy: Policy) -> float:
     """The grace ``victim`` gets to checkpoint when preempted for ``requester``.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .backfill import outlasts
@@ -39,6 +39,7 @@ from .model import (
 )
 from .ordering import walk_key
 from .placement import FreeGpus
+from .preemption import preemption_delay_ends
 from .standing import Standings
 
 #: The one phase a resumed pass reports (``Decisions.phase_seconds``): how many passes
@@ -88,26 +89,34 @@ class Settled:
         return not outlasts(request.contract, self.now, policy.grace_period, self.latest_due)
 
 
-def quiet_until(kept: PassState, now: float, policy: Policy, standings: Standings) -> float:
+def quiet_until(
+    kept: PassState, now: float, policy: Policy, standings: Standings, deferred: Iterable[int]
+) -> float:
     """Until when a pass over the slices of ``kept`` (those a quiet pass at ``now``
-    left, with ``standings``) decides nothing either.
+    left, with ``standings``, and ``deferred``) decides nothing either.
 
     The earliest of the thresholds at which time changes a pass's answers: a
     grace, maximum runtime or lease ending (and, one grace period before it, where
     the release estimates and the known releases compare with ``now`` plus a
-    grace); a waiting request's preemption delay ending; the protection ending of
-    a holder that a drain or a waiting request could then take. Whatever else
-    compares with ``now`` (borrowing reserved GPUs) only refuses more as time
-    goes on.
+    grace); the preemption delay ending of a request the pass ``deferred``; the
+    protection ending of a holder that a drain or a waiting request could then
+    take. Whatever else compares with ``now`` (borrowing reserved GPUs) only
+    refuses more as time goes on.
+
+    A delay is read only where a search found victims and the delay held the
+    request back (design.md §5.7): the other requests' searches find none until a
+    protection, grace, runtime or lease ends, thresholds of their own.
     """
     grace = policy.grace_period
     ends, ahead = kept.next_deadline(now), kept.next_deadline(now + grace)
     until = math.inf if ends is None else ends
     if ahead is not None:
         until = min(until, ahead - grace)
-    delay_ends, debug_waits = kept.waiting_delays(now)
-    if delay_ends is not None:
-        until = min(until, delay_ends)
+    for slice_id in deferred:
+        delay_ends = preemption_delay_ends(kept.slices[slice_id], policy)
+        if now < delay_ends < until:
+            until = delay_ends
+    debug_waits = kept.debug_waits()
     waiting = set(kept.waiting())  # projects with allocated work waiting
     taken_from: dict[str, bool] = {}  # project -> whether a waiting project may take its GPUs
     for kind, at in kept.first_protection_ends(now):
@@ -291,7 +300,7 @@ def _edited(
     )
     quiet = before.quiet
     assert quiet is not None  # resumed only from a quiet pass
-    until = quiet_until(kept, now, policy, settled.standings)
+    until = quiet_until(kept, now, policy, settled.standings, before.deferred)
     return Decisions(
         reservations=reservations,
         queue=Queue.later(edit.rows, unmade=before.queue.unmade() + 1),

@@ -250,7 +250,7 @@ class _Pass:
             self.live[i].promised != placements for i, placements in promised.items()
         ):
             return None  # applying this pass changes a promise: the next is not the same
-        until = quiet_until(self.kept, self.now, self.policy, self.standings)
+        until = quiet_until(self.kept, self.now, self.policy, self.standings, self.deferred)
         return Quiet(until, tuple(self.window_order))
 
     def _settled(self, decisions: Decisions) -> Settled | None:
