@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from builders import flat_tree, nodes, pending, running, snapshot
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -325,3 +326,36 @@ def test_a_baselines_pass_finds_the_places_a_walk_asking_every_job_would(sizes, 
         elif reserve and free.free_total:
             node = max(free.free, key=lambda name: (len(free.free[name]), name))
             free.take([Placement(node, tuple(sorted(free.free[node])))])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.sampled_from([0.0, 3600.0, 86400.0, 8 * 86400.0, 9 * 86400.0]),  # waited
+        ),
+        max_size=12,
+    ),
+    usage=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(0, 1e6), max_size=3),
+)
+def test_the_slurm_like_pass_with_nothing_free_keeps_the_heads_its_sorted_queue_shows(jobs, usage):
+    """No GPU free: the pass does not sort its queue, yet keeps what a quiet pass keeps,
+    each project's first job and the first of all, as order_key's order has them."""
+    now = 10 * 86400.0
+    holder = running("a", "n0", tuple(range(8)))
+    waiting = [
+        pending(project, submitted_at=now - waited, id=100 + i)
+        for i, (project, waited) in enumerate(jobs)
+    ]
+    accounts = flat_tree("a", "b", "c")
+    policy = MultifactorFairShare(accounts)
+    decisions = policy(snapshot(nodes(1), accounts, [holder, *waiting], usage=usage, now=now))
+    assert decisions.quiet is not None and not decisions.grants
+    key = policy.order_key(policy.factors(usage), now)
+    ordered = sorted(waiting, key=lambda s: key(s.project, s.submitted_at, s.id))
+    heads: dict[str, tuple[float, int]] = {}
+    for s in ordered:
+        heads.setdefault(s.project, (s.submitted_at, s.id))
+    assert set(policy._heads) == {(project, *head) for project, head in heads.items()}
+    assert policy._first == (ordered[0].id if ordered else None)

@@ -349,6 +349,8 @@ class MultifactorFairShare:
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         settled = settle(snapshot)
         key = self.order_key(self.factors(dict(snapshot.usage)), snapshot.now)
+        if not settled.free.free_total:
+            return self._nothing_free(settled, key)
         ordered = sorted(settled.pending, key=lambda s: key(s.project, s.submitted_at, s.id))
         fit = _Fitter(settled.free)
         grants = []
@@ -371,6 +373,25 @@ class MultifactorFairShare:
                 heads.setdefault(s.project, (s.submitted_at, s.id))
             self._heads = tuple((project, *head) for project, head in heads.items())
             self._first = ordered[0].id if ordered else None
+        return decisions
+
+    def _nothing_free(
+        self, settled: Settled, key: Callable[[str, float, int], tuple[float, float, int]]
+    ) -> Decisions:
+        """The pass when no GPU is free: no job fits, and the first one's reservation
+        takes nothing, so the queue's order is needed only for what a quiet pass
+        keeps — each project's oldest job (its first, order_key) and the first of
+        those — not sorted whole."""
+        decisions = _decisions(settled, [])
+        if decisions.quiet is not None:
+            heads: dict[str, tuple[float, int]] = {}
+            for s in settled.pending:
+                head = heads.get(s.project)
+                if head is None or (s.submitted_at, s.id) < head:
+                    heads[s.project] = (s.submitted_at, s.id)
+            self._heads = tuple((project, *head) for project, head in heads.items())
+            first = min(self._heads, key=lambda head: key(*head), default=None)
+            self._first = None if first is None else first[2]
         return decisions
 
     def still_quiet(self, quiet: Quiet | None, snapshot: Snapshot, /) -> bool:
