@@ -13,16 +13,7 @@ from builders import flat_tree, nodes, pending, running, snapshot
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from broker.core.model import (
-    Account,
-    Contract,
-    Node,
-    NodeState,
-    Placement,
-    Policy,
-    Slice,
-    SliceKind,
-)
+from broker.core.model import Account, Node, NodeState, Placement, Policy, SliceKind
 from broker.core.placement import FreeGpus
 from broker.sim.engine import SimConfig, Simulation, simulate
 from broker.sim.policies import FairShare, Fifo, MultifactorFairShare, StrictPriority, _Fitter
@@ -318,7 +309,7 @@ def test_a_baselines_pass_finds_the_places_a_walk_asking_every_job_would(sizes, 
     free = FreeGpus(nodes, {"h100": 1.0, "a100": 0.5})
     fit = _Fitter(free)
     for i, (gpus, gpu_type, kind, reserve) in enumerate(requests):
-        s = Slice(i, "a", "u", gpus, kind, Contract(min_runtime=60.0), gpu_type=gpu_type)
+        s = pending("a", gpus, kind=kind, gpu_type=gpu_type, id=i)
         asked = free.fit(gpus, gpu_type, kind is SliceKind.BATCH)
         assert fit(s) == asked
         if asked is not None:

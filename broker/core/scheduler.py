@@ -50,7 +50,7 @@ from .preemption import (
     grace_for,
     is_debug,
     preempt_reason,
-    preemption_delay,
+    preemption_delay_ends,
 )
 from .resume import (
     RESUME_PHASE,
@@ -841,7 +841,7 @@ class _Pass:
         """
         if all(not victim.allocated for victim, _ in found.victims):
             return True
-        if self.now - requester.waiting_since < preemption_delay(requester, self.policy):
+        if self.now < preemption_delay_ends(requester, self.policy):
             return False
         grace = max(grace_for(requester, victim, self.policy) for victim, _ in found.victims)
         return not self._released_by(requester, self.now + grace)
@@ -955,8 +955,7 @@ class _Pass:
             remaining -= take
         if remaining or any((p.node, i) in promised for p in placements for i in p.gpu_indices):
             return False
-        waited = self.now - slice_.waiting_since
-        if any(victim.allocated for victim, _ in victims) and waited < preemption_delay(
+        if any(victim.allocated for victim, _ in victims) and self.now < preemption_delay_ends(
             slice_, self.policy
         ):
             self.deferred.append(slice_.id)

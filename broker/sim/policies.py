@@ -179,10 +179,6 @@ def _before_until(quiet: Quiet | None, snapshot: Snapshot) -> bool:
     return quiet is not None and snapshot.now < quiet.until
 
 
-def _fit(free: FreeGpus, s: Slice) -> tuple[Placement, ...] | None:
-    return free.fit(*_shape(s))
-
-
 def _shape(s: Slice) -> tuple[int, str | None, bool]:
     """What :meth:`FreeGpus.fit` reads of a request: its GPUs, GPU type, and whether
     it may span nodes (batch work)."""
@@ -190,10 +186,10 @@ def _shape(s: Slice) -> tuple[int, str | None, bool]:
 
 
 class _Fitter:
-    """:func:`_fit` over the free GPUs of one baseline pass, which only shrink as it
-    goes (grants and the one reservation take them): a shape that found no place
-    finds none later in the pass, so it is not looked for again. The long tail of a
-    queue on a full cluster is walked cheaply."""
+    """Where each job of one baseline pass fits (:meth:`FreeGpus.fit`), over free GPUs
+    that only shrink as the pass goes (grants and the one reservation take them): a
+    shape that found no place finds none later in the pass, so it is not looked for
+    again. The long tail of a queue on a full cluster is walked cheaply."""
 
     def __init__(self, free: FreeGpus):
         self.free = free
@@ -227,8 +223,9 @@ class Fifo:
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         settled = settle(snapshot)
         grants = []
+        fit = _Fitter(settled.free)
         for s in sorted(settled.pending, key=lambda s: (s.submitted_at, s.id)):
-            placements = _fit(settled.free, s)
+            placements = fit(s)
             if placements is None:
                 break
             settled.free.take(placements)
@@ -349,41 +346,15 @@ class MultifactorFairShare:
     def __call__(self, snapshot: Snapshot, /) -> Decisions:
         settled = settle(snapshot)
         key = self.order_key(self.factors(dict(snapshot.usage)), snapshot.now)
-        if not settled.free.free_total:
-            return self._nothing_free(settled, key)
-        ordered = sorted(settled.pending, key=lambda s: key(s.project, s.submitted_at, s.id))
-        fit = _Fitter(settled.free)
-        grants = []
-        reserved = False
-        for s in ordered:
-            placements = fit(s)
-            if placements is not None:
-                settled.free.take(placements)
-                grants.append(Grant(s.id, placements))
-            elif not reserved:
-                reserved = True
-                settled.free.take(_reserve(settled.free, s))
+        # With no GPU free no job fits and the first one's reservation takes nothing:
+        # the queue need not be sorted.
+        grants = _walk_with_reservation(settled, key) if settled.free.free_total else []
         decisions = _decisions(settled, grants)
         if decisions.quiet is not None:
             # Nothing fitted, the first job not even with nothing reserved: over the same
             # slices, a later pass decides nothing while that job still comes first (it
             # reserves the same GPUs) — ages and decayed usage reorder the queue in time.
-            heads: dict[str, tuple[float, int]] = {}
-            for s in ordered:
-                heads.setdefault(s.project, (s.submitted_at, s.id))
-            self._heads = tuple((project, *head) for project, head in heads.items())
-            self._first = ordered[0].id if ordered else None
-        return decisions
-
-    def _nothing_free(
-        self, settled: Settled, key: Callable[[str, float, int], tuple[float, float, int]]
-    ) -> Decisions:
-        """The pass when no GPU is free: no job fits, and the first one's reservation
-        takes nothing, so the queue's order is needed only for what a quiet pass
-        keeps — each project's oldest job (its first, order_key) and the first of
-        those — not sorted whole."""
-        decisions = _decisions(settled, [])
-        if decisions.quiet is not None:
+            # Each project's first job is its oldest (order_key), so no sort finds them.
             heads: dict[str, tuple[float, int]] = {}
             for s in settled.pending:
                 head = heads.get(s.project)
@@ -406,6 +377,26 @@ class MultifactorFairShare:
         key = self.order_key(factors, now)
         first = min(self._heads, key=lambda head: key(*head))
         return first[2] == self._first
+
+
+def _walk_with_reservation(
+    settled: Settled, key: Callable[[str, float, int], tuple[float, float, int]]
+) -> list[Grant]:
+    """The Slurm-like walk: jobs in ``key``'s order start where they fit, and the
+    first that does not reserves the GPUs it waits for from later jobs."""
+    ordered = sorted(settled.pending, key=lambda s: key(s.project, s.submitted_at, s.id))
+    fit = _Fitter(settled.free)
+    grants = []
+    reserved = False
+    for s in ordered:
+        placements = fit(s)
+        if placements is not None:
+            settled.free.take(placements)
+            grants.append(Grant(s.id, placements))
+        elif not reserved:
+            reserved = True
+            settled.free.take(_reserve(settled.free, s))
+    return grants
 
 
 def _reserve(free: FreeGpus, s: Slice) -> list[Placement]:
