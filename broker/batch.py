@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from .budget import kept_text, kept_to_end, preemptions_left
 from .client import BrokerAPIError, BrokerClient, new_idempotency_key
 from .config import format_duration
 from .units import gpu_hours, share_used
@@ -330,6 +331,14 @@ class _Runner:
             if latest is not None:
                 slice_ = latest
 
+    async def _preemption_budget(self) -> int | None:
+        """The broker's preemption budget (``GET /limits``); None where it has none, or
+        cannot say now (the grant is then told without it)."""
+        try:
+            return (await self.client.limits()).get("preemption_budget")
+        except BrokerAPIError:
+            return None
+
     async def _unless_interrupted(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or ``None`` (``work`` cancelled) when the runner is interrupted."""
         task = asyncio.ensure_future(work)
@@ -348,7 +357,8 @@ class _Runner:
     async def _run_command(self, slice_: dict[str, Any]) -> tuple[int, _Stop, dict[str, Any]]:
         """Run the command on ``slice_``'s GPUs until it exits; its status, why, the slice."""
         self.runs += 1
-        self.say(f"slice {slice_['id']} granted: {_describe_grant(slice_)}")
+        budget = await self._preemption_budget() if slice_.get("preemptions") else None
+        self.say(f"slice {slice_['id']} granted: {_describe_grant(slice_, budget)}")
         try:
             self.process = process = await asyncio.create_subprocess_exec(
                 *self.command, env=self._environment(slice_), process_group=0
@@ -583,10 +593,16 @@ def _describe_wait(slice_: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _describe_grant(slice_: Mapping[str, Any]) -> str:
+def _describe_grant(slice_: Mapping[str, Any], budget: int | None = None) -> str:
+    """Where a grant is and what protects it; past the preemption ``budget``, that it is
+    kept to its end, else how much of the budget its preemptions have spent."""
     where = "; ".join(
         f"{p['node']} GPU{'s' * (len(p['gpu_indices']) != 1)} "
         + ",".join(str(i) for i in p["gpu_indices"])
         for p in slice_["placements"]
     )
-    return f"{where}; protected until {_clock(slice_.get('protected_until'))}"
+    if kept_to_end(slice_, budget):
+        return f"{where}; {kept_text(slice_)}"
+    left = preemptions_left(slice_, budget)
+    spent = "" if left is None else f"; preempted {slice_['preemptions']} of {budget} times"
+    return f"{where}; protected until {_clock(slice_.get('protected_until'))}{spent}"

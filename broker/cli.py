@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .batch import PROJECT_ENV, BatchError, BatchRequest, run_batch
+from .budget import kept_to_end, preemptions_left
 from .client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from .config import DEMO_CONFIG, ClusterConfig, format_duration, load_config, parse_duration
 from .errors import InvalidConfig
@@ -1006,6 +1007,7 @@ async def slices(client: BrokerClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return 0
+    budget = (await client.limits()).get("preemption_budget")
     now = time.time()
     cells = [
         [
@@ -1018,16 +1020,25 @@ async def slices(client: BrokerClient, args: argparse.Namespace) -> int:
             _placements(s),
             format_duration(s["min_runtime"]),
             _clock(s.get("granted_at"), now),
-            _clock(s.get("protected_until"), now),
+            "to its end"
+            if s["state"] == "granted" and kept_to_end(s, budget)
+            else _clock(s.get("protected_until"), now),
+            _preempted(s, budget),
             _hours(s.get("charged_gpu_seconds")),
             s.get("end_reason") or s.get("preempt_reason"),
         ]
         for s in rows
     ]
     header = ["SLICE", "PROJECT", "USER", "GPUS", "KIND", "STATE", "PLACEMENT", "CONTRACT"]
-    header += ["GRANTED", "PROTECTED UNTIL", "CHARGED GPU-h", "REASON"]
-    _print(table(header, cells, "rllrllllllrl"))
+    header += ["GRANTED", "PROTECTED UNTIL", "PREEMPTED", "CHARGED GPU-h", "REASON"]
+    _print(table(header, cells, "rllrllllllrrl"))
     return 0
+
+
+def _preempted(slice_: dict[str, Any], budget: int | None) -> str:
+    """Times preempted, out of the budget where one applies: ``2 of 5``."""
+    times = str(slice_.get("preemptions") or 0)
+    return times if preemptions_left(slice_, budget) is None else f"{times} of {budget}"
 
 
 def add_release(commands: argparse._SubParsersAction) -> None:

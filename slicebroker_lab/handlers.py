@@ -7,14 +7,16 @@ sees exactly what its owner may see) and answers one JSON object::
 
     {"slice_id": 7, "project": "vision", "gpus": 2, "gpu_type": "h100",
      "nodes": ["gpu-3"], "state": "granted", "protected_until": 1764575662.0,
-     "preempt_deadline": null, "preempt_reason": null, "end_reason": null,
+     "kept_to_end": null, "preempt_deadline": null, "preempt_reason": null, "end_reason": null,
      "charged_gpu_seconds": 4680.0, "cost": "1.30 GPU-h", "now": 1764573142.5,
      "cull_warning": null, "broker_pages": "/services/slicebroker/"}
 
 Times are epoch seconds; ``now`` is the server's clock, so that the page can
 count down without trusting the browser's. ``cull_warning`` is set while the
 session, idle, is close to a limit of the hub's idle rule (see
-:func:`cull_warning`). Errors have the broker API's shape,
+:func:`cull_warning`). ``kept_to_end`` is set, in words, once the slice has been
+preempted as many times as the broker's preemption budget allows: no one preempts it
+again. Errors have the broker API's shape,
 ``{"error": {"code": ..., "message": ...}}``: 404 ``no_slice`` when the
 session has no slice (not started by the broker's spawner), 502
 ``broker_unavailable`` when the broker does not answer or refuses. ``activity``
@@ -48,6 +50,7 @@ from tornado.ioloop import IOLoop, PeriodicCallback
 from traitlets import Bool, Float, Unicode
 from traitlets.config import Configurable
 
+from broker.budget import kept_text, kept_to_end
 from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from broker.units import duration_text, gpu_hours
 
@@ -58,6 +61,8 @@ SLICE_ENV = "SLICEBROKER_SLICE_ID"
 GPU_TYPE_ENV = "SLICEBROKER_GPU_TYPE"
 #: Where the broker's web pages are, under the hub's base URL.
 PAGES_PATH = "services/slicebroker/"
+#: Where the server keeps the broker's preemption budget once read.
+BUDGET_KEY = "slicebroker_preemption_budget"
 
 
 class SliceBrokerLab(Configurable):
@@ -177,13 +182,16 @@ def session_view(
     warning: dict[str, Any] | None,
     env: Mapping[str, str],
     activity: dict[str, Any] | None = None,
+    budget: int | None = None,
 ) -> dict[str, Any]:
     """The answer of ``GET slicebroker/session`` for the broker's ``slice_``.
 
     A request for "any type" has no ``gpu_type`` in the broker; the spawner names
-    the granted type in ``SLICEBROKER_GPU_TYPE``.
+    the granted type in ``SLICEBROKER_GPU_TYPE``. ``kept_to_end`` says, past the
+    broker's preemption ``budget``, that no one preempts the slice any more.
     """
     charged = float(slice_.get("charged_gpu_seconds") or 0.0)
+    kept = slice_.get("state") == "granted" and kept_to_end(slice_, budget)
     return {
         "slice_id": slice_["id"],
         "project": slice_.get("project"),
@@ -194,6 +202,7 @@ def session_view(
         "state": slice_.get("state"),
         "granted_at": slice_.get("granted_at"),
         "protected_until": slice_.get("protected_until") if slice_.get("min_runtime") else None,
+        "kept_to_end": kept_text(slice_) if kept else None,
         "preempt_deadline": slice_.get("preempt_deadline"),
         "preempt_reason": slice_.get("preempt_reason"),
         "end_reason": slice_.get("end_reason"),
@@ -290,6 +299,14 @@ class ProtectionHandler(_Handler):
 class SessionHandler(_Handler):
     """``GET slicebroker/session``: the session's slice (see the module docstring)."""
 
+    async def _preemption_budget(self, client: BrokerClient) -> int | None:
+        """The broker's preemption budget (``GET /limits``), read once: the first time a
+        slice of this session was preempted."""
+        if BUDGET_KEY not in self.settings:
+            limits = await client.limits()
+            self.settings[BUDGET_KEY] = limits.get("preemption_budget")
+        return self.settings[BUDGET_KEY]
+
     @web.authenticated
     async def get(self) -> None:
         config: SliceBrokerLab = self.settings["slicebroker_lab"]
@@ -305,6 +322,7 @@ class SessionHandler(_Handler):
         client = BrokerClient(timeout=config.broker_timeout, retries=1)
         try:
             slice_ = await client.get_slice(int(slice_id))
+            budget = await self._preemption_budget(client) if slice_.get("preemptions") else None
         except BrokerAPIError as err:
             self.log.warning("slicebroker: reading slice %s: %s", slice_id, err.message)
             if err.status == 0 or err.status >= 500:
@@ -321,7 +339,7 @@ class SessionHandler(_Handler):
         warning = cull_warning(
             slice_, now, activity["idle_seconds"], cull_limits(env), config.cull_warning
         )
-        view = session_view(slice_, now, warning, env, activity)
+        view = session_view(slice_, now, warning, env, activity, budget)
         extendable = slice_.get("state") == "granted" and bool(slice_.get("min_runtime"))
         view["extend_protection_by"] = config.extend_protection_by if extendable else 0.0
         self.finish(json.dumps(view))

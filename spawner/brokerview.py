@@ -8,7 +8,8 @@ One :class:`BrokerView` per broker URL holds:
 - the nodes and the granted slices as last seen, by any read: what the pending page
   and the notices say about draining nodes and protections ending;
 - the terms the broker holds requests to (``GET /limits``: project caps, the debug
-  lane's limits, the longest protected period, the lease), as last read with the form's
+  lane's limits, the longest protected period, the lease, the preemption budget), as
+  last read with the form's
   view of the cluster, so that the form offers what the broker allows instead of a
   copy of its configuration;
 - the GPUs of sessions this hub is stopping as idle since the queue view was read
@@ -76,6 +77,12 @@ class BrokerView:
         self._read: tuple[float, asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self.sessions: dict[int, IdleSession] = {}  # id(spawner) -> the running session
         self._idle_task: asyncio.Task | None = None
+
+    @property
+    def preemption_budget(self) -> int | None:
+        """Preemptions past which a slice is kept to its end, as the limits last read say
+        (None: no budget, or not read yet)."""
+        return (self.limits or {}).get("preemption_budget")
 
     @classmethod
     def of(cls, broker_url: str) -> BrokerView:

@@ -728,7 +728,7 @@ class SliceBrokerMixin(Configurable):
             granted = await self._acquire(request)
             if self.lifecycle.cancelled:  # stop() came as the grant did
                 raise cancelled_error(granted.get("id"))
-            self._add_progress(notices.grant_event(granted))
+            self._add_progress(notices.grant_event(granted, self.broker_view.preemption_budget))
             self.lifecycle.move(Phase.LAUNCHING)
             try:
                 url = await super().start()
@@ -945,7 +945,8 @@ class SliceBrokerMixin(Configurable):
             queue_url = notices.pages_url(self.broker_url)
             now = time.time()
             held = self.broker_view.held_seen
-            reason = notices.wait_reason(slice_, nodes or [], held, now)
+            budget = self.broker_view.preemption_budget
+            reason = notices.wait_reason(slice_, nodes or [], held, now, budget)
             event = notices.queue_event(slice_, now, capacity, queue_url, reason, self._sooner)
             self._add_progress(event)
         if state != previous and state in ("preempting", "ended") and not starting:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from broker.budget import kept_text, kept_to_end
 from broker.units import instead_text, share_used
 
 from .culler import CULLED_IDLE, Verdict
@@ -267,9 +268,10 @@ def notices_for(user: Any) -> dict[str, dict[str, str]]:
     return found
 
 
-def session_line(slice_: Mapping[str, Any], now: float) -> str | None:
+def session_line(slice_: Mapping[str, Any], now: float, budget: int | None = None) -> str | None:
     """One line on a live slice for the hub's home page: what it holds and until when it
-    is protected, or where it waits; ``None`` for a slice that is over."""
+    is protected (or that it is kept to its end, past its preemption ``budget``), or where
+    it waits; ``None`` for a slice that is over."""
     state = slice_.get("state")
     gpus = slice_.get("gpus") or 0
     kind = slice_.get("gpu_type")
@@ -286,6 +288,8 @@ def session_line(slice_: Mapping[str, Any], now: float) -> str | None:
         until = slice_.get("protected_until")
         if state == "preempting":
             line += f", stopping at {clock_time(slice_.get('preempt_deadline'))}"
+        elif kept_to_end(slice_, budget):
+            line += f", {kept_text(slice_)}"
         elif slice_.get("min_runtime") and until and until > now:
             line += f", protected until {clock_time(until)}"
         else:
@@ -304,7 +308,9 @@ def sessions_for(user: Any) -> dict[str, str]:
     now = time.time()
     for name, spawner in dict(getattr(user, "spawners", None) or {}).items():
         slice_ = getattr(spawner, "slice", None)
-        line = session_line(slice_, now) if slice_ else None
+        view = getattr(spawner, "broker_view", None)
+        budget = view.preemption_budget if view is not None else None
+        line = session_line(slice_, now, budget) if slice_ else None
         if line:
             found[name] = line
     return found
@@ -348,10 +354,12 @@ def wait_reason(
     nodes: Sequence[Mapping[str, Any]],
     held: Sequence[Mapping[str, Any]],
     now: float,
+    budget: int | None = None,
 ) -> str:
     """Why a pending slice waits, in one sentence: the requests that go first, or the GPUs
-    of its type in use and when the first of their protections ends (``held``: the
-    granted slices). Empty when the nodes are not known."""
+    of its type in use, when the first of their protections ends and how many are kept
+    to their end past the preemption ``budget`` (``held``: the granted slices). Empty
+    when the nodes are not known."""
     gpu_type = slice_.get("gpu_type")
     typed = [
         n
@@ -375,13 +383,19 @@ def wait_reason(
         )
     gpus = slice_.get("gpus") or 0
     names = {n.get("name") for n in typed}
+    here = [s for s in held if any(p.get("node") in names for p in s.get("placements") or ())]
+    kept = sum(s.get("gpus") or 0 for s in here if kept_to_end(s, budget))
     ends = [
         s["protected_until"]
-        for s in held
-        if (s.get("protected_until") or 0) > now
-        and any(p.get("node") in names for p in s.get("placements") or ())
+        for s in here
+        if (s.get("protected_until") or 0) > now and not kept_to_end(s, budget)
     ]
     until = f", held under protection until {clock_time(min(ends))}" if ends else ""
+    if kept:
+        until += (
+            f"; {kept} kept to {'its' if kept == 1 else 'their'} end, preempted as many "
+            "times as the budget allows"
+        )
     return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
 
 
@@ -455,13 +469,17 @@ def queue_event(
     return {"progress": 20, "message": message, "html_message": html}
 
 
-def grant_event(slice_: Mapping[str, Any]) -> dict[str, Any]:
+def grant_event(slice_: Mapping[str, Any], budget: int | None = None) -> dict[str, Any]:
+    """The progress event of a grant: where, and what protects it (``budget``: the
+    broker's preemption budget, past which a slice is kept to its end)."""
     places = "; ".join(
         f"{p['node']} [{', '.join(str(i) for i in p['gpu_indices'])}]"
         for p in slice_.get("placements") or ()
     )
     protected = slice_.get("protected_until")
-    if slice_.get("min_runtime"):
+    if kept_to_end(slice_, budget):
+        until = kept_text(slice_)
+    elif slice_.get("min_runtime"):
         until = f"protected until {clock_time(protected)}"
     else:
         until = "free session: preemptible at any time"

@@ -349,6 +349,36 @@ def fill_cluster(service: BrokerService) -> list[int]:
     return ids
 
 
+#: :data:`TEST_CONFIG` with a preemption budget of one: a job preempted once is kept to its end.
+BUDGET_OF_ONE_CONFIG = TEST_CONFIG.replace("[policy]\n", "[policy]\npreemption_budget = 1\n")
+
+
+def kept_to_its_end(service: BrokerService, token: str) -> dict:
+    """A batch slice of vision (4 GPUs) granted, preempted once by a drain of its node,
+    then granted again on the other: on :data:`BUDGET_OF_ONE_CONFIG`, kept to its end.
+    The slice as granted the second time (protected a second: a drain waits for the
+    protection to end)."""
+    body = {"project": "vision", "gpus": 4, "kind": "batch", "min_runtime": 1}
+    slice_id = service.post("/slices", token=token, json=body).json()["id"]
+
+    def after(state: str) -> dict:
+        params = {"wait": 10, "state": state}
+        return service.get(f"/slices/{slice_id}", token=token, params=params).json()
+
+    first = after("pending")
+    assert first["state"] == "granted", first
+    node = first["placements"][0]["node"]
+    drained = service.post(f"/nodes/{node}/drain", token=service.admin_token, json={})
+    assert drained.status_code == 200, drained.text
+    assert after("granted")["state"] == "preempting"
+    again = after("preempting")
+    if again["state"] == "pending":
+        again = after("pending")
+    assert again["state"] == "granted" and again["preemptions"] == 1, again
+    assert again["placements"][0]["node"] != node
+    return again
+
+
 @pytest.fixture
 def broker_service(tmp_path: Path) -> Iterator[BrokerService]:
     """A fresh service on :data:`TEST_CONFIG` and a SQLite file, for one test."""

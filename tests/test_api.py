@@ -155,6 +155,7 @@ async def test_limits_show_the_terms_of_the_cluster_file_and_the_lease(tmp_path)
         "debug_max_gpus": 1,
         "debug_max_min_runtime": 900.0,
         "project_gpu_caps": {"vision": 3},
+        "preemption_budget": 5,
         "defaults": {
             "interactive": {"min_runtime": 900.0, "resumable": False, "max_runtime": None},
             "batch": {"min_runtime": 3600.0, "resumable": True, "max_runtime": None},

@@ -17,7 +17,14 @@ import pytest
 import requests
 from gpustandin import StandinGpus
 from hubfixtures import wait_until
-from servicefixtures import TEST_CONFIG, BrokerService, free_port, running_service
+from servicefixtures import (
+    BUDGET_OF_ONE_CONFIG,
+    TEST_CONFIG,
+    BrokerService,
+    free_port,
+    kept_to_its_end,
+    running_service,
+)
 
 from slicebroker_lab import CULL_ENV, session_env
 from slicebroker_lab.handlers import cull_warning
@@ -135,6 +142,7 @@ def test_the_endpoint_shows_the_session_s_slice_from_the_broker(broker, granted,
         assert view["nodes"] == [p["node"] for p in slice_["placements"]]
         assert view["state"] == "granted" and view["preempt_deadline"] is None
         assert view["protected_until"] == pytest.approx(slice_["protected_until"])
+        assert view["kept_to_end"] is None
         assert 500 < view["protected_until"] - view["now"] <= 600
         assert view["cost"].endswith(" GPU-h") and view["charged_gpu_seconds"] >= 0
         assert view["cull_warning"] is None  # idle for seconds, the limits are in hours
@@ -184,6 +192,22 @@ def test_a_preempting_slice_has_its_deadline_and_reason(broker, tmp_path):
         assert reply.json()["error"]["code"] == "broker_unavailable"
     finally:
         server.stop()
+
+
+def test_a_session_preempted_as_often_as_its_budget_allows_reads_kept_to_its_end(tmp_path):
+    with running_service(tmp_path / "broker", config=BUDGET_OF_ONE_CONFIG) as service:
+        token = service.token("alice")
+        slice_ = kept_to_its_end(service, token)
+        server = JupyterServer(tmp_path, session_environment(service, token, slice_["id"]))
+        try:
+            view = server.session().json()
+        finally:
+            server.stop()
+    assert view["state"] == "granted" and view["slice_id"] == slice_["id"]
+    assert view["kept_to_end"] == (
+        "kept to its end: preempted 1 time, its budget; only a drain or a node going down "
+        "ends it early"
+    )
 
 
 def test_extend_protection_asks_the_broker_and_passes_its_refusal_on(broker, granted, tmp_path):

@@ -131,6 +131,7 @@ LIMITS = {
     "debug_max_gpus": 2,
     "debug_max_min_runtime": 900.0,
     "project_gpu_caps": {},
+    "preemption_budget": 5,
     "defaults": {
         "interactive": {"min_runtime": 3600.0, "resumable": False, "max_runtime": None},
         "batch": {"min_runtime": 7200.0, "resumable": True, "max_runtime": None},

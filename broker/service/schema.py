@@ -222,6 +222,11 @@ class Limits(ApiObject):
     project_gpu_caps: dict[str, Annotated[int, Field(ge=0)]] = Field(
         description="project -> the most GPUs it may hold at once; projects not named have no cap"
     )
+    preemption_budget: Annotated[int, Field(ge=1)] | None = Field(
+        description="preemptions a slice under contract may suffer (drains aside); a slice "
+        "preempted that many times is kept to its end, only a drain or a node going down "
+        "ends it early; null: no budget"
+    )
     defaults: dict[Literal["interactive", "batch"], KindTerms] = Field(
         description="the contract terms a request of each kind gets when it leaves them out"
     )

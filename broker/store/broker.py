@@ -795,8 +795,8 @@ class Broker:
     def limits(self) -> dict[str, Any]:
         """The terms a request is held to, for clients (the spawner's form) to plan by
         instead of copying them: the lease, the grace period, the protected period's cap,
-        the debug lane's limits, the projects' GPU caps and the contract defaults per kind
-        (seconds; None: no limit)."""
+        the debug lane's limits, the projects' GPU caps, the preemption budget and the
+        contract defaults per kind (seconds; None: no limit)."""
         policy = self.config.policy
         return {
             "lease": self.lease,
@@ -805,6 +805,7 @@ class Broker:
             "debug_max_gpus": policy.debug_max_gpus,
             "debug_max_min_runtime": policy.debug_max_min_runtime,
             "project_gpu_caps": dict(sorted(policy.project_gpu_caps.items())),
+            "preemption_budget": policy.preemption_budget,
             "defaults": {
                 kind.value: {
                     "min_runtime": terms.min_runtime,

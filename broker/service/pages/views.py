@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ...budget import kept_text, kept_to_end
 from ...core.fairshare import entitlement_moves, entitlements_with
 from ...core.model import Account, Policy
 from ...errors import InvalidConfig, InvalidRequest
@@ -129,6 +130,12 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     value = share_used(slice_.get("fairshare_value"))
     busy = sum(n["gpus_held"] for n in in_service)
     note = f" {len(out)} node(s) of this type are out of service." if out else ""
+    kept = _gpus_kept_to_end(cluster, {n["name"] for n in in_service})
+    if kept:
+        note += (
+            f" {kept} of them are held by work kept to its end: preempted as many times as "
+            "its budget allows, no one preempts it again."
+        )
     if position and position > 1:
         return (
             f"Fair share: {position - 1} request(s) go first, from projects that used less "
@@ -138,6 +145,18 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     return (
         f"First in line: waiting for {gpus} {kind}GPUs to free up ({busy} of {capacity} in use, "
         f"held under protection or a grace period).{note}"
+    )
+
+
+def _gpus_kept_to_end(cluster: Cluster, nodes: set[str]) -> int:
+    """GPUs on ``nodes`` held by slices past their preemption budget."""
+    budget = cluster.policy.preemption_budget
+    return sum(
+        len(place["gpu_indices"])
+        for slice_ in cluster.live
+        if slice_["state"] == "granted" and kept_to_end(slice_, budget)
+        for place in slice_.get("placements") or ()
+        if place["node"] in nodes
     )
 
 
@@ -175,6 +194,10 @@ def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[s
             f"Being preempted ({slice_.get('preempt_reason') or 'no reason given'}): it stops "
             f"at {clock(slice_.get('preempt_deadline'))}."
         )
+    elif state == "granted" and kept_to_end(slice_, cluster.policy.preemption_budget):
+        row["protected_until"], row["protected_text"] = None, "to its end"
+        kept = kept_text(slice_)
+        row["why"] = f"{kept[:1].upper()}{kept[1:]}."
     return row
 
 
@@ -267,8 +290,9 @@ def queue_rows(cluster: Cluster, viewer: Principal) -> list[dict[str, Any]]:
 
 
 def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str, Any]]:
-    """Each node with one cell per GPU: who holds it, protected, preemptible, leaving or
-    past its lease (``lapsed``: no heartbeat in time), and for how long."""
+    """Each node with one cell per GPU: who holds it, protected, preemptible, kept to its
+    end (past its preemption budget), leaving or past its lease (``lapsed``: no heartbeat
+    in time), and for how long."""
     holders: dict[tuple[str, int], Mapping[str, Any]] = {}
     for slice_ in cluster.live:
         if slice_["state"] == "pending":
@@ -291,6 +315,8 @@ def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str,
                 status, until = "leaving", slice_.get("preempt_deadline")
             elif lease is not None and lease <= now:
                 status, until = "lapsed", None  # ends as the lease lapse limit allows
+            elif kept_to_end(slice_, cluster.policy.preemption_budget):
+                status, until = "kept", None
             elif protected is not None and protected > now:
                 status, until = "protected", protected
             else:

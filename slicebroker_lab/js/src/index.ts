@@ -36,6 +36,8 @@ interface ISession {
   state: string;
   granted_at: number | null;
   protected_until: number | null;
+  /** Past its preemption budget: what that promises, in words; else null. */
+  kept_to_end: string | null;
   preempt_deadline: number | null;
   preempt_reason: string | null;
   end_reason: string | null;
@@ -256,6 +258,8 @@ export function statusText(session: ISession, now: number): string {
     parts.push(`stops in ${clock(session.preempt_deadline - now)}`);
   } else if (session.state === 'ended') {
     parts.push(`ended (${session.end_reason ?? 'released'})`);
+  } else if (session.kept_to_end) {
+    parts.push('kept to its end');
   } else if (session.protected_until && session.protected_until > now) {
     parts.push(`protected ${minutes(session.protected_until - now)}`);
   } else {
@@ -401,7 +405,9 @@ function detailsBody(model: SessionModel): Widget {
     ['State', session.state],
     [
       'Protected until',
-      session.protected_until === null
+      session.kept_to_end
+        ? session.kept_to_end
+        : session.protected_until === null
         ? 'not protected'
         : `${when(session.protected_until)}` +
           (session.protected_until > now

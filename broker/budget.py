@@ -1,0 +1,37 @@
+"""A job's preemption budget as people read it (design.md §5.7, rule 5).
+
+After ``preemption_budget`` preemptions a slice under contract is no longer anyone's
+victim: only a drain or a node going down ends it early. The broker states the
+budget in ``GET /limits`` and each slice's ``preemptions``; every place that shows a
+held slice's protection — the pages, the command line, the batch runner, the hub's
+pages and Lab — tells from those two, with this module, that the slice is kept to its
+end, in the same words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def preemptions_left(slice_: Mapping[str, Any], budget: int | None) -> int | None:
+    """How many more preemptions ``slice_`` (the API's view) may suffer before it is kept
+    to its end; None: no limit (free work has no budget, nor has any slice where the
+    policy sets none)."""
+    if budget is None or not slice_.get("min_runtime"):
+        return None
+    return max(budget - (slice_.get("preemptions") or 0), 0)
+
+
+def kept_to_end(slice_: Mapping[str, Any], budget: int | None) -> bool:
+    """Whether ``slice_`` has spent its preemption budget: no one preempts it any more."""
+    return preemptions_left(slice_, budget) == 0
+
+
+def kept_text(slice_: Mapping[str, Any]) -> str:
+    """What a slice past its budget is promised, in words."""
+    times = slice_.get("preemptions") or 0
+    return (
+        f"kept to its end: preempted {times} time{'' if times == 1 else 's'}, its budget; "
+        "only a drain or a node going down ends it early"
+    )
