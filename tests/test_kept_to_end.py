@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -118,7 +117,7 @@ def test_the_batch_runner_and_the_hub_say_it_is_kept_to_its_end(kept):
                            "times as the budget allows.")  # fmt: skip
 
 
-def test_a_budget_left_is_counted_and_free_work_has_none(tmp_path: Path):
+def test_a_budget_left_is_counted_and_free_work_has_none():
     assert preemptions_left({"min_runtime": 60, "preemptions": 2}, 5) == 3
     assert preemptions_left({"min_runtime": 0, "preemptions": 9}, 5) is None
     assert preemptions_left({"min_runtime": 60, "preemptions": 9}, None) is None
