@@ -10,7 +10,7 @@ end, in the same words.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 
@@ -26,6 +26,20 @@ def preemptions_left(slice_: Mapping[str, Any], budget: int | None) -> int | Non
 def kept_to_end(slice_: Mapping[str, Any], budget: int | None) -> bool:
     """Whether ``slice_`` has spent its preemption budget: no one preempts it any more."""
     return preemptions_left(slice_, budget) == 0
+
+
+def gpus_kept_to_end(
+    slices: Iterable[Mapping[str, Any]], budget: int | None, nodes: Container[str] | None = None
+) -> int:
+    """GPUs that granted ``slices`` past their budget hold (on ``nodes``, where given):
+    GPUs that fair share cannot move."""
+    return sum(
+        len(place["gpu_indices"])
+        for slice_ in slices
+        if slice_["state"] == "granted" and kept_to_end(slice_, budget)
+        for place in slice_.get("placements") or ()
+        if nodes is None or place["node"] in nodes
+    )
 
 
 def kept_text(slice_: Mapping[str, Any]) -> str:

@@ -64,6 +64,12 @@ def test_the_limits_state_the_budget(kept):
     assert limits["preemption_budget"] == 1
 
 
+def test_the_metrics_count_the_gpus_kept_to_their_end(kept):
+    service, _ = kept
+    text = service.get("/metrics", token=service.admin_token).text
+    assert re.search(r"^slicebroker_gpus_kept_to_end 4\.0$", text, re.M), text
+
+
 def test_the_pages_show_its_gpus_kept_and_its_row_kept_to_its_end(kept):
     service, slice_ = kept
     alice = log_in(service, service.token("alice"))

@@ -114,6 +114,13 @@ class BrokerMetrics:
             ["reason"],
             registry=r,
         )
+        self.gpus_kept = Gauge(
+            "slicebroker_gpus_kept_to_end",
+            "GPUs held by slices preempted as many times as the policy's preemption_budget "
+            "allows, as the last pass left them: no one preempts them again (only a drain or "
+            "a node going down ends them early), so fair share cannot move them.",
+            registry=r,
+        )
         self.lapses_held = Gauge(
             "slicebroker_lease_lapses_held",
             "Slices whose lease is over that the last pass did not end, held back by the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.exc import OperationalError
 
+from ...budget import gpus_kept_to_end
 from ..metrics import CONTENT_TYPE, BrokerMetrics
 from ..runner import DatabaseTimeout
 from .base import APIHandler, Operation, log
@@ -50,6 +51,8 @@ class MetricsHandler(APIHandler):
         else:
             metrics.set_state(nodes, projects, pending)
         metrics.long_polls.set(len(self.runner.watchers))
+        budget = broker.config.policy.preemption_budget
+        metrics.gpus_kept.set(gpus_kept_to_end(self.runner.remembered_live(), budget))
         self.set_header("Content-Type", CONTENT_TYPE)
         self.finish(metrics.exposition())
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ...budget import kept_text, kept_to_end
+from ...budget import gpus_kept_to_end, kept_text, kept_to_end
 from ...core.fairshare import entitlement_moves, entitlements_with
 from ...core.model import Account, Policy
 from ...errors import InvalidConfig, InvalidRequest
@@ -130,7 +130,8 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     value = share_used(slice_.get("fairshare_value"))
     busy = sum(n["gpus_held"] for n in in_service)
     note = f" {len(out)} node(s) of this type are out of service." if out else ""
-    kept = _gpus_kept_to_end(cluster, {n["name"] for n in in_service})
+    budget = cluster.policy.preemption_budget
+    kept = gpus_kept_to_end(cluster.live, budget, {n["name"] for n in in_service})
     if kept:
         note += (
             f" {kept} of them are held by work kept to its end: preempted as many times as "
@@ -145,18 +146,6 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     return (
         f"First in line: waiting for {gpus} {kind}GPUs to free up ({busy} of {capacity} in use, "
         f"held under protection or a grace period).{note}"
-    )
-
-
-def _gpus_kept_to_end(cluster: Cluster, nodes: set[str]) -> int:
-    """GPUs on ``nodes`` held by slices past their preemption budget."""
-    budget = cluster.policy.preemption_budget
-    return sum(
-        len(place["gpu_indices"])
-        for slice_ in cluster.live
-        if slice_["state"] == "granted" and kept_to_end(slice_, budget)
-        for place in slice_.get("placements") or ()
-        if place["node"] in nodes
     )
 
 
