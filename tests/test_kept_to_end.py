@@ -88,7 +88,10 @@ def test_the_pages_show_its_gpus_kept_and_its_row_kept_to_its_end(kept):
     waiting = service.post("/slices", token=bob, json=body).json()
     try:
         page = log_in(service, bob).get(service.url + "gpus", timeout=10).text
-        assert "4 of them are held by work kept to its end" in page
+        assert (
+            "(4 of 4 in use, 4 of them by work kept to its end, preempted as many times as its "
+            "budget allows)."
+        ) in page
     finally:
         service.delete(f"/slices/{waiting['id']}", token=bob)
 

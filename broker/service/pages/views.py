@@ -132,20 +132,24 @@ def why_waiting(slice_: Mapping[str, Any], cluster: Cluster) -> str:
     note = f" {len(out)} node(s) of this type are out of service." if out else ""
     budget = cluster.policy.preemption_budget
     kept = gpus_kept_to_end(cluster.live, budget, {n["name"] for n in in_service})
-    if kept:
-        note += (
-            f" {kept} of them are held by work kept to its end: preempted as many times as "
-            "its budget allows, no one preempts it again."
-        )
+    by_kept = (
+        f"{kept} of them by work kept to its end, preempted as many times as its budget allows"
+        if kept
+        else ""
+    )
     if position and position > 1:
+        in_use = f"{busy} of {capacity} {kind}GPUs are in use" + (f", {by_kept}" if kept else "")
         return (
             f"Fair share: {position - 1} request(s) go first, from projects that used less "
             f"of their share or submitted earlier (project {slice_['project']}: {value}); "
-            f"{busy} of {capacity} {kind}GPUs are in use.{note}"
+            f"{in_use}.{note}"
         )
+    held = "held under protection or a grace period"
+    if kept:
+        held = by_kept + ("" if kept >= busy else f", the rest {held}")
     return (
         f"First in line: waiting for {gpus} {kind}GPUs to free up ({busy} of {capacity} in use, "
-        f"held under protection or a grace period).{note}"
+        f"{held}).{note}"
     )
 
 
@@ -318,6 +322,7 @@ def node_rows(cluster: Cluster, viewer: Principal, now: float) -> list[dict[str,
                     "user": slice_["user"] if visible else "another user",
                     "kind": slice_["kind"],
                     "status": status,
+                    "label": "kept to its end" if status == "kept" else status,
                     "until": until,
                     "left": span(until - now) if until else "",
                 }
