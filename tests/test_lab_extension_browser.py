@@ -14,7 +14,9 @@ import pytest
 from browsers import hub_login
 from gpustandin import StandinGpus
 from hubfixtures import TEST_CLUSTER, HubProcess, proxy_available, wait_until
+from labfixtures import JupyterServer, session_environment
 from playwright.sync_api import expect
+from servicefixtures import BUDGET_OF_ONE_CONFIG, kept_to_its_end, running_service
 
 pytestmark = pytest.mark.skipif(proxy_available() is not None, reason=str(proxy_available()))
 
@@ -269,3 +271,28 @@ def test_a_session_that_comes_back_saves_its_notebooks_and_says_when_it_is_resto
         expect(notebook.locator(".jp-OutputArea").first).not_to_contain_text("computed")
     finally:
         hub.shutdown()
+
+
+def test_a_session_past_its_preemption_budget_reads_kept_to_its_end(tmp_path, browser):
+    # A Jupyter server with Lab and the session's environment, on a broker with a budget of
+    # one: the slice, preempted once by a drain and granted again, is kept to its end.
+    with running_service(tmp_path / "broker", config=BUDGET_OF_ONE_CONFIG) as service:
+        token = service.token("alice")
+        slice_ = kept_to_its_end(service, token)
+        server = JupyterServer(tmp_path, session_environment(service, token, slice_["id"]))
+        try:
+            page = browser.new_context(viewport={"width": 1280, "height": 800}).new_page()
+            page.goto(f"{server.url}/lab?token={server.token}")
+            status = page.locator(".sb-status")
+            expect(status).to_have_text(
+                re.compile(r"^GPU ×4 · vision · kept to its end · \d+\.\d\d GPU-h$"),
+                timeout=90_000,
+            )
+            status.click()
+            details = page.locator(".jp-Dialog")
+            expect(details.get_by_role("row", name=re.compile("Protected until"))).to_have_text(
+                "Protected untilkept to its end: preempted 1 time, its budget; only a drain or "
+                "a node going down ends it early"
+            )
+        finally:
+            server.stop()
