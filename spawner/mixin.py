@@ -950,7 +950,9 @@ class SliceBrokerMixin(Configurable):
             event = notices.queue_event(slice_, now, capacity, queue_url, reason, self._sooner)
             self._add_progress(event)
         if state != previous and state in ("preempting", "ended") and not starting:
-            self.notice = notices.notice_from_slice(slice_, nodes)
+            # Only a session that comes back carries its count of preemptions on.
+            budget = self.broker_view.preemption_budget if self.restore_chosen else None
+            self.notice = notices.notice_from_slice(slice_, nodes, budget)
             if self.orm_spawner is not None:
                 # The pages read the stored state: show the news now (the hub commits it).
                 self.orm_spawner.state = self.get_state()

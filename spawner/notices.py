@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from broker.budget import kept_text, kept_to_end
+from broker.budget import kept_text, kept_to_end, preemptions_left
 from broker.units import instead_text, share_used
 
 from .culler import CULLED_IDLE, Verdict
@@ -113,14 +113,17 @@ def restoring_text(ended: Mapping[str, Any]) -> str:
 
 
 def notice_from_slice(
-    slice_: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]] | None = None
+    slice_: Mapping[str, Any],
+    nodes: Sequence[Mapping[str, Any]] | None = None,
+    budget: int | None = None,
 ) -> dict[str, Any] | None:
     """The notice a slice in ``preempting`` or (broker-)ended state calls for, else ``None``.
 
     A slice released or cancelled by its own spawner needs no notice: callers
     make one only for endings they did not ask for. ``nodes`` (the broker's, if
     known) tell whether another node takes new work, for what to do after a
-    drain or a node going down.
+    drain or a node going down; ``budget`` (the broker's preemption budget, for a
+    session that comes back after a preemption) how many more it may suffer.
     """
     state = slice_.get("state")
     if state == "preempting":
@@ -139,6 +142,8 @@ def notice_from_slice(
         "at": at,
         "protected_until": slice_.get("protected_until"),
         "others_in_service": _others_in_service(slice_, nodes),
+        "preemptions": slice_.get("preemptions") or 0,
+        "preemptions_left": preemptions_left(slice_, budget),
     }
 
 
@@ -219,6 +224,8 @@ def describe(notice: Mapping[str, Any]) -> dict[str, str]:
         key = end_reason if end_reason in _END_WHY else "released"
         title = "Your GPU session ended"
         text = f"{what} was stopped at {when} because {_END_WHY[key]}."
+    if reason in _PREEMPT_WHY:
+        text += _budget_text(notice)
     if key in ("drain", "node_down"):
         todo = _after_node_loss(notice.get("others_in_service"))
     else:
@@ -228,6 +235,20 @@ def describe(notice: Mapping[str, Any]) -> dict[str, str]:
         f' <span class="text-muted">(slice {escape(str(notice.get("slice_id")))})</span>'
     )
     return {"title": title, "text": text, "html": html, "what_to_do": todo}
+
+
+def _budget_text(notice: Mapping[str, Any]) -> str:
+    """What the preemption budget still allows, for a notice of a preemption (empty where
+    there is no budget, or the notice is older than the count)."""
+    left = notice.get("preemptions_left")
+    if left is None:
+        return ""
+    times = notice.get("preemptions") or 0
+    then = f"after {left} more, it comes back" if left else "it comes back"
+    return (
+        f" This is its {ordinal(times)} preemption of the {times + left} its budget allows: "
+        f"{then} kept to its end."
+    )
 
 
 def _after_node_loss(others: int | None) -> str:

@@ -29,6 +29,7 @@ from spawner import mixin as mixin_module
 from spawner.brokerview import BrokerView
 from spawner.local import SliceBrokerSpawner
 from spawner.mixin import SliceBrokerMixin
+from spawner.notices import describe
 from spawner.options import SliceRequest
 
 PROJECTS = [
@@ -292,8 +293,12 @@ class FakeBroker:
         self._touch()
 
     def preempt(self, slice_id, reason="fair_share", grace=0.2):
-        self.slices[slice_id].update(
-            state="preempting", preempt_reason=reason, preempt_deadline=time.time() + grace
+        preempted = self.slices[slice_id]
+        preempted.update(
+            state="preempting",
+            preempt_reason=reason,
+            preempt_deadline=time.time() + grace,
+            preemptions=preempted["preemptions"] + 1,
         )
         self._touch()
 
@@ -788,6 +793,20 @@ async def test_a_preempted_session_runs_until_its_grace_ends_then_stops_with_a_n
     assert spawner.notice["end_reason"] == "preempted" and spawner.notice["reason"] == "fair_share"
     assert broker.released() == []  # the broker ended it; nothing to release
     assert await spawner.poll() == 0
+    assert "budget" not in describe(spawner.notice)["text"]  # it does not come back
+
+
+async def test_a_session_that_comes_back_is_told_what_its_preemption_budget_leaves(make, broker):
+    spawner = make()
+    slice_id = await running(spawner, broker)
+    spawner.restore_chosen = True
+
+    broker.preempt(slice_id, "fair_share", grace=0.3)
+    await eventually(lambda: spawner.notice is not None)
+    assert describe(spawner.notice)["text"].endswith(
+        "This is its 1st preemption of the 5 its budget allows: after 4 more, it comes back "
+        "kept to its end."
+    )
 
 
 async def test_a_session_whose_slice_outlives_its_deadline_stops_anyway(make, broker):

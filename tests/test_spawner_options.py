@@ -421,6 +421,29 @@ def test_notices_say_what_happened_when_and_what_to_do(changes, title, words):
     assert "(slice 12)" in text["html"]
 
 
+@pytest.mark.parametrize(
+    ("preemptions", "words"),
+    [
+        (3, "This is its 3rd preemption of the 5 its budget allows: after 2 more, it comes back "
+            "kept to its end."),
+        (5, "This is its 5th preemption of the 5 its budget allows: it comes back kept to its "
+            "end."),
+    ],
+)  # fmt: skip
+def test_a_session_that_comes_back_is_told_how_much_of_its_preemption_budget_is_left(
+    preemptions, words
+):
+    preempted = {**SLICE, "preemptions": preemptions, "min_runtime": 3600}
+    assert describe(notice_from_slice(preempted, budget=5))["text"].endswith(words)
+    # Not coming back (no budget passed), free work, a notice stored before the count: silent.
+    assert "budget" not in describe(notice_from_slice(preempted))["text"]
+    assert (
+        "budget"
+        not in describe(notice_from_slice({**preempted, "min_runtime": 0}, budget=5))["text"]
+    )
+    assert "budget" not in describe(notice_from_slice(SLICE))["text"]
+
+
 def test_only_slices_the_broker_ended_or_preempts_make_notices():
     assert notice_from_slice({**SLICE, "state": "granted"}) is None
     assert notice_from_slice({**SLICE, "state": "pending"}) is None
