@@ -102,8 +102,13 @@ class BatchRequest:
     resumable: bool | None = None
 
     def submit(
-        self, client: BrokerClient, idempotency_key: str | None = None
+        self,
+        client: BrokerClient,
+        idempotency_key: str | None = None,
+        restores: int | None = None,
     ) -> Awaitable[dict[str, Any]]:
+        """Queue the request; ``restores``: the preempted slice whose place in the queue
+        and count of preemptions it takes over."""
         return client.submit(
             self.project,
             self.gpus,
@@ -114,6 +119,7 @@ class BatchRequest:
             priority=self.priority,
             resumable=self.resumable,
             idempotency_key=idempotency_key,
+            restores=restores,
         )
 
 
@@ -252,10 +258,13 @@ class _Runner:
             await asyncio.shield(self._release(slice_))  # leave no request behind
             raise
 
-    async def _submit(self) -> dict[str, Any]:
-        """Submit the request; one key for every try, so the broker makes one slice."""
+    async def _submit(self, restores: int | None = None) -> dict[str, Any]:
+        """Submit the request (in the place of the preempted slice ``restores``); one key
+        for every try, so the broker makes one slice."""
         key = new_idempotency_key()
-        return await self._patiently("submitting", lambda: self.request.submit(self.client, key))
+        return await self._patiently(
+            "submitting", lambda: self.request.submit(self.client, key, restores)
+        )
 
     async def _patiently(
         self, what: str, call: Callable[[], Awaitable[T]], patience: float | None = None
@@ -505,9 +514,19 @@ class _Runner:
             self.say(f"slice {latest['id']} is back in the queue; the command will run again")
             return latest
         await self._release(latest)
-        fresh = await self._submit()
+        # The new request takes the preempted one's place in the queue and its count of
+        # preemptions, as a slice the broker requeues keeps them: a command that gives its
+        # GPUs back at once must not lose what one that waits for the deadline keeps.
+        try:
+            fresh = await self._submit(restores=latest["id"])
+            kept = ", in its place in the queue"
+        except BrokerAPIError as err:
+            if err.status not in (404, 409):  # not restorable (say, not released in time)
+                raise
+            fresh, kept = await self._submit(), ""
         self.say(
-            f"slice {latest['id']} given back; requested slice {fresh['id']} with the same terms"
+            f"slice {latest['id']} given back; requested slice {fresh['id']} with the same "
+            f"terms{kept}"
         )
         return fresh
 
