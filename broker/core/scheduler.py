@@ -61,7 +61,7 @@ from .resume import (
     settled_at,
 )
 from .standing import Standings
-from .transitions import granted, requeued
+from .transitions import granted, protected_after_preemption, requeued
 
 
 def schedule(
@@ -282,7 +282,7 @@ class _Pass:
         )
         protect_next = None
         if requeue and reason is EndReason.PREEMPTED:
-            protect_next = self._protect_next(slice_)
+            protect_next = protected_after_preemption(slice_.contract.min_runtime, self.policy)
         self.endings.append(Ending(slice_.id, reason, requeue, protect_next))
         self._moved_nodes.update(p.node for p in slice_.placements)
         if requeue:
@@ -292,20 +292,6 @@ class _Pass:
             self.live[slice_.id] = requeued(slice_, self.now, protect_next)
         else:
             self.ended.add(slice_.id)
-
-    def _protect_next(self, slice_: Slice) -> float | None:
-        """A preempted job's next run is protected ``preemption_backoff`` times
-        longer, up to ``max_min_runtime`` (so that drains still end in time).
-
-        Each preemption costs the job a restart and its work since its last
-        checkpoint; without this, the same jobs were taken again and again (on
-        Helios one 8-GPU job was preempted every hour, 60 times in 3 days).
-        """
-        protected = slice_.contract.min_runtime
-        if protected <= 0:
-            return None  # free work stays free
-        longer = min(protected * self.policy.preemption_backoff, self.policy.max_min_runtime)
-        return max(protected, longer)
 
     def end_finished(self) -> None:
         now = self.now
