@@ -282,7 +282,8 @@ def test_a_preempted_resumable_command_gets_sigterm_then_runs_again(service, tmp
     # ... in the first one's place, its preemption counted, as a requeued slice's would be
     assert (again["submitted_at"], again["preemptions"]) == (first["submitted_at"], 1)
     assert f"requested slice {again['id']} with the same terms, in its place" in runner.stderr
-    assert (again["min_runtime"], again["resumable"], again["gpus"]) == (2.0, True, 4)
+    # protected twice as long (preemption_backoff), as the broker's requeue would
+    assert (again["min_runtime"], again["resumable"], again["gpus"]) == (4.0, True, 4)
     assert again["placements"][0]["node"] != first["placements"][0]["node"]  # not the drained one
     assert second["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert f"slice {first['id']} preempted (drain)" in runner.stderr

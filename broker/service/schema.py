@@ -271,10 +271,12 @@ class SliceRequest(ApiObject):
     )
     restores: Annotated[int, Field(ge=1)] | None = Field(
         None,
-        description="a session brought back: the user's slice that a preemption (or its "
-        "node going down) ended. The request keeps that slice's place in its project's "
-        "queue and its preemptions so far; once per slice (409 after, and for a slice "
-        "still live or ended otherwise)",
+        description="a session brought back, or a batch command asked for again after a "
+        "preemption: the user's slice that a preemption (or its node going down) ended. "
+        "The request keeps that slice's place in its project's queue and its preemptions "
+        "so far, and a preempted resumable batch slice's next run is protected "
+        "preemption_backoff times longer, as the broker's own requeue would; once per "
+        "slice (409 after, and for a slice still live or ended otherwise)",
     )
 
 

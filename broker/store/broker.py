@@ -33,6 +33,7 @@ from ..core.model import (
     Node,
     NodeState,
     Placement,
+    Policy,
     QueueEntry,
     Reservation,
     Slice,
@@ -245,10 +246,11 @@ class Broker:
         replay).
 
         ``restores`` names a slice of the user's that a preemption or a node going
-        down ended (a session brought back, design.md §3): the new request keeps its
-        place in its project's queue (its submit time) and its preemptions so far,
-        once; :class:`Conflict` for a slice that is still live, ended otherwise, or
-        was restored already.
+        down ended (a session brought back, design.md §3; a batch command the runner
+        asks again for): the new request keeps its place in its project's queue (its
+        submit time) and its preemptions so far, once, and a preempted resumable batch
+        job the longer protection the broker's requeue would give it; :class:`Conflict`
+        for a slice that is still live, ended otherwise, or was restored already.
 
         Contract terms left ``None`` come from the configuration's defaults for
         the kind. Raises :class:`InvalidRequest` for a request that can never be
@@ -326,6 +328,9 @@ class Broker:
                 # Its place is kept; its wait before preempting counts from now, as a
                 # requeued victim's does, and its preemptions still count.
                 row.queued_at, row.preemptions = now, restored.preemptions
+                longer = _protected_again(restored, self.config.policy)
+                if longer is not None and longer > row.min_runtime:
+                    row.min_runtime = longer
             session.add(row)
             session.flush()
             if restored is None:
@@ -1480,6 +1485,19 @@ def _restorable_row(session: Session, slice_id: int, user: str) -> SliceRow:
     if row.replaced_by is not None:
         raise Conflict(f"slice {slice_id} was restored already, by slice {row.replaced_by}")
     return row
+
+
+def _protected_again(restored: SliceRow, policy: Policy) -> float | None:
+    """The protection of the next run of a preempted batch job brought back by its
+    runner: what the broker's own requeue would give it (``preemption_backoff``,
+    design.md §5.7); None for work the broker would not requeue."""
+    if (
+        restored.kind != SliceKind.BATCH.value
+        or not restored.resumable
+        or restored.preempt_reason is None
+    ):
+        return None
+    return transitions.protected_after_preemption(restored.min_runtime, policy)
 
 
 def _request_digest(**terms: Any) -> str:
