@@ -36,7 +36,7 @@ def gpus_kept_to_end(
     return sum(
         len(place["gpu_indices"])
         for slice_ in slices
-        if slice_["state"] == "granted" and kept_to_end(slice_, budget)
+        if slice_.get("state") == "granted" and kept_to_end(slice_, budget)
         for place in slice_.get("placements") or ()
         if nodes is None or place["node"] in nodes
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from broker.budget import kept_text, kept_to_end, preemptions_left
+from broker.budget import gpus_kept_to_end, kept_text, kept_to_end, preemptions_left
 from broker.units import instead_text, share_used
 
 from .culler import CULLED_IDLE, Verdict
@@ -404,18 +404,19 @@ def wait_reason(
         )
     gpus = slice_.get("gpus") or 0
     names = {n.get("name") for n in typed}
-    here = [s for s in held if any(p.get("node") in names for p in s.get("placements") or ())]
-    kept = sum(s.get("gpus") or 0 for s in here if kept_to_end(s, budget))
     ends = [
         s["protected_until"]
-        for s in here
-        if (s.get("protected_until") or 0) > now and not kept_to_end(s, budget)
+        for s in held
+        if (s.get("protected_until") or 0) > now
+        and not kept_to_end(s, budget)
+        and any(p.get("node") in names for p in s.get("placements") or ())
     ]
     until = f", held under protection until {clock_time(min(ends))}" if ends else ""
+    kept = gpus_kept_to_end(held, budget, names)
     if kept:
         until += (
-            f"; {kept} kept to {'its' if kept == 1 else 'their'} end, preempted as many "
-            "times as the budget allows"
+            f"; {kept} of them by work kept to its end, preempted as many times as its "
+            "budget allows"
         )
     return f"Waiting for {gpus} {kind}GPU{'s' if gpus != 1 else ''} to free up: {in_use}{until}."
 

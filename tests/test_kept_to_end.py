@@ -122,8 +122,8 @@ def test_the_batch_runner_and_the_hub_say_it_is_kept_to_its_end(kept):
     node = {"name": slice_["placements"][0]["node"], "state": "ready", "gpu_count": 4}
     waiting = {"gpus": 2, "queue_position": 1}
     reason = notices.wait_reason(waiting, [{**node, "gpus_held": 4}], [slice_], time.time(), 1)
-    assert reason.endswith("4 of 4 GPUs are in use; 4 kept to their end, preempted as many "
-                           "times as the budget allows.")  # fmt: skip
+    assert reason.endswith("4 of 4 GPUs are in use; 4 of them by work kept to its end, "
+                           "preempted as many times as its budget allows.")  # fmt: skip
 
 
 def test_a_budget_left_is_counted_and_free_work_has_none():
