@@ -7,6 +7,7 @@ process itself (one line on stderr, no traceback, the ``slicebroker`` script).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from clihelpers import cli_service, projects_now, run_at_terminal, run_cli
 from servicefixtures import (
+    REPO_ROOT,
     TEST_CONFIG,
     BrokerService,
     free_port,
@@ -793,3 +795,16 @@ def test_an_empty_usage_report_keeps_its_period(service, capsys):
 
     status, out, _ = run_cli(capsys, "usage", "nlp", "--until", "2025-03-02")
     assert out.splitlines()[0] == "usage of nlp in the lookback window to 2025-03-02 00:00"
+
+
+def test_every_command_the_documentation_names_is_one_the_cli_has():
+    parser = cli.build_parser()
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    texts = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    named = {
+        (path.name, match)
+        for path in texts
+        for match in re.findall(r"`slicebroker\s+([a-z][a-z-]*)", path.read_text())
+    }
+    assert len(named) > 50  # the pages do name the commands
+    assert {(page, name) for page, name in named if name not in commands.choices} == set()
