@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,6 +12,7 @@ import pytest
 
 from broker.cli import main
 from broker.config import (
+    _POLICY_KEYS,
     BUILTIN_DEFAULTS,
     DEMO_CONFIG,
     KindDefaults,
@@ -760,3 +762,10 @@ def test_a_wrong_preemption_setting_is_refused_where_it_is(key, value, message):
         parse(MINIMAL + f"[policy]\n{key} = {value}\n")
     assert err.value.where == f"policy.{key}"
     assert message in str(err.value)
+
+
+def test_every_policy_key_the_file_takes_has_a_row_in_the_configuration_page():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    policy = page.split("## `[policy]`", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `\[?(?:policy\.)?([a-z_]+)\]?` \|", policy, re.M))
+    assert set(_POLICY_KEYS) - rows == set()
