@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
+from .units import ordinal
+
 
 def preemptions_left(slice_: Mapping[str, Any], budget: int | None) -> int | None:
     """How many more preemptions ``slice_`` (the API's view) may suffer before it is kept
@@ -39,6 +41,16 @@ def gpus_kept_to_end(
         if slice_.get("state") == "granted" and kept_to_end(slice_, budget)
         for place in slice_.get("placements") or ()
         if nodes is None or place["node"] in nodes
+    )
+
+
+def coming_back_text(times: int, left: int) -> str:
+    """For a session that comes back after its ``times``-th preemption, with ``left``
+    more that its budget allows: what that means, in words."""
+    then = f"after {left} more, it comes back" if left else "it comes back"
+    return (
+        f"This is its {ordinal(times)} preemption of the {times + left} its budget allows: "
+        f"{then} kept to its end."
     )
 
 

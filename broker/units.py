@@ -69,6 +69,12 @@ def count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def instead_text(change: str, fields: Mapping[str, Any], request: Mapping[str, Any]) -> str:
     """One alternative to a waiting request (``GET /slices/{id}/alternatives``) in words,
     against the request as it is: ``1 GPU instead of 2``, ``2 h protection instead of

@@ -26,8 +26,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from broker.budget import gpus_kept_to_end, kept_text, kept_to_end, preemptions_left
-from broker.units import instead_text, share_used
+from broker.budget import (
+    coming_back_text,
+    gpus_kept_to_end,
+    kept_text,
+    kept_to_end,
+    preemptions_left,
+)
+from broker.units import instead_text, ordinal, share_used
 
 from .culler import CULLED_IDLE, Verdict
 
@@ -243,12 +249,7 @@ def _budget_text(notice: Mapping[str, Any]) -> str:
     left = notice.get("preemptions_left")
     if left is None:
         return ""
-    times = notice.get("preemptions") or 0
-    then = f"after {left} more, it comes back" if left else "it comes back"
-    return (
-        f" This is its {ordinal(times)} preemption of the {times + left} its budget allows: "
-        f"{then} kept to its end."
-    )
+    return " " + coming_back_text(notice.get("preemptions") or 0, left)
 
 
 def _after_node_loss(others: int | None) -> str:
@@ -343,11 +344,6 @@ def template_vars() -> dict[str, Any]:
 
 
 # ---- queue progress -----------------------------------------------------------------------
-
-
-def ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def wait_text(estimated_start: float | None, now: float) -> str:

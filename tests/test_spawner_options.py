@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from broker.units import ordinal
 from spawner.notices import (
     clock_time,
     describe,
     notice_from_slice,
     notices_for,
-    ordinal,
     queue_event,
     sooner_text,
     wait_reason,
