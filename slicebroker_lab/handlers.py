@@ -16,7 +16,8 @@ count down without trusting the browser's. ``cull_warning`` is set while the
 session, idle, is close to a limit of the hub's idle rule (see
 :func:`cull_warning`). ``kept_to_end`` is set, in words, once the slice has been
 preempted as many times as the broker's preemption budget allows: no one preempts it
-again. Errors have the broker API's shape,
+again; ``budget_left``, while a session that comes back is being preempted, what its
+budget still allows. Errors have the broker API's shape,
 ``{"error": {"code": ..., "message": ...}}``: 404 ``no_slice`` when the
 session has no slice (not started by the broker's spawner), 502
 ``broker_unavailable`` when the broker does not answer or refuses. ``activity``
@@ -50,7 +51,7 @@ from tornado.ioloop import IOLoop, PeriodicCallback
 from traitlets import Bool, Float, Unicode
 from traitlets.config import Configurable
 
-from broker.budget import kept_text, kept_to_end
+from broker.budget import coming_back_text, kept_text, kept_to_end, preemptions_left
 from broker.client import TOKEN_ENV, URL_ENV, BrokerAPIError, BrokerClient
 from broker.units import duration_text, gpu_hours
 
@@ -192,6 +193,13 @@ def session_view(
     """
     charged = float(slice_.get("charged_gpu_seconds") or 0.0)
     kept = slice_.get("state") == "granted" and kept_to_end(slice_, budget)
+    comes_back = env.get(RESTORE_ENV) == "1"
+    left = preemptions_left(slice_, budget)
+    budget_left = (
+        coming_back_text(slice_.get("preemptions") or 0, left)
+        if comes_back and left is not None and slice_.get("state") == "preempting"
+        else None
+    )
     return {
         "slice_id": slice_["id"],
         "project": slice_.get("project"),
@@ -213,7 +221,8 @@ def session_view(
         "cull_warning": warning,
         "broker_pages": url_path_join(env.get("JUPYTERHUB_BASE_URL") or "/", PAGES_PATH),
         "activity": activity,
-        "comes_back": env.get(RESTORE_ENV) == "1",
+        "comes_back": comes_back,
+        "budget_left": budget_left,
         "restored": _restored(env),
     }
 

@@ -25,8 +25,8 @@ from servicefixtures import (
     running_service,
 )
 
-from slicebroker_lab import session_env
-from slicebroker_lab.handlers import cull_warning
+from slicebroker_lab import RESTORE_ENV, session_env
+from slicebroker_lab.handlers import cull_warning, session_view
 
 #: A long grace period, so that the test sees the slice while it is preempting.
 CONFIG = TEST_CONFIG.replace('grace_period = "2s"', 'grace_period = "5m"')
@@ -135,6 +135,33 @@ def test_a_session_preempted_as_often_as_its_budget_allows_reads_kept_to_its_end
         "kept to its end: preempted 1 time, its budget; only a drain or a node going down "
         "ends it early"
     )
+
+
+def test_a_session_that_comes_back_is_told_what_its_budget_leaves_while_it_stops(tmp_path):
+    config = BUDGET_OF_ONE_CONFIG.replace('grace_period = "2s"', 'grace_period = "5m"')
+    with running_service(tmp_path / "broker", config=config, pass_interval=0.5) as service:
+        token = service.token("alice")
+        body = {"project": "vision", "gpus": 1, "kind": "batch", "min_runtime": 1}
+        slice_id = service.post("/slices", token=token, json=body).json()["id"]
+        params = {"wait": 10, "state": "pending"}
+        held = service.get(f"/slices/{slice_id}", token=token, params=params).json()
+        node = held["placements"][0]["node"]
+        service.post(f"/nodes/{node}/drain", token=service.admin_token, json={})
+        params = {"wait": 10, "state": "granted"}
+        stopping = service.get(f"/slices/{slice_id}", token=token, params=params).json()
+        assert stopping["state"] == "preempting", stopping
+        env = session_environment(service, token, slice_id) | {RESTORE_ENV: "1"}
+        server = JupyterServer(tmp_path, env)
+        try:
+            view = server.session().json()
+        finally:
+            server.stop()
+    assert view["state"] == "preempting" and view["comes_back"] is True
+    assert view["budget_left"] == (
+        "This is its 1st preemption of the 1 its budget allows: it comes back kept to its end."
+    )
+    # A session that does not come back is not told of a budget it has no use for.
+    assert session_view(stopping, time.time(), None, {}, None, 1)["budget_left"] is None
 
 
 def test_extend_protection_asks_the_broker_and_passes_its_refusal_on(broker, granted, tmp_path):

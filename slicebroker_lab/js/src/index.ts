@@ -58,6 +58,8 @@ interface ISession {
   extend_protection_by: number;
   /** Whether the hub starts this session again after a preemption. */
   comes_back: boolean;
+  /** While such a session is being preempted: what its preemption budget still allows. */
+  budget_left: string | null;
   /** The ended slice this session restores, and when it ended (ISO 8601). */
   restored: { slice_id: number; ended_at: string } | null;
 }
@@ -502,7 +504,8 @@ class Warnings {
             ? `Your GPUs were taken back: ${reason}. Your notebooks (and the variables ` +
                 'marked with %slicebroker_keep) were saved. This ' +
                 'session stops when the time is up, then comes back by itself, in your ' +
-                "place in your project's queue, on the same files; its kernels start afresh."
+                "place in your project's queue, on the same files; its kernels start afresh." +
+                (session.budget_left ? ` ${session.budget_left}` : '')
             : `Your GPUs were taken back: ${reason}. This session stops when the time ` +
                 'is up. Save your work now; you can start a new session from the hub ' +
                 'afterwards.',
