@@ -326,8 +326,14 @@ class BrokerClient:
         return await self.request("POST", f"/slices/{int(slice_id)}/checkpoint", {})
 
     async def heartbeat(self, slice_id: int) -> dict[str, Any]:
-        """Extend the slice's lease (``POST /slices/{id}/heartbeat``); the slice."""
-        return await self.request("POST", f"/slices/{int(slice_id)}/heartbeat", {})
+        """Extend the slice's lease (``POST /slices/{id}/heartbeat``); the slice.
+
+        Not sent again once it may have reached the broker: one that timed out may
+        still be read by a broker that is behind, and the holder's next heartbeat is
+        the retry (the lease does not run out while the broker answers late).
+        """
+        path = f"/slices/{int(slice_id)}/heartbeat"
+        return await self.request("POST", path, {}, idempotent=False)
 
     async def release(self, slice_id: int) -> dict[str, Any]:
         """Release a held slice or cancel a pending one (``DELETE /slices/{id}``)."""

@@ -99,7 +99,9 @@ TOKEN_ENV = "SLICEBROKER_TOKEN"
 #: How long past a preemption deadline the spawner waits for the broker to end the
 #: slice before it stops the server anyway (seconds).
 END_WAIT_S = 5.0
-#: Pause after a failed broker call in the background task (seconds).
+#: Pause after a failed broker call in the background task (seconds), doubled after each
+#: failure in a row up to the heartbeat interval: a broker that is behind gets fewer
+#: calls, not more (a lease does not run out while the broker answers late).
 RETRY_PAUSE_S = 2.0
 #: How long a request waits before the pending page says what would start it sooner
 #: (design.md §5.8), in seconds.
@@ -971,6 +973,11 @@ class SliceBrokerMixin(Configurable):
         lease = (self.broker_view.limits or {}).get("lease")
         return self.heartbeat_interval if lease is None else min(self.heartbeat_interval, lease / 3)
 
+    def _retry_pause(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed calls in a row: ``RETRY_PAUSE_S``,
+        doubled each time, at most the heartbeat interval."""
+        return min(RETRY_PAUSE_S * 2 ** (failures - 1), max(self._beat_interval(), RETRY_PAUSE_S))
+
     async def _watch(self, slice_id: int, beat_now: bool = False) -> None:
         """Heartbeat the slice and follow its state until it ends or is released.
 
@@ -978,6 +985,7 @@ class SliceBrokerMixin(Configurable):
         reconnect (``beat_now``) heartbeats before anything else.
         """
         next_beat = 0.0 if beat_now else time.monotonic() + self._beat_interval()
+        failures = 0  # calls failed in a row: the pause before the next one grows
         if not beat_now:
             # A new request gets its lease at once (a hub that dies now leaves nothing
             # waiting for ever), without delaying the long-poll that sees the grant.
@@ -1010,12 +1018,15 @@ class SliceBrokerMixin(Configurable):
                     self._observe({**s, "id": slice_id, "state": "ended", "end_reason": "lost"})
                     break
                 self.log.warning("Slice %s of %s: %s", slice_id, self._log_name, err.message)
-                await asyncio.sleep(RETRY_PAUSE_S)
+                failures += 1
+                await asyncio.sleep(self._retry_pause(failures))
                 continue
             except Exception:
                 self.log.exception("Watching slice %s of %s failed", slice_id, self._log_name)
-                await asyncio.sleep(RETRY_PAUSE_S)
+                failures += 1
+                await asyncio.sleep(self._retry_pause(failures))
                 continue
+            failures = 0
             successor = fresh.get("replaced_by")
             if fresh.get("state") == "ended" and successor is not None and self.lifecycle.starting:
                 self._follow(slice_id, successor)

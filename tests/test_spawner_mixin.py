@@ -20,7 +20,7 @@ import pytest
 from jupyterhub.spawner import Spawner, SpawnException
 from traitlets import Integer, default
 
-from broker.client import BrokerAPIError
+from broker.client import BrokerAPIError, BrokerUnreachable
 from broker.errors import InvalidRequest
 from broker.service.apihandlers import default_handlers
 from broker.service.openapi import build_document
@@ -146,6 +146,7 @@ class FakeBroker:
     def __init__(self) -> None:
         self.slices: dict[int, dict[str, Any]] = {}
         self.calls: list[tuple[str, Any]] = []
+        self.unreachable = False  # heartbeats get no answer (a broker far behind)
         self.changed = asyncio.Event()
         self.submit_error: BrokerAPIError | None = None
         self.submit_gate: asyncio.Event | None = None
@@ -240,6 +241,8 @@ class FakeBroker:
 
     async def heartbeat(self, slice_id):
         self.calls.append(("heartbeat", slice_id))
+        if self.unreachable:
+            raise BrokerUnreachable("POST /slices/{id}/heartbeat: no answer (timed out)")
         return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
 
     async def get_slice(self, slice_id, **_):
@@ -807,6 +810,31 @@ async def test_a_session_that_comes_back_is_told_what_its_preemption_budget_leav
         "This is its 1st preemption of the 5 its budget allows: after 4 more, it comes back "
         "kept to its end."
     )
+
+
+async def test_heartbeats_that_get_no_answer_are_tried_again_less_and_less_often(
+    make, broker, monkeypatch
+):
+    monkeypatch.setattr(mixin_module, "RETRY_PAUSE_S", 0.02)
+    spawner = make()
+    spawner.heartbeat_interval = 0.4
+    slice_id = await running(spawner, broker)
+
+    def beats():
+        return sum(1 for call in broker.calls if call == ("heartbeat", slice_id))
+
+    broker.unreachable = True
+    first = beats()
+    await eventually(lambda: beats() > first)  # the first one that fails
+    failing = beats()
+    await asyncio.sleep(1.0)  # a window to count in, not a wait for an event
+    # Pauses of 0.02, 0.04, 0.08, 0.16, 0.32 s, then the 0.4 s interval: about five
+    # more tries in the second; a fixed 0.02 s pause would have made some fifty.
+    assert beats() - failing <= 7
+    broker.unreachable = False
+    answered = beats()
+    await eventually(lambda: beats() > answered + 1)  # answered, then the interval again
+    assert spawner.running and broker.slices[slice_id]["state"] == "granted"
 
 
 async def test_a_session_whose_slice_outlives_its_deadline_stops_anyway(make, broker):
