@@ -306,7 +306,8 @@ class SliceBrokerMixin(Configurable):
         help="""Seconds between heartbeats of a slice (while it waits and while it
         runs). A slice whose heartbeats stop for a lease ends as ``lost``, so where
         the broker's lease is known (``GET /limits``) a third of it is the most
-        used: a broker whose lease is shortened needs no change here.""",
+        used: a broker whose lease is shortened needs no change here. After a failed
+        call the spawner waits 2 s, doubled per failure in a row, at most this long.""",
     ).tag(config=True)
 
     queue_refresh_interval = Float(
