@@ -26,8 +26,9 @@ def preemptions_left(slice_: Mapping[str, Any], budget: int | None) -> int | Non
 
 
 def kept_to_end(slice_: Mapping[str, Any], budget: int | None) -> bool:
-    """Whether ``slice_`` has spent its preemption budget: no one preempts it any more."""
-    return preemptions_left(slice_, budget) == 0
+    """Whether ``slice_`` is held and has spent its preemption budget: no one preempts
+    it any more (one being preempted already, by a drain or a node going down, is not)."""
+    return slice_.get("state") == "granted" and preemptions_left(slice_, budget) == 0
 
 
 def gpus_kept_to_end(
@@ -38,7 +39,7 @@ def gpus_kept_to_end(
     return sum(
         len(place["gpu_indices"])
         for slice_ in slices
-        if slice_.get("state") == "granted" and kept_to_end(slice_, budget)
+        if kept_to_end(slice_, budget)
         for place in slice_.get("placements") or ()
         if nodes is None or place["node"] in nodes
     )

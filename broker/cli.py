@@ -1020,9 +1020,7 @@ async def slices(client: BrokerClient, args: argparse.Namespace) -> int:
             _placements(s),
             format_duration(s["min_runtime"]),
             _clock(s.get("granted_at"), now),
-            "to its end"
-            if s["state"] == "granted" and kept_to_end(s, budget)
-            else _clock(s.get("protected_until"), now),
+            "to its end" if kept_to_end(s, budget) else _clock(s.get("protected_until"), now),
             _preempted(s, budget),
             _hours(s.get("charged_gpu_seconds")),
             s.get("end_reason") or s.get("preempt_reason"),

@@ -192,7 +192,7 @@ def session_view(
     broker's preemption ``budget``, that no one preempts the slice any more.
     """
     charged = float(slice_.get("charged_gpu_seconds") or 0.0)
-    kept = slice_.get("state") == "granted" and kept_to_end(slice_, budget)
+    kept = kept_to_end(slice_, budget)
     comes_back = env.get(RESTORE_ENV) == "1"
     left = preemptions_left(slice_, budget)
     budget_left = (

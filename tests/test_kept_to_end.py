@@ -34,11 +34,15 @@ def test_a_client_tells_a_slice_kept_to_its_end_exactly_as_the_pass_does(
     held = Slice(
         1, "vision", "alice", 1, SliceKind.BATCH, Contract(min_runtime), preemptions=preemptions
     )
-    view = {"min_runtime": min_runtime, "preemptions": preemptions}
+    view = {"state": "granted", "min_runtime": min_runtime, "preemptions": preemptions}
     policy = Policy(preemption_budget=budget)
     assert kept_to_end(view, budget) == past_budget(held, policy)
     left = preemptions_left(view, budget)
+    # Free work, and any slice where the policy sets no budget, has no limit.
+    assert (left is None) == (budget is None or min_runtime == 0)
     assert left is None or left == max(budget - preemptions, 0)
+    # A slice being preempted already (a drain) is not shown as kept.
+    assert not kept_to_end({**view, "state": "preempting"}, budget)
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +128,3 @@ def test_the_batch_runner_and_the_hub_say_it_is_kept_to_its_end(kept):
     reason = notices.wait_reason(waiting, [{**node, "gpus_held": 4}], [slice_], time.time(), 1)
     assert reason.endswith("4 of 4 GPUs are in use; 4 of them by work kept to its end, "
                            "preempted as many times as its budget allows.")  # fmt: skip
-
-
-def test_a_budget_left_is_counted_and_free_work_has_none():
-    assert preemptions_left({"min_runtime": 60, "preemptions": 2}, 5) == 3
-    assert preemptions_left({"min_runtime": 0, "preemptions": 9}, 5) is None
-    assert preemptions_left({"min_runtime": 60, "preemptions": 9}, None) is None

@@ -187,7 +187,7 @@ def slice_row(slice_: Mapping[str, Any], cluster: Cluster, now: float) -> dict[s
             f"Being preempted ({slice_.get('preempt_reason') or 'no reason given'}): it stops "
             f"at {clock(slice_.get('preempt_deadline'))}."
         )
-    elif state == "granted" and kept_to_end(slice_, cluster.policy.preemption_budget):
+    elif kept_to_end(slice_, cluster.policy.preemption_budget):
         row["protected_until"], row["protected_text"] = None, "to its end"
         kept = kept_text(slice_)
         row["why"] = f"{kept[:1].upper()}{kept[1:]}."
