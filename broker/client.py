@@ -11,14 +11,18 @@ never on the message. A broker that cannot be reached raises
 :class:`BrokerUnreachable` (a ``BrokerAPIError`` with ``status`` 0) once the
 retries are spent.
 
-Retries: a call that is safe to repeat (every GET, heartbeats, releases, admin
-changes, which all set a state rather than add one) is retried with
+Retries: a call that is safe to repeat (every GET, releases, admin changes,
+which all set a state rather than add one) is retried with
 exponential backoff, a bounded number of times, when the connection fails or
 times out, or when a proxy in front of the broker answers 502/503/504. A
 submission (``POST /slices``) is retried the same way: each call of
 :meth:`BrokerClient.submit` sends one ``Idempotency-Key`` with all its attempts,
 so an attempt that reached the broker but whose answer was lost makes no second
-slice; the retry answers the first.
+slice; the retry answers the first. A heartbeat is not sent again once it may
+have reached the broker: the holder's next heartbeat is its retry.
+
+:class:`HeartbeatBatcher` sends the heartbeats of many slices held by one
+process (a hub's sessions) together, one request per round trip.
 
 The token is sent in the ``Authorization`` header only; it is never logged
 and never part of the client's ``repr``.
@@ -32,7 +36,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -335,6 +339,13 @@ class BrokerClient:
         path = f"/slices/{int(slice_id)}/heartbeat"
         return await self.request("POST", path, {}, idempotent=False)
 
+    async def heartbeats(self, slice_ids: Sequence[int]) -> dict[str, Any]:
+        """Extend the leases of many slices in one request (``POST /heartbeats``):
+        ``{"slices": [...], "not_found": [ids]}``. Not sent again once it may have
+        reached the broker, as :meth:`heartbeat`."""
+        body = {"slices": [int(slice_id) for slice_id in slice_ids]}
+        return await self.request("POST", "/heartbeats", body, idempotent=False)
+
     async def release(self, slice_id: int) -> dict[str, Any]:
         """Release a held slice or cancel a pending one (``DELETE /slices/{id}``)."""
         return await self.request("DELETE", f"/slices/{int(slice_id)}")
@@ -487,3 +498,72 @@ def _segment(name: str) -> str:
 
 def _number(value: float | None) -> str | None:
     return None if value is None else repr(value)
+
+
+#: The most slices :class:`HeartbeatBatcher` names in one request (the broker's limit).
+MOST_HEARTBEATS = 10_000
+
+
+class HeartbeatBatcher:
+    """The heartbeats of many slices from one event loop, sent together.
+
+    :meth:`beat` of a slice joins the request being gathered; one request is out at
+    a time, and the heartbeats asked for while it is out go in the next, sent as it
+    is answered. A hub's sessions so cost the broker one heartbeat request per round
+    trip however many they are, and fewer, larger ones exactly while the broker
+    answers slowly (as a group commit shares one write). Each caller gets its own
+    slice, or its own error. A broker without ``POST /heartbeats`` (older than this
+    client) is sent one request per slice instead.
+    """
+
+    def __init__(self, client: BrokerClient, most: int = MOST_HEARTBEATS) -> None:
+        self.client = client
+        self.most = most
+        self.requests = 0  # requests sent, for the tests and the benchmarks
+        self._gathered: dict[int, list[asyncio.Future]] = {}
+        self._sending: asyncio.Task | None = None
+        self._one_by_one = False
+
+    async def beat(self, slice_id: int) -> dict[str, Any]:
+        """Heartbeat ``slice_id``; the slice, as :meth:`BrokerClient.heartbeat` answers."""
+        answered = asyncio.get_running_loop().create_future()
+        self._gathered.setdefault(int(slice_id), []).append(answered)
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.ensure_future(self._send_gathered())
+        return await answered
+
+    async def _send_gathered(self) -> None:
+        while self._gathered:
+            ids = list(self._gathered)[: self.most]
+            batch = {slice_id: self._gathered.pop(slice_id) for slice_id in ids}
+            self.requests += 1
+            try:
+                answers = await self._send(ids)
+            except Exception as err:  # every heartbeat of the request failed alike
+                answers = dict.fromkeys(ids, err)
+            for slice_id, waiting in batch.items():
+                answer = answers.get(slice_id) or BrokerAPIError(
+                    404, "not_found", f"no slice {slice_id}"
+                )
+                for future in waiting:
+                    if future.done():  # its caller gave up
+                        continue
+                    if isinstance(answer, BaseException):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+
+    async def _send(self, ids: list[int]) -> dict[int, dict[str, Any] | BaseException]:
+        """Each id's slice, or its error; absent: no slice of the caller's."""
+        if not self._one_by_one:
+            try:
+                answer = await self.client.heartbeats(ids)
+            except BrokerAPIError as err:
+                if err.status != 404:
+                    raise
+                self._one_by_one = True  # no such route: a broker older than this client
+            else:
+                return {s["id"]: s for s in answer["slices"]}
+        beats = [self.client.heartbeat(slice_id) for slice_id in ids]
+        answers = await asyncio.gather(*beats, return_exceptions=True)
+        return dict(zip(ids, answers, strict=True))

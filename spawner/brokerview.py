@@ -17,7 +17,10 @@ One :class:`BrokerView` per broker URL holds:
   request does not cost every idle session that could serve it;
 - the hub's running sessions, and one periodic idle pass over all of them (as
   jupyterhub-idle-culler makes one pass over a hub's servers), instead of a task per
-  session (:meth:`BrokerView.idle_round`).
+  session (:meth:`BrokerView.idle_round`);
+- the heartbeats of all the hub's slices, sent together
+  (:meth:`BrokerView.heartbeats`): one request per round trip to the broker, however
+  many sessions the hub runs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
-from broker.client import BrokerAPIError
+from broker.client import BrokerAPIError, BrokerClient, HeartbeatBatcher
 
 from .culler import gpus_by_node
 
@@ -77,12 +80,23 @@ class BrokerView:
         self._read: tuple[float, asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self.sessions: dict[int, IdleSession] = {}  # id(spawner) -> the running session
         self._idle_task: asyncio.Task | None = None
+        self._heartbeats: tuple[asyncio.AbstractEventLoop, HeartbeatBatcher] | None = None
 
     @property
     def preemption_budget(self) -> int | None:
         """Preemptions past which a slice is kept to its end, as the limits last read say
         (None: no budget, or not read yet)."""
         return (self.limits or {}).get("preemption_budget")
+
+    def heartbeats(self, client: BrokerClient) -> HeartbeatBatcher:
+        """The hub's heartbeats to this broker on this event loop, sent together by
+        ``client`` (the asking spawner's: every spawner's client is the hub's agent)."""
+        loop = asyncio.get_running_loop()
+        if self._heartbeats is None or self._heartbeats[0] is not loop:
+            self._heartbeats = (loop, HeartbeatBatcher(client))
+        batcher = self._heartbeats[1]
+        batcher.client = client
+        return batcher
 
     @classmethod
     def of(cls, broker_url: str) -> BrokerView:

@@ -968,6 +968,10 @@ class SliceBrokerMixin(Configurable):
             )
         self._pulse_update()
 
+    async def _heartbeat(self, slice_id: int) -> dict[str, Any]:
+        """Heartbeat ``slice_id`` with the hub's other slices (:meth:`BrokerView.heartbeats`)."""
+        return await self.broker_view.heartbeats(self.broker).beat(slice_id)
+
     def _beat_interval(self) -> float:
         """Seconds to the next heartbeat: ``heartbeat_interval``, or a third of the
         broker's lease where that is shorter (three beats may be lost before the slice)."""
@@ -990,7 +994,7 @@ class SliceBrokerMixin(Configurable):
         if not beat_now:
             # A new request gets its lease at once (a hub that dies now leaves nothing
             # waiting for ever), without delaying the long-poll that sees the grant.
-            first = asyncio.ensure_future(self.broker.heartbeat(slice_id))
+            first = asyncio.ensure_future(self._heartbeat(slice_id))
             first.add_done_callback(lambda f: f.cancelled() or f.exception())
         while self.slice_id == slice_id:
             s = self.slice or {}
@@ -1005,7 +1009,7 @@ class SliceBrokerMixin(Configurable):
             now = time.monotonic()
             try:
                 if now >= next_beat:
-                    fresh = await self.broker.heartbeat(slice_id)
+                    fresh = await self._heartbeat(slice_id)
                     next_beat = now + self._beat_interval()
                 else:
                     fresh = await self._next_change(slice_id, s, next_beat - now)

@@ -299,6 +299,48 @@ async def test_a_heartbeat_extends_the_lease(api, alice):
     assert beat["lease_expires_at"] > before
 
 
+async def test_a_hub_heartbeats_many_slices_in_one_request(api, alice, bob):
+    first, second = await submit(api, alice), await submit(api, alice)
+    theirs = await submit(api, bob)
+    before = {s["id"]: (await granted(api, alice if s is not theirs else bob, s["id"]))
+              for s in (first, second, theirs)}  # fmt: skip
+    ok(await api.call("DELETE", f"/slices/{second['id']}", token=alice))
+    asked = [second["id"], theirs["id"], first["id"], 99999, first["id"]]
+    answer = ok(await api.call("POST", "/heartbeats", token=alice, json={"slices": asked}))
+    # In the order asked, each once; another's slice and no slice alike are not found.
+    assert [s["id"] for s in answer["slices"]] == [second["id"], first["id"]]
+    assert answer["not_found"] == [theirs["id"], 99999]
+    ended, beaten = answer["slices"]
+    assert ended["state"] == "ended"  # an ended slice is answered as it is
+    assert beaten["lease_expires_at"] > before[first["id"]]["lease_expires_at"]
+    shown = ok(await api.call("GET", f"/slices/{theirs['id']}", token=bob))
+    assert shown["lease_expires_at"] == before[theirs["id"]]["lease_expires_at"]
+
+    agent = api.token("spawner", agent=True)  # a hub's spawner: every user's slices
+    answer = ok(await api.call("POST", "/heartbeats", token=agent, json={"slices": asked}))
+    assert [s["id"] for s in answer["slices"]] == [second["id"], theirs["id"], first["id"]]
+    assert answer["not_found"] == [99999]
+    shown = ok(await api.call("GET", f"/slices/{theirs['id']}", token=bob))
+    assert shown["lease_expires_at"] > before[theirs["id"]]["lease_expires_at"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"slices": []}, {"slices": ["1"]}, {"slices": [0]}, {"slices": [1] * 10_001}, {}],
+    ids=["none", "text", "zero", "too-many", "no-list"],
+)
+async def test_a_heartbeat_of_many_slices_that_names_none_rightly_is_refused(api, alice, body):
+    made = await submit(api, alice)
+    lease = (await granted(api, alice, made["id"]))["lease_expires_at"]
+    if body.get("slices"):
+        body = {"slices": [made["id"], *body["slices"]]}
+    reply = await api.call("POST", "/heartbeats", token=alice, json=body)
+    assert error_code(reply, 400) == "invalid_request"
+    assert "slices" in reply.json["error"]["message"]
+    shown = ok(await api.call("GET", f"/slices/{made['id']}", token=alice))
+    assert shown["lease_expires_at"] == lease  # nothing heartbeated
+
+
 async def test_a_checkpoint_is_recorded_for_a_held_slice_only(api, alice):
     made = await submit(api, alice)
     held = await granted(api, alice, made["id"])

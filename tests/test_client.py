@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from servicefixtures import BrokerService, free_port, running_service
 
-from broker.client import BrokerAPIError, BrokerClient, BrokerUnreachable
+from broker.client import BrokerAPIError, BrokerClient, BrokerUnreachable, HeartbeatBatcher
 
 
 @pytest.fixture
@@ -44,6 +44,13 @@ async def test_every_route_answers_through_the_client(service):
         granted = slice_
         assert granted["placements"]
         assert (await alice.heartbeat(slice_["id"]))["lease_expires_at"] > time.time()
+        batcher = HeartbeatBatcher(alice)  # many slices' heartbeats in one POST /heartbeats
+        held, unknown = await asyncio.gather(
+            batcher.beat(slice_["id"]), batcher.beat(99999), return_exceptions=True
+        )
+        assert held["id"] == slice_["id"] and held["lease_expires_at"] > time.time()
+        assert (unknown.status, unknown.code) == (404, "not_found")
+        assert batcher.requests == 1
         assert [s["id"] for s in await alice.list_slices(state="granted")] == [slice_["id"]]
         assert await alice.list_slices(state="pending") == []
         assert (await alice.get_slice(slice_["id"]))["id"] == slice_["id"]

@@ -147,6 +147,8 @@ class FakeBroker:
         self.slices: dict[int, dict[str, Any]] = {}
         self.calls: list[tuple[str, Any]] = []
         self.unreachable = False  # heartbeats get no answer (a broker far behind)
+        self.heartbeat_requests: list[list[int]] = []  # the ids of each POST /heartbeats
+        self.heartbeats_gate: asyncio.Event | None = None  # holds POST /heartbeats' answers
         self.changed = asyncio.Event()
         self.submit_error: BrokerAPIError | None = None
         self.submit_gate: asyncio.Event | None = None
@@ -244,6 +246,17 @@ class FakeBroker:
         if self.unreachable:
             raise BrokerUnreachable("POST /slices/{id}/heartbeat: no answer (timed out)")
         return slice_answer("POST", "/slices/{id}/heartbeat", self._get(slice_id))
+
+    async def heartbeats(self, slice_ids):
+        self.calls.extend(("heartbeat", slice_id) for slice_id in slice_ids)
+        self.heartbeat_requests.append(list(slice_ids))
+        if self.unreachable:
+            raise BrokerUnreachable("POST /heartbeats: no answer (timed out)")
+        if self.heartbeats_gate is not None:
+            await self.heartbeats_gate.wait()
+        known = [dict(self.slices[i]) for i in slice_ids if i in self.slices]
+        missing = [i for i in slice_ids if i not in self.slices]
+        return as_documented("POST", "/heartbeats", {"slices": known, "not_found": missing})
 
     async def get_slice(self, slice_id, **_):
         return slice_answer("GET", "/slices/{id}", self._get(slice_id))
@@ -744,6 +757,26 @@ async def test_heartbeats_come_at_least_three_times_a_lease_whatever_the_trait(m
     await eventually(lambda: broker.calls.count(("heartbeat", slice_id)) >= 4)
     await spawner.stop()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_hub_s_sessions_heartbeat_their_slices_in_one_request(make, broker):
+    broker.heartbeats_gate = asyncio.Event()  # the broker is slow to answer heartbeats
+    alice, bob = make(user=user("alice")), make(user=user("bob", ["nlp-team"]))
+    alice_starts, _ = await started_and_waiting(alice, broker)
+    bob.user_options = {"project": "nlp", "gpus": 1, "protected": "1h"}
+    bob_starts = asyncio.ensure_future(bob.start())
+    await eventually(lambda: len(broker.slices) == 2)
+    await eventually(lambda: len(broker.heartbeat_requests) == 1)
+    # While the first request is out, both sessions' next heartbeats gather...
+    batcher = alice.broker_view.heartbeats(alice.broker)
+    assert bob.broker_view.heartbeats(bob.broker) is batcher
+    await eventually(lambda: set(batcher._gathered) == {1, 2})
+    broker.heartbeats_gate.set()
+    # ... and go to the broker as one.
+    await eventually(lambda: [1, 2] in map(sorted, broker.heartbeat_requests))
+    for spawner, task in ((alice, alice_starts), (bob, bob_starts)):
+        await spawner.stop()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_the_state_keeps_the_slice_so_a_restarted_hub_reconnects(make, broker):

@@ -331,6 +331,25 @@ class SliceList(ApiObject):
     slices: list[Slice]
 
 
+#: The most slices one ``POST /heartbeats`` may name.
+MAX_HEARTBEATS = 10_000
+
+
+class HeartbeatBatch(ApiObject):
+    slices: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] = Field(
+        min_length=1,
+        max_length=MAX_HEARTBEATS,
+        description="the ids of the slices to heartbeat (a repeated id counts once)",
+    )
+
+
+class HeartbeatAnswers(ApiObject):
+    slices: list[Slice] = Field(description="the slices heartbeated, in the order asked")
+    not_found: list[int] = Field(
+        description="ids asked of which the caller has no slice: nothing was done for them"
+    )
+
+
 class SliceEvent(ApiObject):
     at: Epoch
     from_state: SliceStateName | None
@@ -569,6 +588,8 @@ MODELS: dict[str, type[ApiObject]] = {
         SliceReplacement,
         Slice,
         SliceList,
+        HeartbeatBatch,
+        HeartbeatAnswers,
         SliceEvent,
         SliceEventList,
         AlternativeFields,

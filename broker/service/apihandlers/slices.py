@@ -301,31 +301,17 @@ class SliceHandler(_OwnedSliceHandler):
         self.write_json(slice_)
 
 
-class SliceHeartbeatHandler(_OwnedSliceHandler):
-    operations = {
-        "post": Operation(
-            "Heartbeat a slice",
-            "Extends the slice's lease to now + the broker's lease. Once heartbeated, a "
-            "slice must keep being heartbeated (also while it waits): a lapsed lease ends "
-            "it with reason `lost`. An ended slice is returned as it is.",
-            parameters=(ID_PARAM,),
-            content={"application/json": "Slice"},
-            errors=(404,),
-            shed=False,
-        )
-    }
+class _HeartbeatTicket(APIHandler):
+    """A heartbeat request is timed from when it came to its answer: one answered late
+    is time over which no lease runs out (:meth:`BrokerRunner.heartbeat_came`)."""
 
-    _ticket: int | None = None  # while the broker answers it (BrokerRunner.heartbeat_came)
+    _ticket: int | None = None  # while the broker answers it
 
     async def prepare(self) -> None:
         # Counted from when it came, before its token is looked up: a heartbeat held up
         # there by a busy broker is answered late too.
         self._ticket = self.runner.heartbeat_came(time.time() - self.request.request_time())
         await super().prepare()
-
-    async def post(self, id: str) -> None:
-        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
-        self.write_json(slice_)
 
     def on_finish(self) -> None:
         self._answered()
@@ -339,6 +325,57 @@ class SliceHeartbeatHandler(_OwnedSliceHandler):
         if self._ticket is not None:
             self.runner.heartbeat_answered(self._ticket)
             self._ticket = None
+
+
+class SliceHeartbeatHandler(_HeartbeatTicket, _OwnedSliceHandler):
+    operations = {
+        "post": Operation(
+            "Heartbeat a slice",
+            "Extends the slice's lease to now + the broker's lease. Once heartbeated, a "
+            "slice must keep being heartbeated (also while it waits): a lapsed lease ends "
+            "it with reason `lost`. An ended slice is returned as it is.",
+            parameters=(ID_PARAM,),
+            content={"application/json": "Slice"},
+            errors=(404,),
+            shed=False,
+        )
+    }
+
+    async def post(self, id: str) -> None:
+        slice_ = await self.owned(self.broker.heartbeat, self.slice_id(id), write=True)
+        self.write_json(slice_)
+
+
+class HeartbeatsHandler(_HeartbeatTicket):
+    operations = {
+        "post": Operation(
+            "Heartbeat many slices",
+            "`POST /slices/{id}/heartbeat` of every slice named, in one request and one "
+            "write: a hub heartbeats its sessions' slices together, so that its heartbeats "
+            "cost the broker one request per round trip however many sessions it runs. "
+            "Answers the slices in the order asked, and under `not_found` the ids of which "
+            "the caller has no slice (users heartbeat only their own; agents and admins "
+            "any).",
+            body="HeartbeatBatch",
+            content={"application/json": "HeartbeatAnswers"},
+            errors=(400,),
+            shed=False,
+        )
+    }
+
+    async def post(self) -> None:
+        ids = list(dict.fromkeys(self.body()["slices"]))
+        asked = [(slice_id, self.identity) for slice_id in ids]
+        answers = await self.runner.write(self.broker.heartbeats, asked)
+        slices, not_found = [], []
+        for slice_id, answer in zip(ids, answers, strict=True):
+            if isinstance(answer, NotFound | Forbidden):  # another's is none of theirs
+                not_found.append(slice_id)
+            elif isinstance(answer, Exception):
+                raise answer
+            else:
+                slices.append(answer)
+        self.write_json({"slices": slices, "not_found": not_found})
 
 
 class SliceProtectionHandler(_OwnedSliceHandler):
@@ -572,4 +609,5 @@ default_handlers = [
     ("/slices/{id}/replace", SliceReplaceHandler),
     ("/slices/{id}/alternatives", SliceAlternativesHandler),
     ("/expected-starts", ExpectedStartsHandler),
+    ("/heartbeats", HeartbeatsHandler),
 ]
