@@ -28,6 +28,7 @@ def test_the_schedule_is_fixed_by_its_seed_and_heartbeats_go_round_the_sessions(
 
 
 def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
+    # The broker's heartbeats come as a hub sends them (the reference's one request each).
     work = api.OpenLoop(rate=40, seconds=3, heartbeat_every=5)
     assert (
         main(
@@ -38,6 +39,7 @@ def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
                 "--rate=40",
                 "--duration=3",
                 "--heartbeat-every=5",
+                "--hub-heartbeats",
             ]
         )
         == 0
@@ -64,6 +66,9 @@ def test_a_short_open_loop_run_answers_every_request_of_both_servers(capsys):
         assert figures["achieved_rate"] > 0
         assert figures["live_slices_at_start"] == work.sessions + work.churn
     assert point["broker"]["leases_lapsed"] == 0 and "leases_lapsed" not in point["reference"]
+    beats = point["broker"]["kinds"]["heartbeat"]["count"]
+    assert 0 < point["broker"]["heartbeat_requests"] <= beats
+    assert report["hub_heartbeats"] and "heartbeat_requests" not in point["reference"]
     ratios = point["broker_over_reference"]
     assert set(ratios) == {"achieved_rate", "p99"} and ratios["achieved_rate"] > 0
 

@@ -55,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="open loop: seconds between a session's heartbeats",
     )
+    load.add_argument(
+        "--hub-heartbeats",
+        action="store_true",
+        help="open loop: the broker's heartbeats come as a hub sends them, every "
+        "session's together (POST /heartbeats, one out at a time), not one request each",
+    )
     load.add_argument("--seed", type=int, default=1, help="open loop: the schedule's random seed")
     load.add_argument("--heartbeats", type=int, default=2, help="heartbeats per slice held")
     load.add_argument(
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_rates=[float(r) for r in args.rates.split(",")],
             heartbeat_every=args.heartbeat_every,
             seed=args.seed,
+            hub_heartbeats=args.hub_heartbeats,
         )
     elif args.which == "api":
         report = api.run(

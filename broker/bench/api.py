@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client import API_PREFIX, BrokerAPIError, BrokerClient
+from ..client import API_PREFIX, BrokerAPIError, BrokerClient, HeartbeatBatcher
 from ..orm import SCRATCH_POSTGRES_URL, ScratchDatabaseUnavailable, scratch_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -377,6 +377,8 @@ MAX_CLIENTS = 1000
 #: Slices held for releases to take, as seconds of release traffic.
 CHURN_POOL_S = 5.0
 LONG_POLL_WAIT_S = 30.0
+#: The hub's agent, whose token sends every session's heartbeats with ``hub_heartbeats``.
+HUB = "hub"
 OPEN_LOOP_GOALS = {
     "p99_ms_at_500": 50,
     "sweep_rate_sqlite": 1500,
@@ -447,10 +449,14 @@ def run_open_loop(
     sweep_rates: Sequence[float] = SWEEP_RATES,
     heartbeat_every: float = 30.0,
     seed: int = 1,
+    hub_heartbeats: bool = False,
 ) -> dict[str, Any]:
     """The broker and the reference server (:mod:`.reference_server`), each on a fresh
     database per rate, driven by the same open-loop schedule: at ``rate``, or with
-    ``sweep`` at ``sweep_rates`` in turn until the broker's p99 passes 100 ms."""
+    ``sweep`` at ``sweep_rates`` in turn until the broker's p99 passes 100 ms. With
+    ``hub_heartbeats`` the broker's heartbeats are sent as a hub's spawners send them,
+    together (:class:`~broker.client.HeartbeatBatcher`); the reference, which has no
+    such route, still gets one request each."""
     backends = ["sqlite", "postgresql"] if db == "both" else [db]
     rates = sweep_rates if sweep else (rate,)
     load = os.getloadavg()[0]  # other work on the machine skews every figure
@@ -463,7 +469,7 @@ def run_open_loop(
                 point = {
                     "offered_rate": offered,
                     "load_average_before": round(os.getloadavg()[0], 2),
-                    "broker": _open_run("broker", backend, work, postgres_url),
+                    "broker": _open_run("broker", backend, work, postgres_url, hub_heartbeats),
                     "reference": _open_run("reference", backend, work, postgres_url),
                 }
                 point["broker_over_reference"] = _ratios(point["broker"], point["reference"])
@@ -485,6 +491,7 @@ def run_open_loop(
         "heartbeat_every_s": heartbeat_every,
         "mix": MIX,
         "seed": seed,
+        "hub_heartbeats": hub_heartbeats,
         "transport": _transport_name(),
         "cpus": os.cpu_count(),
         "goals": OPEN_LOOP_GOALS,
@@ -512,8 +519,11 @@ def _ratios(broker: dict[str, Any], reference: dict[str, Any]) -> dict[str, floa
     }
 
 
-def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> dict[str, Any]:
-    """One server on a fresh database, seeded with the sessions' slices, under ``work``."""
+def _open_run(
+    server: str, backend: str, work: OpenLoop, postgres_url: str, hub_heartbeats: bool = False
+) -> dict[str, Any]:
+    """One server on a fresh database, seeded with the sessions' slices, under ``work``
+    (the broker's heartbeats gathered as a hub's with ``hub_heartbeats``)."""
     with tempfile.TemporaryDirectory(prefix="slicebroker-bench-") as name:
         directory = Path(name)
         with bench_database(backend, directory, postgres_url) as url:
@@ -533,7 +543,8 @@ def _open_run(server: str, backend: str, work: OpenLoop, postgres_url: str) -> d
                 )
             seeded_s = time.perf_counter() - seeding
             try:
-                figures = asyncio.run(_drive_open(process.url, tokens, held, work))
+                hub = tokens.get(HUB) if hub_heartbeats else None
+                figures = asyncio.run(_drive_open(process.url, tokens, held, work, hub))
             finally:
                 server_cpu = process.stop()
             if server == "broker":
@@ -609,6 +620,7 @@ def _seed_broker(url: str, directory: Path, work: OpenLoop) -> tuple[list[_Held]
     store = TokenStore(url)  # initialises the schema too
     try:
         tokens = {user: store.create(user) for project in PROJECTS for user in users_of(project)}
+        tokens[HUB] = store.create(HUB, agent=True)
     finally:
         store.close()
     broker = Broker(url, load_config(directory / "cluster.toml"))
@@ -711,11 +723,41 @@ class _OpenRecord:
     last_answer: float = 0.0
 
 
+class _HubClient:
+    """What a :class:`~broker.client.HeartbeatBatcher` sends with, on the driver's
+    transport, as the hub's agent."""
+
+    def __init__(self, transport: _Transport, api: str, token: str) -> None:
+        self.transport, self.api, self.token = transport, api, token
+
+    async def heartbeats(self, slice_ids: Sequence[int]) -> dict[str, Any]:
+        body = json.dumps({"slices": list(slice_ids)}).encode()
+        return await self._post("/heartbeats", body)
+
+    async def heartbeat(self, slice_id: int) -> dict[str, Any]:
+        return await self._post(f"/slices/{slice_id}/heartbeat", b"{}")
+
+    async def _post(self, path: str, body: bytes) -> dict[str, Any]:
+        status, answer = await self.transport.send(
+            "POST", self.api + path, self.token, body, REQUEST_TIMEOUT_S
+        )
+        if status != 200:
+            raise BrokerAPIError(status, "error", f"HTTP {status}")
+        return json.loads(answer)
+
+
 async def _drive_open(
-    url: str, tokens: dict[str, str], held: Sequence[_Held], work: OpenLoop
+    url: str,
+    tokens: dict[str, str],
+    held: Sequence[_Held],
+    work: OpenLoop,
+    hub_token: str | None = None,
 ) -> dict[str, Any]:
     """Send ``schedule(work)`` at its times, each request in a task of its own, so a
-    slow answer never delays the next send (no coordinated omission)."""
+    slow answer never delays the next send (no coordinated omission). With
+    ``hub_token``, heartbeats go instead through one
+    :class:`~broker.client.HeartbeatBatcher` as that agent; each counts as answered
+    if its slice came back within the client's timeout of when it was due."""
     sends = schedule(work)
     sessions = list(held[: work.sessions])
     pool = deque(held[work.sessions :])  # slices for releases to take, oldest first
@@ -739,6 +781,32 @@ async def _drive_open(
         record.errors[f"{kind}: {status}"] += 1
         return None
 
+    # The hub's own connections: its heartbeats do not wait for one of the driver's.
+    hub_transport = None if hub_token is None else _Transport()
+    batcher = (
+        None
+        if hub_transport is None or hub_token is None
+        else HeartbeatBatcher(_HubClient(hub_transport, api, hub_token))
+    )
+
+    async def hub_heartbeat(slice_id: int, due: float) -> None:
+        assert batcher is not None
+        try:
+            await batcher.beat(slice_id)
+            status = 200
+        except BrokerAPIError as err:
+            status = err.status
+        now = clock()
+        record.last_answer = now
+        record.kinds["heartbeat"].append(min(now - due, REQUEST_TIMEOUT_S))
+        if status == 200 and now - due > REQUEST_TIMEOUT_S:
+            # Its lease was renewed, but later than a request of its own would wait.
+            record.errors["heartbeat: late"] += 1
+        elif status == 200:
+            record.ok += 1
+        else:
+            record.errors[f"heartbeat: {status}"] += 1
+
     async def submit(due: float, project: str, user: str) -> None:
         body = {"project": project, "gpus": 1, "kind": "interactive", "min_runtime": "1h"}
         slice_ = await request("submit", "POST", "/slices", user, body, due)
@@ -755,6 +823,8 @@ async def _drive_open(
 
     def start(send: _Send, due: float) -> Any:
         slice_id, project, user = sessions[send.session]
+        if send.kind == "heartbeat" and batcher is not None:
+            return hub_heartbeat(slice_id, due)
         if send.kind == "heartbeat":
             path = f"/slices/{slice_id}/heartbeat"
             return request("heartbeat", "POST", path, user, {}, due)
@@ -797,6 +867,8 @@ async def _drive_open(
             record.errors[f"client: {type(task.exception()).__name__}"] += 1
     driver_cpu = time.process_time() - cpu_before
     await transport.close()
+    if hub_transport is not None:
+        await hub_transport.close()
     elapsed = max(record.last_answer, began + work.seconds) - began
     answered = [t for kind, times in record.kinds.items() if kind != LONG_POLL for t in times]
     return {
@@ -814,4 +886,5 @@ async def _drive_open(
         "releases_without_slice": record.releases_without_slice,
         "send_lag_ms": _summary(record.lags),
         "driver_cpu_s": round(driver_cpu, 1),
+        **({} if batcher is None else {"heartbeat_requests": batcher.requests}),
     }
