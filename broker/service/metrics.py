@@ -104,8 +104,8 @@ class BrokerMetrics:
         )
         self.heartbeats_late = Counter(
             "slicebroker_heartbeats_answered_late",
-            "Heartbeats the broker answered later than its late_heartbeat after they came "
-            "(a lease does not run out over that time).",
+            "Heartbeat requests (one slice's, or a hub's of many) the broker answered later "
+            "than its late_heartbeat after they came (a lease does not run out over that time).",
             registry=r,
         )
         self.endings = Counter(
