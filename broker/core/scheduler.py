@@ -61,7 +61,7 @@ from .resume import (
     settled_at,
 )
 from .standing import Standings
-from .transitions import granted, protected_after_preemption, requeued
+from .transitions import granted, protected_after_preemption, requeued, requeued_when_ended
 
 
 def schedule(
@@ -275,11 +275,7 @@ class _Pass:
     # -- phase 1 -----------------------------------------------------------
 
     def _end(self, slice_: Slice, reason: EndReason) -> None:
-        requeue = (
-            reason in (EndReason.PREEMPTED, EndReason.NODE_DOWN)
-            and slice_.contract.resumable
-            and slice_.kind is SliceKind.BATCH
-        )
+        requeue = requeued_when_ended(slice_.kind, slice_.contract.resumable, reason)
         protect_next = None
         if requeue and reason is EndReason.PREEMPTED:
             protect_next = protected_after_preemption(slice_.contract.min_runtime, self.policy)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from .accounting import LedgerEntry, ledger_entry
-from .model import Decisions, EndReason, Node, Placement, Policy, Slice, SliceState
+from .model import Decisions, EndReason, Node, Placement, Policy, Slice, SliceKind, SliceState
 
 
 @dataclass
@@ -28,6 +28,17 @@ class Applied:
     changed: set[int] = field(default_factory=set)
     # The ids of the live slices that hold a promise (the next apply's promise_holders).
     promise_holders: set[int] = field(default_factory=set)
+
+
+def requeued_when_ended(kind: SliceKind, resumable: bool, reason: EndReason) -> bool:
+    """Whether the broker itself puts back in the queue work that ended for ``reason``:
+    resumable batch work that was preempted or lost its node (design.md §5, phase 1); the
+    rest ends, and its holder may ask again."""
+    return (
+        kind is SliceKind.BATCH
+        and resumable
+        and reason in (EndReason.PREEMPTED, EndReason.NODE_DOWN)
+    )
 
 
 def protected_after_preemption(min_runtime: float, policy: Policy) -> float | None:

@@ -57,7 +57,7 @@ from ..core.model import (
 )
 from ..core.preemption import preemption_delay
 from ..core.resume import RESUME_PHASE
-from ..core.transitions import apply, end_slice
+from ..core.transitions import apply, end_slice, requeued_when_ended
 from .metrics import (
     FAILURE,
     OPERATOR,
@@ -480,8 +480,9 @@ class Simulation:
         self._say(t, f"drain of {name} overdue: an operator ends {len(holders)} slice(s)")
         self.recorder.interventions += 1
         self.recorder.killed_by_operator += len(holders)
+        reason = EndReason.PREEMPTED
         endings = tuple(
-            Ending(s.id, EndReason.PREEMPTED, s.contract.resumable and s.kind is SliceKind.BATCH)
+            Ending(s.id, reason, requeued_when_ended(s.kind, s.contract.resumable, reason))
             for s in sorted(holders, key=lambda s: s.id)
         )
         self._ending_cause = OPERATOR

@@ -53,6 +53,7 @@ from ..core.model import (
 from ..core.placement import FreeGpus
 from ..core.resume import still_quiet
 from ..core.scheduler import schedule
+from ..core.transitions import requeued_when_ended
 
 
 class Scheduler(Protocol):
@@ -126,7 +127,7 @@ def settle(snapshot: Snapshot) -> Settled:
             pending.append(s)
             continue
         if any(states.get(p.node, NodeState.DOWN) is NodeState.DOWN for p in s.placements):
-            requeue = s.contract.resumable and s.kind is SliceKind.BATCH
+            requeue = requeued_when_ended(s.kind, s.contract.resumable, EndReason.NODE_DOWN)
             endings.append(Ending(s.id, EndReason.NODE_DOWN, requeue))
         elif (
             s.contract.max_runtime is not None
@@ -135,7 +136,7 @@ def settle(snapshot: Snapshot) -> Settled:
         ):
             endings.append(Ending(s.id, EndReason.EXPIRED))
         elif s.preempt_deadline is not None and now >= s.preempt_deadline:
-            requeue = s.contract.resumable and s.kind is SliceKind.BATCH
+            requeue = requeued_when_ended(s.kind, s.contract.resumable, EndReason.PREEMPTED)
             endings.append(Ending(s.id, EndReason.PREEMPTED, requeue))
         else:
             holding.append(s)
