@@ -723,29 +723,6 @@ class _OpenRecord:
     last_answer: float = 0.0
 
 
-class _HubClient:
-    """What a :class:`~broker.client.HeartbeatBatcher` sends with, on the driver's
-    transport, as the hub's agent."""
-
-    def __init__(self, transport: _Transport, api: str, token: str) -> None:
-        self.transport, self.api, self.token = transport, api, token
-
-    async def heartbeats(self, slice_ids: Sequence[int]) -> dict[str, Any]:
-        body = json.dumps({"slices": list(slice_ids)}).encode()
-        return await self._post("/heartbeats", body)
-
-    async def heartbeat(self, slice_id: int) -> dict[str, Any]:
-        return await self._post(f"/slices/{slice_id}/heartbeat", b"{}")
-
-    async def _post(self, path: str, body: bytes) -> dict[str, Any]:
-        status, answer = await self.transport.send(
-            "POST", self.api + path, self.token, body, REQUEST_TIMEOUT_S
-        )
-        if status != 200:
-            raise BrokerAPIError(status, "error", f"HTTP {status}")
-        return json.loads(answer)
-
-
 async def _drive_open(
     url: str,
     tokens: dict[str, str],
@@ -781,13 +758,9 @@ async def _drive_open(
         record.errors[f"{kind}: {status}"] += 1
         return None
 
-    # The hub's own connections: its heartbeats do not wait for one of the driver's.
-    hub_transport = None if hub_token is None else _Transport()
-    batcher = (
-        None
-        if hub_transport is None or hub_token is None
-        else HeartbeatBatcher(_HubClient(hub_transport, api, hub_token))
-    )
+    # The hub's own client and connections: its heartbeats wait for none of the driver's.
+    hub = None if hub_token is None else BrokerClient(url, hub_token, timeout=REQUEST_TIMEOUT_S)
+    batcher = None if hub is None else HeartbeatBatcher(hub)
 
     async def hub_heartbeat(slice_id: int, due: float) -> None:
         assert batcher is not None
@@ -867,8 +840,8 @@ async def _drive_open(
             record.errors[f"client: {type(task.exception()).__name__}"] += 1
     driver_cpu = time.process_time() - cpu_before
     await transport.close()
-    if hub_transport is not None:
-        await hub_transport.close()
+    if hub is not None:
+        hub.close()
     elapsed = max(record.last_answer, began + work.seconds) - began
     answered = [t for kind, times in record.kinds.items() if kind != LONG_POLL for t in times]
     return {

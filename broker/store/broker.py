@@ -1491,11 +1491,9 @@ def _protected_again(restored: SliceRow, policy: Policy) -> float | None:
     """The protection of the next run of a preempted batch job brought back by its
     runner: what the broker's own requeue would give it (``preemption_backoff``,
     design.md §5.7); None for work the broker would not requeue."""
-    asked_to_leave = restored.preempt_reason is not None
-    kind = SliceKind(restored.kind)
-    if not (
-        asked_to_leave
-        and transitions.requeued_when_ended(kind, restored.resumable, EndReason.PREEMPTED)
+    kind, preempted = SliceKind(restored.kind), EndReason.PREEMPTED
+    if restored.preempt_reason is None or not transitions.requeued_when_ended(
+        kind, restored.resumable, preempted
     ):
         return None
     return transitions.protected_after_preemption(restored.min_runtime, policy)
