@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..bench.options import SECONDS, number
 from .engine import SimConfig, Simulation
 from .policies import POLICIES
 from .workloads import GeneratorConfig, generate
@@ -83,14 +84,40 @@ class _Timed:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker.sim.bench", description=__doc__)
-    parser.add_argument("--slices", type=int, default=1_000_000, help="jobs per --days")
-    parser.add_argument("--days", type=float, default=30.0)
-    parser.add_argument("--sample-days", type=float, default=0.25)
-    parser.add_argument("--policies", default="fairshare")
-    parser.add_argument("--quantum", type=float, default=1.0)
+    days = number(float, 1e-9, "days, above 0")
+    parser.add_argument(
+        "--slices",
+        type=number(int, 1, "a whole number, 1 or more"),
+        default=1_000_000,
+        help="jobs per --days",
+    )
+    parser.add_argument(
+        "--days", type=days, default=30.0, help="days the --slices arrive over (default 30)"
+    )
+    parser.add_argument(
+        "--sample-days",
+        type=days,
+        default=0.25,
+        help="days simulated, from the start (default 0.25: the first 6 hours)",
+    )
+    parser.add_argument(
+        "--policies",
+        default="fairshare",
+        help=f"comma-separated, of {', '.join(POLICIES)} (default: fairshare)",
+    )
+    parser.add_argument(
+        "--quantum", type=SECONDS, default=1.0, help="seconds events are rounded to (default 1)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    for name in args.policies.split(","):
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    # parser.error prints one line of usage and the message, and exits with status 2.
+    if unknown or not names:
+        parser.error(
+            f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(POLICIES)}"
+        )
+    for name in names:
         row = measure(
             name,
             slices=args.slices,
