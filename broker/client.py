@@ -19,7 +19,10 @@ submission (``POST /slices``) is retried the same way: each call of
 :meth:`BrokerClient.submit` sends one ``Idempotency-Key`` with all its attempts,
 so an attempt that reached the broker but whose answer was lost makes no second
 slice; the retry answers the first. A heartbeat is not sent again once it may
-have reached the broker: the holder's next heartbeat is its retry.
+have reached the broker: the holder's next heartbeat is its retry. A long-poll
+is retried only within its wait, each retry asking what is left of it: its
+caller (a session's watch, which heartbeats between long-polls) hears back by
+the end of the wait and one timeout, not after every retry's whole wait.
 
 :class:`HeartbeatBatcher` sends the heartbeats of many slices held by one
 process (a hub's sessions) together, one request per round trip.
@@ -36,7 +39,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -150,31 +153,48 @@ class BrokerClient:
         timeout: float | None = None,
         parse: bool = True,
         headers: Mapping[str, str] | None = None,
+        wait: float | None = None,
     ) -> Any:
         """``method`` on ``{url}/api/v1{path}``; the parsed JSON answer (text if not ``parse``).
 
         ``params`` left ``None`` are not sent. ``idempotent`` says whether the call
         may be resent after a connection failure (see the module's docstring);
         ``timeout`` replaces the client's for this call; ``headers`` are added.
+        ``wait`` makes it a long-poll of that many seconds (the ``wait`` parameter,
+        on top of the timeout): a retry asks only what is left of it, and none
+        starts once it is over.
         """
-        query = urlencode({k: v for k, v in (params or {}).items() if v is not None})
-        url = f"{self.url}{API_PREFIX}{path}" + (f"?{query}" if query else "")
-        limit = self.timeout if timeout is None else timeout
-        request = HTTPRequest(
-            url,
-            method=method,
-            headers={
-                "Authorization": f"token {self._token}",
-                "Accept": "application/json",
-                **({"Content-Type": "application/json"} if body is not None else {}),
-                **(headers or {}),
-            },
-            body=None if body is None else json.dumps(body),
-            allow_nonstandard_methods=True,  # tornado refuses DELETE/POST bodies otherwise
-            connect_timeout=min(limit, self.timeout),
-            request_timeout=limit,
-        )
-        response = await self._fetch(request, method, path, idempotent)
+        wait_ends = None if wait is None else time.monotonic() + wait
+        headers = {
+            "Authorization": f"token {self._token}",
+            "Accept": "application/json",
+            **({"Content-Type": "application/json"} if body is not None else {}),
+            **(headers or {}),
+        }
+
+        def attempt(delay: float) -> HTTPRequest | None:
+            """The request to send in ``delay`` seconds: a retry's (``delay`` above 0)
+            is None where a long-poll's wait is over by then."""
+            query_params = dict(params or {})
+            limit = self.timeout if timeout is None else timeout
+            if wait_ends is not None:
+                left = wait_ends - time.monotonic() - delay
+                if left <= 0 and delay:
+                    return None
+                query_params["wait"] = _number(round(max(left, 0.0), 3))
+                limit += max(left, 0.0)
+            query = urlencode({k: v for k, v in query_params.items() if v is not None})
+            return HTTPRequest(
+                f"{self.url}{API_PREFIX}{path}" + (f"?{query}" if query else ""),
+                method=method,
+                headers=headers,
+                body=None if body is None else json.dumps(body),
+                allow_nonstandard_methods=True,  # tornado refuses DELETE/POST bodies otherwise
+                connect_timeout=min(limit, self.timeout),
+                request_timeout=limit,
+            )
+
+        response = await self._fetch(attempt, method, path, idempotent)
         text = response.body.decode("utf-8", "replace") if response.body else ""
         if not parse:
             return text
@@ -194,11 +214,20 @@ class BrokerClient:
         return self._http
 
     async def _fetch(
-        self, request: HTTPRequest, method: str, path: str, idempotent: bool
+        self,
+        attempt: Callable[[float], HTTPRequest | None],
+        method: str,
+        path: str,
+        idempotent: bool,
     ) -> HTTPResponse:
+        """The answer to the first of ``attempt``'s requests that gets one, retried as
+        the module's docstring says. ``attempt(delay)`` is the request to send in
+        ``delay`` seconds; a retry's may be None, where none may start then."""
         what = f"{method} {path}"
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+        request = attempt(0.0)
+        for tries in range(self.retries + 1):
+            last = tries == self.retries
+            assert request is not None  # the first attempt always goes; a retry checked below
             try:
                 return await self._http_client().fetch(request)
             except HTTPClientError as err:
@@ -223,7 +252,12 @@ class BrokerClient:
                 )
             if last:
                 raise BrokerUnreachable(f"cannot reach the broker at {self.url}: {failure}")
-            delay = min(self.backoff * 2**attempt, self.max_backoff)
+            delay = min(self.backoff * 2**tries, self.max_backoff)
+            request = attempt(delay)
+            if request is None:  # a long-poll whose wait is over: its caller goes on
+                raise BrokerUnreachable(
+                    f"{what}: no answer from the broker at {self.url} within the wait: {failure}"
+                )
             log.warning("%s: %s; retrying in %.2gs", what, failure, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # the loop returns or raises
@@ -295,9 +329,8 @@ class BrokerClient:
         self, slice_id: int, *, wait: float | None = None, state: str | None = None
     ) -> dict[str, Any]:
         """The slice; with ``wait`` and ``state``, a long-poll (see :meth:`wait_for_change`)."""
-        params = {"wait": _number(wait), "state": state}
-        timeout = None if wait is None else self.timeout + wait
-        return await self.request("GET", f"/slices/{int(slice_id)}", params=params, timeout=timeout)
+        path = f"/slices/{int(slice_id)}"
+        return await self.request("GET", path, params={"state": state}, wait=wait)
 
     async def wait_for_change(
         self, slice_id: int, known_state: str, timeout: float

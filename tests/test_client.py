@@ -182,6 +182,47 @@ async def test_no_answer_retries_reads_and_submissions_a_bounded_number_of_times
             assert not [r for r in caplog.records if "retrying" in r.getMessage()]
 
 
+async def test_a_long_poll_is_not_retried_past_its_wait(silent_port, caplog):
+    # A session's watch heartbeats between long-polls: a long-poll that a silent broker
+    # let time out must come back, not wait the whole wait again per retry.
+    url = f"http://127.0.0.1:{silent_port}"
+    async with BrokerClient(url, "t", timeout=0.2, retries=4, backoff=0.01) as client:
+        with (
+            caplog.at_level(logging.WARNING, logger="broker.client"),
+            pytest.raises(BrokerUnreachable, match="within the wait"),
+        ):
+            await client.wait_for_change(1, "pending", 0.3)
+    # its one attempt had 0.5 s (timeout and wait): past the wait, so never retried
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+async def test_a_long_polls_retry_asks_only_what_is_left_of_its_wait():
+    asked: list[str] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        asked.append(head.split(b" ")[1].decode())
+        if len(asked) > 1:  # the first connection is dropped unanswered: the retry
+            body = b'{"id": 1, "state": "granted"}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with BrokerClient(f"http://127.0.0.1:{port}", "t", backoff=0.2) as client:
+            latest = await client.wait_for_change(1, "pending", 30)
+    finally:
+        server.close()
+    assert latest["state"] == "granted" and len(asked) == 2
+    waits = [float(path.split("wait=")[1].split("&")[0]) for path in asked]
+    assert waits[0] == 30 and 29 < waits[1] < 29.8  # less the first try and the pause
+
+
 async def test_a_read_survives_a_broker_restart(service):
     # Retries enough for a restart on a loaded machine (about 30 s in all, 4 s apart at most).
     async with client_for(service, service.admin_token, retries=10, backoff=0.2) as client:
