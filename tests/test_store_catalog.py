@@ -28,6 +28,7 @@ def random_step(rng: random.Random) -> tuple[str, Any]:
     """One request of a random workload: mostly slices, with catalog changes mixed in."""
     kind = rng.choice(
         ["submit"] * 5 + ["release"] * 2 + ["pass"] * 2 + ["heartbeat", "late pass"]
+        + ["heartbeats"]
         + ["checkpoint", "extend"]
         + ["put_project", "delete_project", "apply_tree", "node", "inventory"]
     )  # fmt: skip
@@ -43,6 +44,12 @@ def random_step(rng: random.Random) -> tuple[str, Any]:
         return kind, rng.randrange(1, 40)
     if kind == "extend":
         return kind, (rng.randrange(1, 40), rng.choice([600.0, 7200.0]))
+    if kind == "heartbeats":  # a hub's, together: its own slices, others', gone ones
+        hub = [None, Principal("hub", agent=True, kind="service")] * 2  # reach every slice
+        callers = [*hub, *(Principal(user) for user in USERS)]
+        return kind, [
+            (rng.randrange(1, 40), rng.choice(callers)) for _ in range(rng.randrange(2, 16))
+        ]
     if kind == "put_project":
         return kind, {
             "name": rng.choice(PROJECTS),
@@ -80,6 +87,11 @@ def apply(broker: Broker, kind: str, argument: Any) -> Any:
             return broker.heartbeat(argument)
         if kind == "checkpoint":
             return broker.checkpoint(argument)
+        if kind == "heartbeats":  # each answer a slice or its own refusal
+            return [
+                (type(answer).__name__, str(answer)) if isinstance(answer, BrokerError) else answer
+                for answer in broker.heartbeats(argument)
+            ]
         if kind == "extend":
             return broker.extend_protection(*argument)
         if kind == "late pass":  # the last pass long ago: leases are extended first
