@@ -85,6 +85,28 @@ def test_options_from_the_command_line_are_checked(clean_env):
         BrokerApp(port=70000)
 
 
+@pytest.mark.parametrize(
+    ("argv", "environment", "message"),
+    [
+        (["--lease=0"], {}, "lease must be > 0 seconds, got 0.0"),
+        (["--port=70000"], {}, "port must be 0-65535, got 70000"),
+        (["--max-wait=-1"], {}, "max_wait must be >= 0 seconds, got -1.0"),
+        (["--db-url=mysql://root@db/broker"], {}, "db_url must be a SQLite or PostgreSQL URL"),
+        (["--db-url=postgresql://u:hunter2@db:x/b"], {}, "db_url must be a SQLite or PostgreSQL"),
+        ([], {"SLICEBROKER_DB_URL": "nonsense"}, "$SLICEBROKER_DB_URL must be a SQLite or"),
+    ],
+)
+def test_a_bad_option_stops_the_service_with_one_line(clean_env, capfd, argv, environment, message):
+    for name, value in environment.items():
+        clean_env.setenv(name, value)
+    if not any(option.startswith("--port") for option in argv):
+        argv = [*argv, "--port=0"]
+    assert main(argv) == 1
+    said = capfd.readouterr().err
+    assert message in said and "Traceback" not in said and "hunter2" not in said
+    assert len(said.strip().splitlines()) == 1, said
+
+
 async def test_the_options_reach_the_store_and_its_runner(clean_env, tmp_path):
     app = BrokerApp()
     app.parse_command_line(

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 from jupyterhub.traitlets import EntryPointType
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from tornado import web
 from traitlets import Bool, Float, Integer, TraitError, Unicode, default, observe, validate
 from traitlets.config import Application
@@ -258,7 +258,14 @@ class BrokerApp(Application):
 
     @default("db_url")
     def _default_db_url(self) -> str:
-        return os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///slicebroker.sqlite"
+        from_environment = os.environ.get("SLICEBROKER_DB_URL")
+        if from_environment:
+            return database_url(from_environment, "$SLICEBROKER_DB_URL")
+        return "sqlite:///slicebroker.sqlite"
+
+    @validate("db_url")
+    def _check_db_url(self, proposal):
+        return database_url(proposal.value, "db_url")
 
     ip = Unicode(
         help="""The address to listen on.
@@ -287,7 +294,7 @@ class BrokerApp(Application):
     @validate("port")
     def _check_port(self, proposal):
         if not 0 <= proposal.value <= 65535:
-            raise ValueError(f"port must be 0-65535, got {proposal.value}")
+            raise TraitError(f"port must be 0-65535, got {proposal.value}")
         return proposal.value
 
     base_url = Unicode(
@@ -486,13 +493,13 @@ class BrokerApp(Application):
     )
     def _check_positive(self, proposal):
         if not proposal.value > 0:
-            raise ValueError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
+            raise TraitError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
         return proposal.value
 
     @validate("max_wait", "token_cache_max_age", "shed_after", "late_heartbeat")
     def _check_not_negative(self, proposal):
         if not proposal.value >= 0:
-            raise ValueError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
+            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
         return proposal.value
 
     def make_inventory(self) -> Inventory:
@@ -737,6 +744,22 @@ class OptionsFileError(Exception):
     """The options file is missing or cannot be loaded."""
 
 
+def database_url(url: str, name: str) -> str:
+    """``url`` if it is a SQLite or PostgreSQL URL, else a :class:`TraitError` naming
+    the option it came from: checked as it is set, in one line, never a traceback
+    from the first connection. The URL itself is not repeated: it may hold a password."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except (ArgumentError, ValueError):  # not a URL, or a port that is no number
+        backend = None
+    if backend not in ("sqlite", "postgresql", "postgres"):
+        raise TraitError(
+            f"{name} must be a SQLite or PostgreSQL URL (sqlite:///path/file.sqlite, "
+            "postgresql://user:password@host/db)"
+        )
+    return url
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``slicebroker serve [options]``: serve until stopped; the exit status."""
     app = BrokerApp()
@@ -746,6 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionsFileError as err:
         app.log.error("%s", err)
         return 2
+    except TraitError as err:  # an option's default read from the environment
+        app.log.critical("Bad config: %s", err)
+        return 1
     except SystemExit as done:  # --help, --version, or a bad option
         return done.code if isinstance(done.code, int) else 0
     except KeyboardInterrupt:
