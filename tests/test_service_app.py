@@ -101,7 +101,7 @@ def test_a_bad_option_stops_the_service_with_one_line(clean_env, capfd, argv, en
         clean_env.setenv(name, value)
     if not any(option.startswith("--port") for option in argv):
         argv = [*argv, "--port=0"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     said = capfd.readouterr().err
     assert message in said and "Traceback" not in said and "hunter2" not in said
     assert len(said.strip().splitlines()) == 1, said

@@ -771,9 +771,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except TraitError as err:  # an option's default read from the environment
         app.log.critical("Bad config: %s", err)
-        return 1
+        return 2
     except SystemExit as done:  # --help, --version, or a bad option
-        return done.code if isinstance(done.code, int) else 0
+        code = done.code if isinstance(done.code, int) else 0
+        # traitlets stops on an option's bad value (its "Bad config" line) with status
+        # 1; a configuration to fix is status 2 here, as an unknown option is.
+        return 2 if code == 1 else code
     except KeyboardInterrupt:
         return 0
 
