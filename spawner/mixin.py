@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -59,6 +60,7 @@ from traitlets import (
     Float,
     Int,
     List,
+    TraitError,
     TraitType,
     Unicode,
     Union,
@@ -236,9 +238,12 @@ class SliceBrokerMixin(Configurable):
     def _check_protected_choices(self, proposal: Any) -> list:
         values = list(proposal.value)
         if not values:
-            raise ValueError("protected_choices must offer at least one length")
+            raise TraitError("protected_choices must offer at least one length")
         for value in values:
-            parse_duration(value)  # raises ValueError with the reason
+            try:
+                parse_duration(value)
+            except ValueError as err:
+                raise TraitError(f"protected_choices: {err}") from None
         return values
 
     protected_default = Union(
@@ -363,6 +368,13 @@ class SliceBrokerMixin(Configurable):
         queue and the nodes are read from the broker at most every half of it, for
         all sessions of the hub together.""",
     ).tag(config=True)
+
+    @validate("broker_timeout", "heartbeat_interval", "queue_refresh_interval", "cull_interval")
+    def _check_seconds(self, proposal: Any) -> float:
+        # Zero or less would heartbeat, poll or check the broker in a tight loop.
+        if not (math.isfinite(proposal.value) and proposal.value > 0):
+            raise TraitError(f"{proposal.trait.name} must be seconds above 0, got {proposal.value}")
+        return proposal.value
 
     options_form_template_paths = List(
         Unicode(),

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from jupyterhub.spawner import Spawner, SpawnException
-from traitlets import Integer, default
+from traitlets import Integer, TraitError, default
 
 from broker.client import BrokerAPIError, BrokerUnreachable
 from broker.errors import InvalidRequest
@@ -1048,6 +1049,23 @@ def test_the_queue_start_timeout_is_the_default_only_where_the_backend_has_none(
     assert QuickGpuSpawner(user=user()).start_timeout == 7
     assert QuickGpuSpawner(user=user(), start_timeout=99).start_timeout == 99
     assert PatientGpuSpawner(user=user()).start_timeout == 300
+
+
+@pytest.mark.parametrize(
+    ("traits", "message"),
+    [
+        ({"heartbeat_interval": 0}, "heartbeat_interval must be seconds above 0, got 0"),
+        ({"broker_timeout": -1}, "broker_timeout must be seconds above 0, got -1"),
+        ({"queue_refresh_interval": float("nan")}, "queue_refresh_interval must be seconds"),
+        ({"cull_interval": float("inf")}, "cull_interval must be seconds above 0, got inf"),
+        ({"protected_choices": []}, "protected_choices must offer at least one length"),
+        ({"protected_choices": ["1h", "soon"]}, "protected_choices: "),
+    ],
+)
+def test_an_admins_bad_interval_or_length_is_refused_by_name(traits, message):
+    # Zero or less would heartbeat, poll or check the broker in a tight loop.
+    with pytest.raises(TraitError, match=re.escape(message)):
+        GpuSpawner(user=user(), **traits)
 
 
 # ---- a backend that fails to stop -------------------------------------------------------------
