@@ -259,6 +259,15 @@ def test_cli_runs_once_per_seed_and_shows_each_figure_with_its_mean(tmp_path, ca
         (["generate", "--fair-share-margin", "2"], "--fair-share-margin takes shares"),
         (["generate", "--restart-cost", "-5"], "--restart-cost takes seconds, 0 or more"),
         (["generate", "--checkpoint-interval", "nan"], "--checkpoint-interval takes seconds"),
+        (["generate", "--tick", "0"], "--tick takes seconds, above 0"),  # the clock stood still
+        (["generate", "--quantum", "-1"], "--quantum takes seconds, above 0"),
+        (["generate", "--days", "0"], "--days takes days, above 0"),
+        (["generate", "--slices", "-5"], "--slices takes a count, above 0"),
+        (["helios", "--trace", "t.csv", "--load", "0"], "--load takes a factor, above 0"),
+        (["helios", "--trace", "t.csv", "--limit", "-1"], "--limit takes a count, above 0"),
+        (["generate", "--jobs", "0"], "--jobs takes a count, above 0"),
+        (["generate", "--warmup", "-1"], "--warmup takes hours, 0 or more"),
+        (["generate", "--preemption-backoff", "nan"], "--preemption-backoff takes a factor"),
     ],
 )
 def test_cli_errors_are_one_line_and_status_2(argv, message, capsys):

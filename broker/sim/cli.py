@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -310,9 +311,27 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.fair_share_margin <= 1:
         print("error: --fair-share-margin takes shares, from 0 to 1", file=sys.stderr)
         return USAGE_ERROR
-    if args.preemption_backoff < 1:
+    if not args.preemption_backoff >= 1:  # also refuses nan
         print("error: --preemption-backoff takes a factor, 1 or more", file=sys.stderr)
         return USAGE_ERROR
+    # Above 0 and finite: 0 or less had divided by zero, or stood the clock still
+    # (a tick or quantum of 0 never moves it on).
+    for option, value, what in (
+        ("--load", args.load, "a factor"),
+        ("--days", args.days, "days"),
+        ("--quantum", args.quantum, "seconds"),
+        ("--tick", args.tick, "seconds"),
+        ("--drain-deadline", args.drain_deadline, "hours"),
+        ("--slices", args.slices, "a count"),
+        ("--users", args.users, "a count"),
+        ("--limit", args.limit, "a count"),
+        ("--nodes", args.nodes, "a count"),
+        ("--gpus-per-node", args.gpus_per_node, "a count"),
+        ("--jobs", args.jobs, "a count"),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            print(f"error: {option} takes {what}, above 0", file=sys.stderr)
+            return USAGE_ERROR
     # Checked before the workload is built, which can take a while.
     for option, value, what in (
         ("--debug-headroom", args.debug_headroom, "a number of GPUs"),
@@ -323,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         ("--debug-grace", args.debug_grace, "seconds"),
         ("--restart-cost", args.restart_cost, "seconds"),
         ("--checkpoint-interval", args.checkpoint_interval, "seconds"),
+        ("--grace", args.grace, "seconds"),
+        ("--warmup", 0 if args.warmup is None else args.warmup, "hours"),
     ):
         if not value >= 0:  # also refuses nan
             print(f"error: {option} takes {what}, 0 or more", file=sys.stderr)
