@@ -33,14 +33,34 @@ import secrets
 import sys
 
 from broker.config import load_config
+from broker.errors import InvalidConfig
 from spawner.inventory import discover
 from spawner.notices import TEMPLATE_PATH, template_vars
 
 c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 
+
+def stop(message: str) -> None:
+    """Stop the hub with one line: JupyterHub shows any other error in its config file
+    as a traceback."""
+    raise SystemExit(f"slicebroker: {message}")
+
+
+def port_from_env(name: str, default: int) -> int:
+    """``$name`` as a TCP port, or ``default`` where it is not set."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if not (text.strip().isdigit() and int(text) <= 65535):
+        stop(f"{name} must be a port number, 0-65535, not {text!r}")
+    return int(text)
+
+
 # ---- ports and files: one offset moves every port, one folder holds every file -----------
 
-port_offset = int(os.environ.get("SLICEBROKER_PORT_OFFSET", "0"))
+port_offset = port_from_env("SLICEBROKER_PORT_OFFSET", 0)
+if 10101 + port_offset > 65535:
+    stop(f"SLICEBROKER_PORT_OFFSET {port_offset} puts the broker past port 65535")
 state_dir = os.path.abspath(os.environ.get("SLICEBROKER_STATE_DIR", "."))
 os.makedirs(state_dir, exist_ok=True)
 if port_offset:  # else JupyterHub's own defaults, which a bind_url set later may replace
@@ -62,7 +82,10 @@ else:
     c.SliceBrokerSpawner.node_gpus = inventory.node_gpus
     c.SliceBrokerSpawner.local_nodes = [node.name for node in inventory.nodes]
     print(f"slicebroker: {inventory.describe()}")
-cluster = load_config(cluster_file)
+try:
+    cluster = load_config(cluster_file)
+except InvalidConfig as err:
+    stop(f"{cluster_file}: {err}")
 broker_db = os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///" + os.path.join(
     state_dir, "slicebroker.sqlite"
 )
@@ -71,7 +94,7 @@ broker_db = os.environ.get("SLICEBROKER_DB_URL") or "sqlite:///" + os.path.join(
 
 # ---- the broker, as a hub-managed service -------------------------------------------------
 
-broker_port = int(os.environ.get("SLICEBROKER_PORT", str(10101 + port_offset)))
+broker_port = port_from_env("SLICEBROKER_PORT", 10101 + port_offset)
 broker_service_url = f"http://127.0.0.1:{broker_port}"
 broker_url = f"{broker_service_url}/services/slicebroker"
 # The spawner's identity with the broker: a service token with the agent role, new at

@@ -21,6 +21,7 @@ def load(tmp_path, monkeypatch, nvidia_smi: str | None = None, **env):
         "SLICEBROKER_CONFIG",
         "SLICEBROKER_DB_URL",
         "SLICEBROKER_PORT",
+        "SLICEBROKER_PORT_OFFSET",
         "SLICEBROKER_DEMO_PASSWORD",
     ):
         monkeypatch.delenv(key, raising=False)
@@ -140,3 +141,25 @@ def test_the_broker_port_and_database_come_from_the_environment(tmp_path, monkey
         == "postgresql://db/broker"
     )
     assert config.SliceBrokerMixin.broker_url == f"http://127.0.0.1:{port}/services/slicebroker"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SLICEBROKER_PORT": "abc"}, "SLICEBROKER_PORT must be a port number, 0-65535, not 'abc'"),
+        ({"SLICEBROKER_PORT": "70000"}, "SLICEBROKER_PORT must be a port number"),
+        ({"SLICEBROKER_PORT_OFFSET": "-3"}, "SLICEBROKER_PORT_OFFSET must be a port number"),
+        ({"SLICEBROKER_PORT_OFFSET": "60000"}, "puts the broker past port 65535"),
+        ({"SLICEBROKER_CONFIG": "BAD"}, "projects.x.share: expected a share"),
+    ],
+)
+def test_a_bad_setting_stops_the_hub_with_one_line(tmp_path, monkeypatch, env, message):
+    # JupyterHub shows any other error in its config file as a traceback.
+    if env.get("SLICEBROKER_CONFIG") == "BAD":
+        bad = tmp_path / "bad.toml"
+        bad.write_text("[projects.x]\nshare = 0\n")
+        env = {"SLICEBROKER_CONFIG": str(bad)}
+    with pytest.raises(SystemExit) as stopped:
+        load(tmp_path, monkeypatch, **env)
+    assert str(stopped.value.code).startswith("slicebroker: ")
+    assert message in str(stopped.value.code) and "\n" not in str(stopped.value.code)
