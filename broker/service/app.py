@@ -152,6 +152,22 @@ def _service_url() -> tuple[str | None, int | None]:
     return parsed.hostname, port
 
 
+def database_url(url: str, name: str) -> str:
+    """``url`` if it is a SQLite or PostgreSQL URL, else a :class:`TraitError` naming
+    the option it came from: checked as it is set, in one line, never a traceback
+    from the first connection. The URL itself is not repeated: it may hold a password."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except (ArgumentError, ValueError):  # not a URL, or a port that is no number
+        backend = None
+    if backend not in ("sqlite", "postgresql", "postgres"):
+        raise TraitError(
+            f"{name} must be a SQLite or PostgreSQL URL (sqlite:///path/file.sqlite, "
+            "postgresql://user:password@host/db)"
+        )
+    return url
+
+
 class BrokerApp(Application):
     """Serve the broker's HTTP API and run its scheduling loop."""
 
@@ -742,22 +758,6 @@ def log_tasks() -> None:
 
 class OptionsFileError(Exception):
     """The options file is missing or cannot be loaded."""
-
-
-def database_url(url: str, name: str) -> str:
-    """``url`` if it is a SQLite or PostgreSQL URL, else a :class:`TraitError` naming
-    the option it came from: checked as it is set, in one line, never a traceback
-    from the first connection. The URL itself is not repeated: it may hold a password."""
-    try:
-        backend = make_url(url).get_backend_name()
-    except (ArgumentError, ValueError):  # not a URL, or a port that is no number
-        backend = None
-    if backend not in ("sqlite", "postgresql", "postgres"):
-        raise TraitError(
-            f"{name} must be a SQLite or PostgreSQL URL (sqlite:///path/file.sqlite, "
-            "postgresql://user:password@host/db)"
-        )
-    return url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
