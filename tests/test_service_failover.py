@@ -26,6 +26,7 @@ from servicefixtures import BrokerService, make_service
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from test_service_crash import CONFIG, _check_charges, _check_no_gpu_held_twice, _holds, _read
+from traitlets import TraitError
 
 from broker.orm import make_engine
 from broker.service.app import BrokerApp
@@ -375,5 +376,5 @@ def test_the_timeouts_are_options_with_defaults_and_checks():
     assert (app.db_timeout, app.standby_poll_interval) == (10.0, 0.5)
     for option in ("db_timeout", "standby_poll_interval"):
         for bad in (0, -1):
-            with pytest.raises(ValueError, match=f"{option} must be > 0"):
+            with pytest.raises(TraitError, match=f"{option} must be > 0"):
                 BrokerApp(**{option: bad})

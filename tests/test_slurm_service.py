@@ -221,7 +221,11 @@ def test_a_broker_drain_is_set_in_slurm_signals_and_cancels_the_job_and_reports_
 ):
     s = granted_batch_slice(service, alice)
     marker = slurm.root / "jobs" / f"term-{s['id']}"
-    script = f"#!/bin/bash\ntrap 'date +%s.%N > {marker}' TERM\nwhile true; do sleep 0.1; done\n"
+    # Written aside, then moved: the marker exists only once it holds the time.
+    script = (
+        f"#!/bin/bash\ntrap 'date +%s.%N > {marker}.tmp && mv {marker}.tmp {marker}' TERM\n"
+        "while true; do sleep 0.1; done\n"
+    )
     job = slice_job(slurm, s, script)
     wait_until(lambda: job_state(slurm, job) == "RUNNING", 20, "the job to run")
 
