@@ -31,15 +31,20 @@ class Principal:
         return self.admin or self.agent
 
 
-class NotYours(Forbidden):
-    """Another user's slice: the API answers as if there were none (404)."""
+class NotYours(NotFound, Forbidden):
+    """Another user's slice: forbidden to the caller, and answered as if there were
+    none (404 ``not_found``, "no slice N"), so that a user learns nothing of others'
+    slices, not even that they exist."""
+
+    def __init__(self, slice_id: int):
+        super().__init__(f"no slice {slice_id}")
 
 
 def _owned_row(
     journal: Journal, session: Session, slice_id: int, caller: Principal | None
 ) -> SliceRow:
     """The slice ``caller`` asks about (any slice with no ``caller``), as the journal
-    finds it (:meth:`Journal.row`): :class:`NotFound`, or :class:`Forbidden` for
+    finds it (:meth:`Journal.row`): :class:`NotFound`, or :class:`NotYours` for
     another user's slice unless ``caller`` acts for others."""
     row = journal.row(session, slice_id)
     if row is None:
@@ -51,7 +56,7 @@ def _owned_row(
 def _check_owner(slice_id: int, user: str, caller: Principal | None) -> None:
     """:class:`NotYours` unless ``caller`` (if any) is ``user``, an agent or an admin."""
     if caller is not None and not caller.acts_for_others and user != caller.name:
-        raise NotYours(f"slice {slice_id} belongs to another user")
+        raise NotYours(slice_id)
 
 
 def _check_member(catalog: _Catalog, project: str, principal: Principal) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import OperationalError
 from ...config import parse_duration
 from ...core.model import SliceState
 from ...errors import Forbidden, InvalidRequest, NotFound
-from ...store import NotYours, Principal
+from ...store import Principal
 from ..runner import DatabaseTimeout, SliceKey, slice_key
 from ..schema import NAME_TEXT, validate
 from .base import ID_PARAM, APIHandler, Operation, Param
@@ -179,19 +179,17 @@ class _OwnedSliceHandler(APIHandler):
         the schedule (then a pass follows) or is another ``write`` (as a heartbeat: it
         joins the group commit of writes as durable as the Broker declares it). A read
         with its ``committed`` counterpart is answered from the last commit where it can
-        (:meth:`~broker.service.runner.BrokerRunner.read_committed`)."""
-        try:
-            if change:
-                return await self.runner.change(method, slice_id, caller=self.identity)
-            if write:
-                return await self.runner.write(method, slice_id, caller=self.identity)
-            if committed is not None:
-                return await self.runner.read_committed(
-                    committed, method, slice_id, caller=self.identity
-                )
-            return await self.runner.read(method, slice_id, caller=self.identity)
-        except Forbidden:
-            raise NotFound(f"no slice {slice_id}") from None
+        (:meth:`~broker.service.runner.BrokerRunner.read_committed`). Another user's
+        slice is not found (:class:`~broker.store.NotYours`)."""
+        if change:
+            return await self.runner.change(method, slice_id, caller=self.identity)
+        if write:
+            return await self.runner.write(method, slice_id, caller=self.identity)
+        if committed is not None:
+            return await self.runner.read_committed(
+                committed, method, slice_id, caller=self.identity
+            )
+        return await self.runner.read(method, slice_id, caller=self.identity)
 
 
 class SliceHandler(_OwnedSliceHandler):
@@ -369,7 +367,7 @@ class HeartbeatsHandler(_HeartbeatTicket):
         answers = await self.runner.write(self.broker.heartbeats, asked)
         slices, not_found = [], []
         for slice_id, answer in zip(ids, answers, strict=True):
-            if isinstance(answer, NotFound | Forbidden):  # another's is none of theirs
+            if isinstance(answer, NotFound):  # another's too (NotYours)
                 not_found.append(slice_id)
             elif isinstance(answer, Exception):
                 raise answer
@@ -399,12 +397,9 @@ class SliceProtectionHandler(_OwnedSliceHandler):
     async def post(self, id: str) -> None:
         slice_id = self.slice_id(id)
         by = _duration(self.body(), "extend_by")
-        try:
-            slice_ = await self.runner.change(
-                self.broker.extend_protection, slice_id, by, caller=self.identity
-            )
-        except Forbidden:
-            raise NotFound(f"no slice {slice_id}") from None
+        slice_ = await self.runner.change(
+            self.broker.extend_protection, slice_id, by, caller=self.identity
+        )
         self.write_json(slice_)
 
 
@@ -507,10 +502,7 @@ async def read_alternatives(
     """
     compute = functools.partial(runner.broker.alternatives, slice_id, caller=identity)
     checks = functools.partial(compute, compute=False)
-    try:
-        return await runner.read_what_if(compute, ("alternatives", slice_id, identity), checks)
-    except Forbidden:
-        raise NotFound(f"no slice {slice_id}") from None
+    return await runner.read_what_if(compute, ("alternatives", slice_id, identity), checks)
 
 
 async def replace_slice(
@@ -521,20 +513,17 @@ async def replace_slice(
     # Membership in a new project is judged with the user's own groups (or those of
     # them named), or with those an agent or admin names for the slice's user.
     groups = acting_identity(identity, groups=body.get("groups")).groups
-    try:
-        return await runner.change(
-            runner.broker.replace,
-            slice_id,
-            project=body["project"],
-            gpus=body["gpus"],
-            kind=body["kind"],
-            min_runtime=_duration(body, "min_runtime"),
-            gpu_type=body.get("gpu_type"),
-            groups=sorted(groups),
-            caller=identity,
-        )
-    except NotYours:
-        raise NotFound(f"no slice {slice_id}") from None
+    return await runner.change(
+        runner.broker.replace,
+        slice_id,
+        project=body["project"],
+        gpus=body["gpus"],
+        kind=body["kind"],
+        min_runtime=_duration(body, "min_runtime"),
+        gpu_type=body.get("gpu_type"),
+        groups=sorted(groups),
+        caller=identity,
+    )
 
 
 class ExpectedStartsHandler(APIHandler):

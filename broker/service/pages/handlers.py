@@ -436,10 +436,7 @@ class ReleaseHandler(PageHandler):
 
     async def post(self, path_id: str) -> None:
         slice_id = slice_id_in_path(path_id)
-        try:
-            released = await self.runner.change(self.broker.release, slice_id, caller=self.identity)
-        except Forbidden:
-            raise NotFound(f"no slice {slice_id}") from None
+        released = await self.runner.change(self.broker.release, slice_id, caller=self.identity)
         verb = "cancelled" if released["end_reason"] == "cancelled" else "released"
         cost = views.gpu_hours(released["charged_gpu_seconds"])
         self.finish({"message": f"Slice {released['id']} {verb}; charged {cost}."})
