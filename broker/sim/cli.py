@@ -314,39 +314,38 @@ def run(args: argparse.Namespace) -> int:
     if not args.preemption_backoff >= 1:  # also refuses nan
         print("error: --preemption-backoff takes a factor, 1 or more", file=sys.stderr)
         return USAGE_ERROR
-    # Above 0 and finite: 0 or less had divided by zero, or stood the clock still
-    # (a tick or quantum of 0 never moves it on).
-    for option, value, what in (
-        ("--load", args.load, "a factor"),
-        ("--days", args.days, "days"),
-        ("--quantum", args.quantum, "seconds"),
-        ("--tick", args.tick, "seconds"),
-        ("--drain-deadline", args.drain_deadline, "hours"),
-        ("--slices", args.slices, "a count"),
-        ("--users", args.users, "a count"),
-        ("--limit", args.limit, "a count"),
-        ("--nodes", args.nodes, "a count"),
-        ("--gpus-per-node", args.gpus_per_node, "a count"),
-        ("--jobs", args.jobs, "a count"),
+    # Checked before the workload is built, which can take a while. Above 0 and
+    # finite where 0 or less had divided by zero or stood the clock still (a tick or
+    # quantum of 0 never moves it on); else 0 or more. None: not given.
+    above, not_negative = "above 0", "0 or more"
+    for option, value, what, bound in (
+        ("--load", args.load, "a factor", above),
+        ("--days", args.days, "days", above),
+        ("--quantum", args.quantum, "seconds", above),
+        ("--tick", args.tick, "seconds", above),
+        ("--drain-deadline", args.drain_deadline, "hours", above),
+        ("--slices", args.slices, "a count", above),
+        ("--users", args.users, "a count", above),
+        ("--limit", args.limit, "a count", above),
+        ("--nodes", args.nodes, "a count", above),
+        ("--gpus-per-node", args.gpus_per_node, "a count", above),
+        ("--jobs", args.jobs, "a count", above),
+        ("--debug-headroom", args.debug_headroom, "a number of GPUs", not_negative),
+        ("--preemption-budget", args.preemption_budget, "a count", not_negative),
+        ("--max-reservations", args.max_reservations, "a count", not_negative),
+        ("--batch-preemption-delay", args.batch_preemption_delay, "seconds", not_negative),
+        ("--debug-preemption-delay", args.debug_preemption_delay, "seconds", not_negative),
+        ("--debug-grace", args.debug_grace, "seconds", not_negative),
+        ("--restart-cost", args.restart_cost, "seconds", not_negative),
+        ("--checkpoint-interval", args.checkpoint_interval, "seconds", not_negative),
+        ("--grace", args.grace, "seconds", not_negative),
+        ("--warmup", args.warmup, "hours", not_negative),
     ):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            print(f"error: {option} takes {what}, above 0", file=sys.stderr)
-            return USAGE_ERROR
-    # Checked before the workload is built, which can take a while.
-    for option, value, what in (
-        ("--debug-headroom", args.debug_headroom, "a number of GPUs"),
-        ("--preemption-budget", args.preemption_budget, "a count"),
-        ("--max-reservations", args.max_reservations, "a count"),
-        ("--batch-preemption-delay", args.batch_preemption_delay, "seconds"),
-        ("--debug-preemption-delay", args.debug_preemption_delay, "seconds"),
-        ("--debug-grace", args.debug_grace, "seconds"),
-        ("--restart-cost", args.restart_cost, "seconds"),
-        ("--checkpoint-interval", args.checkpoint_interval, "seconds"),
-        ("--grace", args.grace, "seconds"),
-        ("--warmup", 0 if args.warmup is None else args.warmup, "hours"),
-    ):
-        if not value >= 0:  # also refuses nan
-            print(f"error: {option} takes {what}, 0 or more", file=sys.stderr)
+        if value is None:
+            continue
+        fits = math.isfinite(value) and value > 0 if bound is above else value >= 0  # not nan
+        if not fits:
+            print(f"error: {option} takes {what}, {bound}", file=sys.stderr)
             return USAGE_ERROR
     seeds = [args.seed]
     if args.seeds is not None:
