@@ -557,6 +557,11 @@ class HeartbeatBatcher:
         self._sending: asyncio.Task | None = None
         self._one_by_one = False
 
+    @property
+    def gathered(self) -> list[int]:
+        """The slices whose heartbeats wait for the next request."""
+        return list(self._gathered)
+
     async def beat(self, slice_id: int) -> dict[str, Any]:
         """Heartbeat ``slice_id``; the slice, as :meth:`BrokerClient.heartbeat` answers."""
         answered = asyncio.get_running_loop().create_future()

@@ -771,7 +771,7 @@ async def test_a_hub_s_sessions_heartbeat_their_slices_in_one_request(make, brok
     # While the first request is out, both sessions' next heartbeats gather...
     batcher = alice.broker_view.heartbeats(alice.broker)
     assert bob.broker_view.heartbeats(bob.broker) is batcher
-    await eventually(lambda: set(batcher._gathered) == {1, 2})
+    await eventually(lambda: set(batcher.gathered) == {1, 2})
     broker.heartbeats_gate.set()
     # ... and go to the broker as one.
     await eventually(lambda: [1, 2] in map(sorted, broker.heartbeat_requests))
