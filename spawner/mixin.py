@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -71,6 +70,7 @@ from traitlets.config import Configurable
 
 from broker.client import URL_ENV, BrokerAPIError, BrokerClient
 from broker.config import format_duration, parse_duration
+from broker.traits import seconds_above_zero
 from slicebroker_lab import (
     CULL_ENV,
     RESTORE_ENV,
@@ -369,12 +369,10 @@ class SliceBrokerMixin(Configurable):
         all sessions of the hub together.""",
     ).tag(config=True)
 
-    @validate("broker_timeout", "heartbeat_interval", "queue_refresh_interval", "cull_interval")
-    def _check_seconds(self, proposal: Any) -> float:
-        # Zero or less would heartbeat, poll or check the broker in a tight loop.
-        if not (math.isfinite(proposal.value) and proposal.value > 0):
-            raise TraitError(f"{proposal.trait.name} must be seconds above 0, got {proposal.value}")
-        return proposal.value
+    # Zero or less would heartbeat, poll or check the broker in a tight loop.
+    _check_seconds = validate(
+        "broker_timeout", "heartbeat_interval", "queue_refresh_interval", "cull_interval"
+    )(seconds_above_zero)
 
     options_form_template_paths = List(
         Unicode(),

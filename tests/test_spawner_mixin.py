@@ -1054,10 +1054,10 @@ def test_the_queue_start_timeout_is_the_default_only_where_the_backend_has_none(
 @pytest.mark.parametrize(
     ("traits", "message"),
     [
-        ({"heartbeat_interval": 0}, "heartbeat_interval must be seconds above 0, got 0"),
-        ({"broker_timeout": -1}, "broker_timeout must be seconds above 0, got -1"),
-        ({"queue_refresh_interval": float("nan")}, "queue_refresh_interval must be seconds"),
-        ({"cull_interval": float("inf")}, "cull_interval must be seconds above 0, got inf"),
+        ({"heartbeat_interval": 0}, "heartbeat_interval must be > 0 seconds, got 0"),
+        ({"broker_timeout": -1}, "broker_timeout must be > 0 seconds, got -1"),
+        ({"queue_refresh_interval": float("nan")}, "queue_refresh_interval must be > 0 seconds"),
+        ({"cull_interval": -0.5}, "cull_interval must be > 0 seconds, got -0.5"),
         ({"protected_choices": []}, "protected_choices must offer at least one length"),
         ({"protected_choices": ["1h", "soon"]}, "protected_choices: "),
     ],

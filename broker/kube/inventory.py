@@ -44,6 +44,7 @@ from traitlets import Bool, Float, TraitError, Unicode, validate
 from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
 from broker.rounds import Backoff
+from broker.traits import seconds_above_zero, seconds_not_negative
 
 if TYPE_CHECKING:
     from .service import KubernetesTasks
@@ -375,17 +376,8 @@ class KubernetesInventory(Inventory):
             )
         return proposal.value
 
-    @validate("report_interval", "reap_interval")
-    def _check_positive(self, proposal):
-        if not proposal.value > 0:
-            raise TraitError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
-        return proposal.value
-
-    @validate("reap_min_age")
-    def _check_not_negative(self, proposal):
-        if not proposal.value >= 0:
-            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
-        return proposal.value
+    _check_positive = validate("report_interval", "reap_interval")(seconds_above_zero)
+    _check_not_negative = validate("reap_min_age")(seconds_not_negative)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

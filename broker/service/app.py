@@ -52,6 +52,7 @@ from ..orm import DatabaseSchemaError, normalize_url
 from ..slurm.inventory import SlurmInventory
 from ..store import Broker
 from ..store.lapses import LATE_HEARTBEAT_S
+from ..traits import seconds_above_zero, seconds_not_negative
 from .apihandlers import default_handlers
 from .apihandlers.base import InFlight, Limits, NotFoundHandler, log_request
 from .auth import Authenticator, HubAuthenticator, TokenAuthenticator, TokenStore
@@ -499,24 +500,17 @@ class BrokerApp(Application):
         120.0, help="Deprecated: use KubernetesInventory.reap_min_age."
     ).tag(config=True)
 
-    @validate(
+    _check_positive = validate(
         "pass_interval",
         "lease",
         "idle_timeout",
         "body_timeout",
         "db_timeout",
         "standby_poll_interval",
-    )
-    def _check_positive(self, proposal):
-        if not proposal.value > 0:
-            raise TraitError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
-        return proposal.value
-
-    @validate("max_wait", "token_cache_max_age", "shed_after", "late_heartbeat")
-    def _check_not_negative(self, proposal):
-        if not proposal.value >= 0:
-            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
-        return proposal.value
+    )(seconds_above_zero)
+    _check_not_negative = validate(
+        "max_wait", "token_cache_max_age", "shed_after", "late_heartbeat"
+    )(seconds_not_negative)
 
     def make_inventory(self) -> Inventory:
         """The inventory asked for, configured from this app's configuration.

@@ -37,11 +37,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Bool, Dict, Enum, Float, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, List, Unicode, validate
 
 from broker.core.model import Node, NodeState
 from broker.inventory import Inventory, InventoryError
 from broker.rounds import Backoff, Rounds
+from broker.traits import seconds_above_zero, seconds_not_negative
 
 from .commands import SlurmCommands, SlurmError
 
@@ -306,17 +307,10 @@ class SlurmInventory(Inventory):
         user is the slice's user. Default: empty.""",
     ).tag(config=True)
 
-    @validate("end_wait")
-    def _check_not_negative(self, proposal):
-        if not proposal.value >= 0:
-            raise TraitError(f"{proposal.trait.name} must be >= 0 seconds, got {proposal.value}")
-        return proposal.value
-
-    @validate("poll_interval", "job_interval", "command_timeout")
-    def _check_positive(self, proposal):
-        if not proposal.value > 0:
-            raise TraitError(f"{proposal.trait.name} must be > 0 seconds, got {proposal.value}")
-        return proposal.value
+    _check_not_negative = validate("end_wait")(seconds_not_negative)
+    _check_positive = validate("poll_interval", "job_interval", "command_timeout")(
+        seconds_above_zero
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
