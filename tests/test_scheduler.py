@@ -586,6 +586,31 @@ def test_the_lapse_limit_ends_the_longest_lapsed_first_and_holds_the_rest():
     assert lapses(Policy(), already=0, index=kept, now=NOW + 2)[0] == set(ids[:6])
 
 
+def test_the_lapse_limit_counts_the_leased_slices_as_the_pass_found_them():
+    # A resumable job on a node gone down is requeued by the same pass, its lease
+    # cleared: it still counts towards the limit the lapsed are judged by (four
+    # leased, half of them a minute: two, one of them taken already).
+    down = replace(
+        running("a", "n0", (0,), resumable=True, kind=SliceKind.BATCH), lease_expires_at=NOW + 60
+    )
+    calm = replace(running("a", "n1", (0,)), lease_expires_at=NOW + 60)
+    first, second = (
+        replace(running("a", "n1", (gpu,)), lease_expires_at=NOW - 1) for gpu in (1, 2)
+    )
+    cluster = [replace(nodes(1)[0], state=NodeState.DOWN), *nodes(2)[1:]]
+    policy = Policy(lease_lapse_floor=1, lease_lapse_fraction=0.5)
+    snap = replace(
+        snapshot(cluster, flat_tree("a"), [down, calm, first, second], policy=policy),
+        lapsed_last_minute=1,
+    )
+    d = schedule(snap)
+    assert {(e.slice_id, e.reason) for e in d.endings} == {
+        (down.id, EndReason.NODE_DOWN),
+        (first.id, EndReason.LOST),
+    }
+    assert d.lapses_held == (second.id,)
+
+
 def test_a_lease_does_not_run_out_over_the_time_the_broker_answered_heartbeats_late():
     """A lease counts only the time the broker answered heartbeats on time: one that
     ran out by no more than the time it answered late since the holder's last

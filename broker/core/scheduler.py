@@ -340,7 +340,9 @@ class _Pass:
         policy, already = self.policy, self.snap.lapsed_last_minute
         limit = policy.lease_lapse_floor
         if len(lapsed) > limit - already:  # the fraction can only allow more
-            leased = sum(1 for s in self.live.values() if s.lease_expires_at is not None)
+            # Of the slices as the pass found them: one this pass requeued has no lease
+            # any more, and must not shrink the limit it is judged by.
+            leased = sum(1 for s in self.kept.slices.values() if s.lease_expires_at is not None)
             limit = max(limit, math.floor(policy.lease_lapse_fraction * leased))
         allowed = max(0, limit - already)
         lapsed.sort(key=lapse_order)
